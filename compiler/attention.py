@@ -1,0 +1,141 @@
+"""Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1) with a static KV cache.
+
+    x [B, L, D] -> wqkv -> q [B, H, L, Dh], k/v [B, Hkv, L, Dh] -> RoPE on the first R channels
+      prefill: causal SDPA within the prompt; k/v written to cache[:, :, :L]
+      decode:  k/v written at each sequence's position; SDPA over the cache with a position mask
+    -> wo -> [B, L, D]
+
+Cache per layer: k, v [max_batch, Hkv, max_seq, Dh] (gpt-fast's static layout: SDPA reads it
+without a copy; one slot per position).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import CacheField
+from .registry import register
+from .rope import apply_rotary, rope_key
+
+
+def decode_mask(pos: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """[B, 1, 1, S] bool: slot s is visible to the token at pos[b] iff s <= pos[b]."""
+    slots = torch.arange(max_seq, device=pos.device)
+    return (slots[None, :] <= pos[:, None])[:, None, None, :]
+
+
+def write_prefill(cache: torch.Tensor, new: torch.Tensor) -> None:
+    """cache [B, Hc, S, X] <- new [B, Hc, L, X] at slots 0..L-1."""
+    # index_copy_ rather than a slice: a slice of symbolic length L would make the compiler
+    # specialise on L == S
+    slots = torch.arange(new.shape[2], device=cache.device)
+    cache.index_copy_(2, slots, new.to(cache.dtype))
+
+
+def write_decode(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor) -> None:
+    """cache [B, Hc, S, X] <- new [B, Hc, 1, X] at slot pos[b] of each row b."""
+    rows = torch.arange(cache.shape[0], device=cache.device)
+    cache[rows, :, pos] = new[:, :, 0].to(cache.dtype)
+
+
+@register("mixer", "gqa")
+class Attention(nn.Module):
+    @dataclass
+    class Spec:
+        kind: str = "gqa"
+        n_heads: int = "???"  # type: ignore[assignment]
+        n_kv_heads: Optional[int] = None  # None: n_heads (MHA)
+        head_dim: Optional[int] = None  # None: dim // n_heads
+        rotary_fraction: float = 1.0  # share of head_dim that RoPE rotates (partial rotary)
+        rope_interleaved: bool = False  # channel pairs (2i, 2i+1) instead of rotate-half
+        qkv_bias: bool = False
+        out_bias: bool = False
+        softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
+
+        def resolve(self, model: dict) -> "Attention.Spec":
+            head_dim = self.head_dim
+            if head_dim is None and self.n_heads > 0 and model["dim"] % self.n_heads == 0:
+                head_dim = model["dim"] // self.n_heads
+            return replace(self, n_kv_heads=self.n_kv_heads or self.n_heads, head_dim=head_dim)
+
+        def check(self, model: dict) -> Optional[str]:
+            if self.n_heads <= 0 or self.n_kv_heads <= 0:
+                return f"n_heads={self.n_heads} and n_kv_heads={self.n_kv_heads} must be positive"
+            if self.head_dim is None:
+                return (f"n_heads={self.n_heads} does not divide dim={model['dim']} "
+                        f"(give head_dim explicitly if that is intended)")
+            if self.n_heads % self.n_kv_heads:
+                return f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}"
+            rot = self.head_dim * self.rotary_fraction
+            if rot != int(rot) or int(rot) % 2:
+                return (f"rotary_fraction={self.rotary_fraction} of head_dim={self.head_dim} "
+                        f"gives {rot} rotated channels; expected an even integer")
+            return None
+
+        @property
+        def rot_dim(self) -> int:
+            return int(self.head_dim * self.rotary_fraction)
+
+    def __init__(self, spec: "Attention.Spec", model):
+        super().__init__()
+        self.spec = spec
+        s = spec
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
+        self.rope = rope_key(self.rot_dim)
+        self.scale = (s.softmax_scale or s.head_dim ** -0.5) * model.rope_impl.softmax_scale_factor()
+        qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
+        self.wqkv = nn.Linear(model.dim, qkv_out, bias=s.qkv_bias)
+        self.wo = nn.Linear(s.n_heads * s.head_dim, model.dim, bias=s.out_bias)
+
+    def rope_dims(self) -> list[int]:
+        return [self.rot_dim]
+
+    def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
+        shape = (max_batch, self.n_kv_heads, max_seq, self.head_dim)
+        return {"k": CacheField(shape, dtype, grows=True), "v": CacheField(shape, dtype, grows=True)}
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh]."""
+        B, L, _ = x.shape
+        H, Hkv, Dh, R = self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim
+        q, k, v = self.wqkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = q.view(B, L, H, Dh).transpose(1, 2)
+        k = k.view(B, L, Hkv, Dh).transpose(1, 2)
+        v = v.view(B, L, Hkv, Dh).transpose(1, 2)
+        il = self.spec.rope_interleaved
+        if R == Dh:
+            q, k = apply_rotary(q, cos, sin, il), apply_rotary(k, cos, sin, il)
+        else:
+            q = torch.cat((apply_rotary(q[..., :R], cos, sin, il), q[..., R:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :R], cos, sin, il), k[..., R:]), dim=-1)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        B, H, L, Dh = o.shape
+        return self.wo(o.transpose(1, 2).reshape(B, L, H * Dh))
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1."""
+        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        q, k, v = self._project(x, cos, sin)
+        write_prefill(cache["k"], k)
+        write_prefill(cache["v"], v)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self._out(o)
+
+    def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row."""
+        cos, sin = ctx["rope"][self.rope]  # [B, R/2]
+        q, k, v = self._project(x, cos[:, None, None], sin[:, None, None])
+        pos = ctx["pos"]
+        write_decode(cache["k"], k, pos)
+        write_decode(cache["v"], v, pos)
+        kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=decode_mask(pos, kc.shape[2]),
+                                           scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self._out(o)

@@ -1,0 +1,1 @@
+"""Checkpoint mapping as data: sources (safetensors, GGUF, Hub), rules (conf/rules/*.yaml), loader."""

@@ -1,0 +1,56 @@
+"""Resolve what the user names as weights into a Source: a local directory, a .gguf file, or a
+Hugging Face Hub repo id (through huggingface_hub: revision, HF_HOME and HF_HUB_OFFLINE apply).
+Only safetensors, JSON, tokenizer and GGUF files are ever fetched from the Hub."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..errors import CheckpointError
+from .safetensors_source import PICKLE_SUFFIXES, SafetensorsSource
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.gguf", "*.model", "*.txt"]
+
+
+def resolve_local(name: str, revision: Optional[str] = None) -> Path:
+    """A local path for `name`: itself if it exists, else a Hub snapshot (cache or download)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise CheckpointError(f"{name!r}: no such file or directory, and not a Hub repo id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(f"Hub repo {name!r} (revision {revision or 'main'}) is not in the local cache "
+                              f"and cannot be downloaded (offline or no network): {str(e).splitlines()[0]}") from None
+    except (RepositoryNotFoundError, HFValidationError) as e:
+        raise CheckpointError(f"Hub repo {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def open_source(name: str, revision: Optional[str] = None):
+    """The checkpoint Source for a directory, a .gguf file or a Hub repo id."""
+    path = resolve_local(name, revision)
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from .gguf import GGUFSource
+
+            return GGUFSource(path)
+        if path.suffix == ".safetensors":
+            raise CheckpointError(f"{path}: pass the directory that holds config.json and the weights")
+        if path.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(f"{path}: a pickle checkpoint; zoo never loads pickles (they can execute "
+                                  f"code). Convert it to safetensors first.")
+        raise CheckpointError(f"{path}: not a checkpoint zoo can read (a directory with safetensors, or .gguf)")
+    has_safetensors = any(path.glob("*.safetensors"))
+    ggufs = sorted(path.glob("*.gguf"))
+    if not has_safetensors and ggufs:
+        if len(ggufs) > 1:
+            raise CheckpointError(f"{path}: several GGUF files {[g.name for g in ggufs]}; name one of them")
+        from .gguf import GGUFSource
+
+        return GGUFSource(ggufs[0])
+    return SafetensorsSource(path)

@@ -1,0 +1,251 @@
+"""Plan a checkpoint load from headers alone, then fill every parameter exactly once.
+
+    plan_load(model, source, stages) -> LoadPlan   (no tensor data read; every check happens here)
+    execute(plan, source)                          (reads file by file, copies into parameters)
+
+The plan accounts for every stored tensor (mapped or explicitly ignored) and every parameter
+(filled once: whole, or row by row for stacked experts), with shapes and dtypes checked. Data
+flows one tensor at a time from the source's memory map into the already-allocated parameter,
+so the checkpoint is never held twice.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from .ops import get_op
+from .rules import Rule, Stage, fill
+from .source import Source, TensorInfo
+
+# Stored dtypes that are codes, not values: they only reach a parameter through an op.
+_NEEDS_OP = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
+_MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Node:
+    """A tensor of the mapping graph: a stored tensor (op None) or an op over other nodes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    inputs: tuple["Node", ...] = ()
+    op: Optional[str] = None
+    args: tuple = ()  # sorted (key, value) pairs
+    info: Optional[TensorInfo] = None  # stored tensors only
+
+    def stored(self) -> list["Node"]:
+        if self.op is None:
+            return [self]
+        return [s for x in self.inputs for s in x.stored()]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    param: str  # canonical parameter name
+    index: Optional[int]  # row of a stacked parameter, or None for the whole parameter
+    node: Node
+    rule: str
+
+
+@dataclass
+class LoadPlan:
+    assignments: list[Assignment]
+    ignored: list[tuple[str, str]]  # (stored name, why)
+    bytes_to_read: int
+    n_stored: int
+
+
+@dataclass
+class LoadReport:
+    tensors_read: int = 0
+    params_filled: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _listing(items: list[str]) -> str:
+    head = "\n  ".join(items[:_MAX_LISTED])
+    more = f"\n  ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return f"\n  {head}{more}"
+
+
+def _apply_rules(stage: Stage, nodes: dict[str, Node], source_desc: str
+                 ) -> tuple[list[tuple[Rule, dict, list[Node], str | int | None]], list[tuple[str, str]], dict[str, Node]]:
+    """Match a stage's rules. Returns (matches, ignored, unmatched nodes)."""
+    left = dict(nodes)
+    matches, ignored = [], []
+    for rule in stage.rules + stage.ignores:
+        regex = rule.regex
+        for name in sorted(left):
+            if name not in left:
+                continue
+            m = regex.fullmatch(name)
+            if m is None:
+                continue
+            binds = m.groupdict()
+            names = [name] + [fill(p, binds, rule.where) for p in rule.sources[1:]]
+            absent = [n for n in names if n not in left]
+            if absent:
+                raise CheckpointError(f"{source_desc}: rule {rule.where} matched {name!r} but needs "
+                                      f"{absent} too, which the checkpoint does not have (or another "
+                                      f"rule took)")
+            inputs = [left.pop(n) for n in names]
+            if rule.targets:
+                matches.append((rule, binds, inputs))
+            else:
+                ignored.extend((n, rule.why) for n in names)
+    return matches, ignored, left
+
+
+def _derive(rule: Rule, inputs: list[Node], target: str, index: Optional[int], source_desc: str) -> Node:
+    op_ = get_op(rule.op, rule.where)
+    args = dict(rule.args)
+    if index is not None:
+        args["index"] = index
+    if rule.op == "identity":
+        return inputs[0]
+    try:
+        shape = tuple(op_.shape([x.shape for x in inputs], **args))
+    except (ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{source_desc}: rule {rule.where} on {[x.name for x in inputs]}: {e}") from None
+    dtype = "F32" if any(x.dtype in _NEEDS_OP for x in inputs) else inputs[0].dtype
+    return Node(target, shape, dtype, tuple(inputs), rule.op, tuple(sorted(args.items())))
+
+
+def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan:
+    """Check the whole mapping from headers: every stored tensor used or ignored, every
+    parameter filled exactly once with the right shape. Raises CheckpointError listing offenders."""
+    desc = source.description
+    entries = source.entries()
+    nodes = {n: Node(n, tuple(i.shape), i.dtype, info=i) for n, i in entries.items()}
+    ignored: list[tuple[str, str]] = []
+    if not stages or stages[-1].kind != "params":
+        raise CheckpointError(f"{desc}: the last rule stage must be a 'params' stage")
+    for stage in stages[:-1]:
+        matches, ign, left = _apply_rules(stage, nodes, desc)
+        ignored += ign
+        nodes = dict(left)
+        for rule, binds, inputs in matches:
+            for i, pattern in enumerate(rule.targets):
+                name = fill(pattern, binds, rule.where)
+                if name in nodes:
+                    raise CheckpointError(f"{desc}: rule {rule.where} produces {name!r}, which exists already")
+                nodes[name] = _derive(rule, inputs, name, i if len(rule.targets) > 1 else None, desc)
+
+    final = stages[-1]
+    matches, ign, left = _apply_rules(final, nodes, desc)
+    ignored += ign
+    if left:
+        raise CheckpointError(f"{desc}: {len(left)} checkpoint tensor(s) match no rule in "
+                              f"{[f'conf/rules/{s.name}.yaml' for s in stages]} (map or ignore them):"
+                              + _listing([f"{n} {list(x.shape)} {x.dtype}" for n, x in sorted(left.items())]))
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    canonical = {}
+    first_name: dict[int, str] = {}
+    for name, p in params.items():
+        canonical[name] = first_name.setdefault(id(p), name)
+
+    assignments: list[Assignment] = []
+    errors: list[str] = []
+    for rule, binds, inputs in matches:
+        for i, pattern in enumerate(rule.targets):
+            target = fill(pattern, binds, rule.where)
+            if target not in canonical:
+                errors.append(f"{rule.where}: target {target!r} (from {inputs[0].name!r}) is not a parameter")
+                continue
+            node = _derive(rule, inputs, target, i if len(rule.targets) > 1 else None, desc)
+            index = int(binds[rule.stack]) if rule.stack else None
+            assignments.append(Assignment(canonical[target], index, node, rule.where))
+
+    by_param: dict[str, list[Assignment]] = defaultdict(list)
+    for a in assignments:
+        by_param[a.param].append(a)
+    for name, p in params.items():
+        if canonical[name] != name:
+            continue
+        got = by_param.get(name, [])
+        if not got:
+            errors.append(f"parameter {name} {list(p.shape)} is not filled by any rule")
+            continue
+        whole = [a for a in got if a.index is None]
+        rows = [a for a in got if a.index is not None]
+        if whole and (len(whole) > 1 or rows):
+            errors.append(f"parameter {name} is filled {len(got)} times: from "
+                          f"{[a.node.name for a in got][:4]}")
+            continue
+        for a in got:
+            want = tuple(p.shape) if a.index is None else tuple(p.shape[1:])
+            if a.index is not None and not 0 <= a.index < p.shape[0]:
+                errors.append(f"{a.node.name}: row {a.index} is outside parameter {name} {list(p.shape)}")
+            elif a.node.shape != want:
+                errors.append(f"{a.node.name}: shape {list(a.node.shape)} does not fit parameter {name} "
+                              f"(expected {list(want)}; rule {a.rule})")
+            elif a.node.dtype in _NEEDS_OP and p.dtype.is_floating_point:
+                errors.append(f"{a.node.name}: stored as {a.node.dtype}, which needs a dequantization rule "
+                              f"before it can fill {name}")
+        if rows:
+            seen = sorted(a.index for a in rows)
+            if seen != list(range(p.shape[0])):
+                dup = sorted({i for i in seen if seen.count(i) > 1})
+                missing = sorted(set(range(p.shape[0])) - set(seen))
+                errors.append(f"parameter {name} rows: missing {missing[:8]}, duplicated {dup[:8]}")
+    if errors:
+        raise CheckpointError(f"{desc}: the checkpoint does not fit the model:" + _listing(errors))
+
+    order = {n: i for i, group in enumerate(source.read_order()) for n in group}
+    assignments.sort(key=lambda a: min(order[s.name] for s in a.node.stored()))
+    stored = {s.name: s.info.nbytes for a in assignments for s in a.node.stored()}
+    return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries))
+
+
+def _evaluate(node: Node, source: Source, memo: dict[str, torch.Tensor]) -> torch.Tensor:
+    if node.op is None:
+        if node.name not in memo:
+            t = source.read(node.name)
+            if tuple(t.shape) != node.shape:
+                raise CheckpointError(f"{node.info.file}: tensor {node.name!r} has shape {list(t.shape)} "
+                                      f"but its header says {list(node.shape)}")
+            memo[node.name] = t
+        return memo[node.name]
+    return get_op(node.op, node.name).apply([_evaluate(x, source, memo) for x in node.inputs], **dict(node.args))
+
+
+@torch.no_grad()
+def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> LoadReport:
+    """Copy every planned tensor into its parameter (dtype cast and device transfer on copy)."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    report = LoadReport(ignored=list(plan.ignored))
+    # a stored tensor stays in memory only until the last assignment that uses it is done
+    uses: dict[str, int] = defaultdict(int)
+    for a in plan.assignments:
+        for s in {s.name for s in a.node.stored()}:
+            uses[s] += 1
+    memo: dict[str, torch.Tensor] = {}
+    for a in plan.assignments:
+        stored = a.node.stored()
+        value = _evaluate(a.node, source, memo)
+        dest = params[a.param] if a.index is None else params[a.param][a.index]
+        dest.copy_(value)
+        del value
+        for name in {s.name for s in stored}:
+            uses[name] -= 1
+            if uses[name] == 0:
+                memo.pop(name, None)
+        report.params_filled += 1
+        if progress is not None:
+            progress(sum(s.info.nbytes for s in stored))
+    source.close()
+    report.tensors_read = len({s.name for a in plan.assignments for s in a.node.stored()})
+    report.bytes_read = plan.bytes_to_read
+    report.seconds = time.perf_counter() - t0
+    return report

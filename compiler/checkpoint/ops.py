@@ -1,0 +1,125 @@
+"""Tensor ops that mapping rules may name (`op:` in conf/rules/*.yaml).
+
+Each op has a shape function (used to check the whole mapping from headers, before any data is
+read) and an apply function. Inputs arrive in the order of the rule's `from:` list.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import CheckpointError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    shape: Callable[..., Shape]  # (input shapes, **args) -> output shape; raises ValueError
+    apply: Callable[..., torch.Tensor]  # (input tensors, **args) -> tensor
+    n_inputs: int | None  # None: any number
+
+
+OPS: dict[str, Op] = {}
+
+
+def op(name: str, n_inputs: int | None, shape: Callable[..., Shape]):
+    def deco(fn):
+        OPS[name] = Op(name, shape, fn, n_inputs)
+        return fn
+    return deco
+
+
+def get_op(name: str, where: str) -> Op:
+    if name not in OPS:
+        raise CheckpointError(f"{where}: unknown op {name!r}; expected one of {sorted(OPS)}")
+    return OPS[name]
+
+
+# ---------------------------------------------------------------------------- renames and layout
+
+@op("identity", 1, lambda shapes: shapes[0])
+def _identity(xs):
+    return xs[0]
+
+
+def _cat_shape(shapes, dim: int = 0):
+    ref = list(shapes[0])
+    for s in shapes[1:]:
+        if len(s) != len(ref) or any(a != b for i, (a, b) in enumerate(zip(s, ref)) if i != dim % len(ref)):
+            raise ValueError(f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
+    ref[dim] = sum(s[dim] for s in shapes)
+    return tuple(ref)
+
+
+@op("cat", None, _cat_shape)
+def _cat(xs, dim: int = 0):
+    return torch.cat(xs, dim=dim)
+
+
+def _split_shape(shapes, sizes, index: int, dim: int = 0):
+    (shape,) = shapes
+    if sum(sizes) != shape[dim]:
+        raise ValueError(f"split sizes {list(sizes)} do not add up to {shape[dim]} (dim {dim} of {list(shape)})")
+    out = list(shape)
+    out[dim] = sizes[index]
+    return tuple(out)
+
+
+@op("split", 1, _split_shape)
+def _split(xs, sizes, index: int, dim: int = 0):
+    return xs[0].split(list(sizes), dim=dim)[index]
+
+
+def _unpermute_shape(shapes, heads: int):
+    (shape,) = shapes
+    if shape[0] % (2 * heads):
+        raise ValueError(f"{shape[0]} rows cannot be split into {heads} heads of rotary pairs")
+    return shape
+
+
+@op("unpermute_rope", 1, _unpermute_shape)
+def _unpermute(xs, heads: int):
+    """Undo llama.cpp's per-head row permutation of q/k weights (interleaved -> rotate-half)."""
+    from .gguf import unpermute_llama_cpp_rope
+
+    return unpermute_llama_cpp_rope(xs[0], heads)
+
+
+# ---------------------------------------------------------------------------- dequantization
+
+def _fp8_block_shape(shapes, block=(128, 128)):
+    w, s = shapes
+    want = tuple(math.ceil(d / b) for d, b in zip(w, block))
+    if len(w) != 2 or tuple(s) != want:
+        raise ValueError(f"weight {list(w)} with {list(block)} blocks needs a scale of shape {list(want)}, "
+                         f"got {list(s)}")
+    return tuple(w)
+
+
+@op("fp8_block_dequant", 2, _fp8_block_shape)
+def _fp8_block_dequant(xs, block=(128, 128)):
+    """weight [out, in] (e4m3) * scale_inv [ceil(out/bo), ceil(in/bi)] per fixed-size block.
+
+    Blocks are always `block` wide; the last row/column block may be partial, so the scale grid is
+    expanded to whole blocks and cropped (deriving the block size from the shapes is wrong there).
+    """
+    w, scale = xs
+    bo, bi = block
+    out, inp = w.shape
+    full = scale.float().repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:out, :inp]
+    return w.float() * full
+
+
+def check_op_args(op_: Op, args: dict, where: str) -> None:
+    import inspect
+
+    params = inspect.signature(op_.apply).parameters
+    allowed = [p for p in params if p != "xs"]
+    unknown = sorted(set(args) - set(allowed))
+    if unknown:
+        raise CheckpointError(f"{where}: op {op_.name!r} takes no argument(s) {unknown}; it takes {allowed}")

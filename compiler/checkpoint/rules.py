@@ -1,0 +1,152 @@
+"""Mapping rules: checkpoint tensor names -> model parameters, as data (conf/rules/NAME.yaml).
+
+A rule file is one stage. Stages apply in order (`checkpoint.rules` in the config): `rename`
+stages rewrite some names and pass the rest through (dequantization, format renames such as
+llama.cpp's), and the last, a `params` stage, must account for every tensor left.
+
+    stage: params                       # or: rename
+    map:
+      - from: model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight
+        to: layers.{layer}.ffn.w1       # a parameter path (params) or a new name (rename)
+        stack: expert                   # fills row {expert} of the parameter
+      - from: [a.{layer}.q, a.{layer}.k, a.{layer}.v]
+        to: layers.{layer}.mixer.wqkv.weight
+        op: cat                         # see ops.py; args: {dim: 0}
+      - from: lm_head.weight
+        to: head.weight
+        when: ${zoo.not:${cfg.tie_embeddings}}   # interpolations see the model config as `cfg`
+    ignore:
+      - from: model.layers.{layer}.self_attn.rotary_emb.inv_freq
+        why: recomputed from the rope config
+
+Placeholders: `{path}` matches any dotted path; every other name matches a decimal index. A name
+that repeats in one pattern must take the same value. Rules are tried in file order; the first
+rule whose first `from` pattern matches a tensor takes it, together with the other tensors its
+`from` list names for the same placeholder values.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..errors import CheckpointError
+from .ops import check_op_args, get_op
+
+OmegaConf.register_new_resolver("zoo.not", lambda x: not x, replace=True)
+OmegaConf.register_new_resolver("zoo.add", lambda *xs: sum(xs), replace=True)
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_ANY_PATH = {"path"}
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    out, seen, pos = [], set(), 0
+    for m in _PLACEHOLDER.finditer(pattern):
+        out.append(re.escape(pattern[pos:m.start()]))
+        name = m.group(1)
+        if name in seen:
+            out.append(f"(?P={name})")
+        else:
+            seen.add(name)
+            out.append(f"(?P<{name}>.+?)" if name in _ANY_PATH else f"(?P<{name}>0|[1-9][0-9]*)")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    return re.compile("".join(out))
+
+
+def fill(pattern: str, binds: dict[str, str], where: str) -> str:
+    def sub(m):
+        if m.group(1) not in binds:
+            raise CheckpointError(f"{where}: placeholder {{{m.group(1)}}} in {pattern!r} is not bound by "
+                                  f"the first 'from' pattern")
+        return binds[m.group(1)]
+    return _PLACEHOLDER.sub(sub, pattern)
+
+
+@dataclass(frozen=True)
+class Rule:
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]  # empty for ignore rules
+    op: str = "identity"
+    args: dict = field(default_factory=dict)
+    stack: Optional[str] = None
+    why: str = ""
+    where: str = ""  # "conf/rules/llama.yaml map[3]" for messages
+
+    @property
+    def regex(self) -> re.Pattern:
+        return compile_pattern(self.sources[0])
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    kind: str  # "rename" | "params"
+    rules: tuple[Rule, ...]
+    ignores: tuple[Rule, ...]
+
+
+def rules_dir() -> Path:
+    from ..config import conf_dir
+
+    return conf_dir() / "rules"
+
+
+def load_stage(name: str, cfg: Any) -> Stage:
+    """Read conf/rules/NAME.yaml, resolving `${cfg...}` against the model config."""
+    path = rules_dir() / f"{name}.yaml"
+    where = f"conf/rules/{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in rules_dir().glob("*.yaml"))
+        raise CheckpointError(f"unknown rule file {where}; available: {known}")
+    try:
+        root = OmegaConf.create({"cfg": cfg, "file": OmegaConf.load(path)})
+        data = OmegaConf.to_container(root.file, resolve=True)
+    except OmegaConfBaseException as e:
+        raise CheckpointError(f"{where}: {str(e).splitlines()[0]}") from None
+    unknown = sorted(set(data) - {"stage", "map", "ignore"})
+    if unknown:
+        raise CheckpointError(f"{where}: unknown key(s) {unknown}; expected stage, map, ignore")
+    kind = data.get("stage", "params")
+    if kind not in ("rename", "params"):
+        raise CheckpointError(f"{where}: stage must be 'rename' or 'params', got {kind!r}")
+    rules = tuple(r for i, item in enumerate(data.get("map") or [])
+                  if (r := _parse_rule(item, f"{where} map[{i}]", ignore=False)))
+    ignores = tuple(r for i, item in enumerate(data.get("ignore") or [])
+                    if (r := _parse_rule(item, f"{where} ignore[{i}]", ignore=True)))
+    return Stage(name, kind, rules, ignores)
+
+
+def _parse_rule(item: Any, where: str, ignore: bool) -> Optional[Rule]:
+    allowed = {"from", "why", "when"} if ignore else {"from", "to", "op", "args", "stack", "when"}
+    if not isinstance(item, dict) or "from" not in item:
+        raise CheckpointError(f"{where}: expected a mapping with 'from', got {item!r}")
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise CheckpointError(f"{where}: unknown key(s) {unknown}; expected {sorted(allowed)}")
+    when = item.get("when", True)
+    if not isinstance(when, bool):
+        raise CheckpointError(f"{where}: 'when' must resolve to true/false, got {when!r}")
+    if not when:
+        return None
+    sources = tuple(item["from"]) if isinstance(item["from"], list) else (item["from"],)
+    if ignore:
+        return Rule(sources=sources, targets=(), why=item.get("why", ""), where=where)
+    if "to" not in item:
+        raise CheckpointError(f"{where}: a map rule needs 'to'")
+    targets = tuple(item["to"]) if isinstance(item["to"], list) else (item["to"],)
+    op = item.get("op", "identity")
+    args = dict(item.get("args") or {})
+    op_ = get_op(op, where)
+    check_op_args(op_, {**args, **({"index": 0} if len(targets) > 1 else {})}, where)
+    if op_.n_inputs is not None and op_.n_inputs != len(sources):
+        raise CheckpointError(f"{where}: op {op!r} takes {op_.n_inputs} input(s), 'from' lists {len(sources)}")
+    stack = item.get("stack")
+    if stack is not None and f"{{{stack}}}" not in sources[0]:
+        raise CheckpointError(f"{where}: stack: {stack!r} but the first 'from' pattern has no {{{stack}}}")
+    return Rule(sources=sources, targets=targets, op=op, args=args, stack=stack, where=where)

@@ -1,0 +1,145 @@
+"""Safetensors checkpoints: a single file, a directory, or a sharded directory with an index.
+
+Headers are parsed by hand (8-byte little-endian length + JSON) so that a truncated or corrupt
+file is reported with its name before any tensor is read; data is read lazily through
+safetensors' memory map, one file at a time. Pickle checkpoints are refused, never loaded.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .source import TensorInfo
+
+INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_MAX_HEADER = 100 * 1024 * 1024
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor infos of one .safetensors file, from its header; checks the data section's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt safetensors header (declares {n} header bytes, "
+                                      f"file has {size})")
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    data_size = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {meta!r}") from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        width = _DTYPE_BYTES.get(dtype)
+        if width is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        if end - start != numel * width or end > data_size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) but the data "
+                f"section has {data_size} bytes (truncated or corrupt file)")
+        out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start)
+    return out
+
+
+def refuse_pickles(directory: Path) -> None:
+    """Raise if the directory holds only pickle weights (which can run code when loaded)."""
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{directory}: only pickle checkpoint files found ({', '.join(pickles[:5])}); zoo never "
+            f"loads pickles (they can execute code). Convert them to safetensors first.")
+
+
+class SafetensorsSource:
+    """A directory with model.safetensors, or shards listed by model.safetensors.index.json."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a directory")
+        index = self.directory / INDEX
+        if index.exists():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.directory / f).exists()]
+            if missing:
+                raise CheckpointError(f"{index}: shard(s) listed in the index are missing: {missing}")
+        else:
+            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not files:
+                refuse_pickles(self.directory)
+                raise CheckpointError(f"{self.directory}: no *.safetensors files and no {INDEX}")
+            weight_map = None
+        self._entries: dict[str, TensorInfo] = {}
+        self._order: list[list[str]] = []
+        for fname in files:
+            infos = read_header(self.directory / fname)
+            names = []
+            for name, info in infos.items():
+                if weight_map is not None and weight_map.get(name) != fname:
+                    raise CheckpointError(f"{self.directory / fname}: tensor {name!r} is not listed for this "
+                                          f"shard in {INDEX}")
+                if name in self._entries:
+                    raise CheckpointError(f"{self.directory}: tensor {name!r} is stored twice "
+                                          f"({self._entries[name].file} and {fname})")
+                self._entries[name] = info
+                names.append(name)
+            self._order.append(names)
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self._entries))
+            if absent:
+                raise CheckpointError(f"{index}: tensors listed but absent from their shards: {absent[:10]}")
+        self.description = f"{self.directory} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})"
+        self._open: tuple[str, object] | None = None
+
+    def entries(self) -> dict[str, TensorInfo]:
+        return self._entries
+
+    def read_order(self) -> list[list[str]]:
+        return self._order
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self._entries[name].file
+        if self._open is None or self._open[0] != file:
+            # one file open at a time: shards are read in order, never all mapped at once
+            self._open = (file, safe_open(file, framework="pt", device="cpu"))
+        return self._open[1].get_tensor(name)
+
+    def config(self) -> dict:
+        path = self.directory / "config.json"
+        if not path.exists():
+            raise CheckpointError(f"{self.directory}: no config.json")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+    def close(self) -> None:
+        self._open = None

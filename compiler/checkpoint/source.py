@@ -1,0 +1,50 @@
+"""Checkpoint sources: where raw tensors come from.
+
+A source lists every tensor it holds (name, shape, dtype) from headers alone, and reads one
+tensor at a time on demand. The loader plans the whole mapping from `entries()` before a byte of
+tensor data is read, then walks `read_order()` shard by shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one stored tensor.
+
+    shape: the logical shape torch will see after `read` (for quantized formats: the
+        dequantized shape, [out, in] for linear weights).
+    dtype: the stored dtype as a string ("BF16", "F32", "F8_E4M3", "Q4_1", ...).
+    file: the shard or file that holds it (for error messages and read grouping).
+    nbytes: bytes of stored data.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+    nbytes: int
+
+
+class Source(Protocol):
+    """What the loader needs from a checkpoint."""
+
+    description: str  # e.g. "/path/to/dir (4 shards)" -- used in error messages
+
+    def entries(self) -> dict[str, TensorInfo]:
+        """Every stored tensor, from headers only (no tensor data is read)."""
+
+    def read_order(self) -> list[list[str]]:
+        """Tensor names grouped by file, in the order files should be read (one at a time)."""
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, as stored (safetensors) or dequantized to float32 (GGUF)."""
+
+    def config(self) -> dict:
+        """The Hugging Face style config dict (config.json, or one derived from metadata)."""
+
+    def close(self) -> None:
+        """Release file handles / memory maps."""

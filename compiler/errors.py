@@ -1,0 +1,17 @@
+"""Errors zoo raises on bad input. Each message names the key, the file and what was expected."""
+
+
+class ZooError(Exception):
+    """Base class of every error zoo raises for bad input."""
+
+
+class ConfigError(ZooError):
+    """A config that does not compose or validate: unknown key, wrong type, inconsistent dims."""
+
+
+class CheckpointError(ZooError):
+    """A checkpoint that does not fit the config: unmapped tensor, unfilled parameter, bad shape."""
+
+
+class InputError(ZooError):
+    """Runtime input that the built model cannot take: prompt too long, batch too large, bad id."""

@@ -1,0 +1,51 @@
+"""The one glossary of dimension names used in configs, code, shapes in docstrings and reports.
+
+Config fields and shape letters mean the same thing everywhere:
+
+    B   batch                 sequences in flight (<= runtime.max_batch)
+    L   seq_len               tokens of a prefill step
+    S   max_seq               cache capacity in tokens (runtime.max_seq)
+    D   dim                   model (residual stream) width
+    V   vocab_size            rows of the embedding / head
+    H   n_heads               query heads of an attention mixer
+    Hkv n_kv_heads            key/value heads (GQA: H % Hkv == 0; MQA: Hkv == 1)
+    Dh  head_dim              width of one attention head
+    F   ffn_dim               hidden width of a dense FFN (gated: two projections of F)
+    E   n_experts             routed experts of a MoE FFN
+    K   top_k                 experts chosen per token
+    R   rot_dim               channels of a head that RoPE rotates (<= head_dim)
+    C   kv_lora_rank          MLA latent width cached per token
+    N   n_streams             residual streams of mHC
+    T   context               tokens already in the cache (reports)
+
+Module paths are fixed whatever the layer kind, so checkpoint rules and reports address
+parameters uniformly:
+
+    embed                     token embedding [V, D]
+    layers.{i}.mixer_norm     norm before the mixer
+    layers.{i}.mixer          attention / MLA / DeltaNet ...
+    layers.{i}.ffn_norm       norm before the FFN
+    layers.{i}.ffn            dense or MoE FFN
+    layers.{i}.mixer_residual residual connection around the mixer (prenorm: no parameters)
+    layers.{i}.ffn_residual   residual connection around the FFN
+    norm                      final norm
+    head                      output projection [V, D] (shares embed's storage when tied)
+"""
+
+DIMENSIONS = {
+    "B": "batch",
+    "L": "seq_len",
+    "S": "max_seq",
+    "D": "dim",
+    "V": "vocab_size",
+    "H": "n_heads",
+    "Hkv": "n_kv_heads",
+    "Dh": "head_dim",
+    "F": "ffn_dim",
+    "E": "n_experts",
+    "K": "top_k",
+    "R": "rot_dim",
+    "C": "kv_lora_rank",
+    "N": "n_streams",
+    "T": "context",
+}

@@ -1,0 +1,234 @@
+"""The two graphs: prefill (many tokens, compute-bound) and decode (one token, memory-bound).
+
+Regional compilation: the repeated block is compiled once per distinct layer kind and reused by
+every layer of that kind (parameters are graph inputs, so layers share one graph); the embedding,
+final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
+
+    prefill: ids [B, L] -> logits [B, L, V]. L is a dynamic dimension (one graph for every
+             prompt length 2..max_seq); a 1-token prompt runs the decode graph at position 0.
+    decode:  tok [B] -> logits [B, V] at each row's next position. Static shapes: one graph.
+
+Batches are padded to max_batch rows, so shapes never depend on the batch size. On CUDA the
+whole decode step (all blocks, head, position update) is captured once as a CUDA graph over
+static buffers and replayed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .cache import plan_caches
+from .errors import InputError
+from .model import Decoder
+from .rope import rope_key
+
+# Every engine compiles the same two functions; distinct models add cache entries to them.
+# Hitting the limit must fail loudly rather than fall back to eager.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _block_prefill(block, h, cache, ctx):
+    return block.prefill(h, cache, ctx)
+
+
+def _block_decode(block, h, cache, ctx):
+    return block.decode(h, cache, ctx)
+
+
+class GraphCounter:
+    """A torch.compile backend that counts the graphs it is asked to compile (then runs inductor)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.graphs = 0
+        self.seconds = 0.0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        t0 = time.perf_counter()
+        out = compile_fx(gm, example_inputs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class Engine:
+    """Caches, rope tables and the prefill/decode graphs of one materialized Decoder."""
+
+    def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
+                 compile: bool = True, cuda_graph: bool = True):
+        self.model = model
+        self.device = model.embed.weight.device
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.vocab_size = model.spec.vocab_size
+        self.plan = plan_caches(model, max_batch, max_seq, cache_dtype)
+        self.caches = self.plan.allocate(self.device)
+        self.rope = {rope_key(r): model.rope_impl.table(r, max_seq, self.device) for r in model.rope_dims()}
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # next slot per row
+        self.length = 0  # tokens in the cache (all rows advance together)
+        self.batch = 0  # rows in use since the last prefill
+        self.compiled = compile
+        self.counters = {"prefill": GraphCounter("prefill"), "decode": GraphCounter("decode")}
+        if compile:
+            self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
+                                                        backend=self.counters["prefill"])
+            self._run_decode: Callable = torch.compile(_block_decode, fullgraph=True, dynamic=False,
+                                                       backend=self.counters["decode"])
+        else:
+            self._run_prefill, self._run_decode = _block_prefill, _block_decode
+        self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self._logits_buf: torch.Tensor | None = None
+        self.compile_seconds = {"prefill": 0.0, "decode": 0.0}
+
+    # ------------------------------------------------------------------ state
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Zero every cache and position in place (addresses stay fixed for CUDA graphs)."""
+        for layer in self.caches:
+            for t in layer.values():
+                t.zero_()
+        self.pos.zero_()
+        self.length = 0
+        self.batch = 0
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"{what}: token ids must be int64 or int32, got {ids.dtype}")
+        if self.device.type == "meta":
+            return
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise InputError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _pad_batch(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.max_batch:
+            return x
+        pad = torch.zeros((self.max_batch - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return torch.cat((x, pad))
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32."""
+        if ids.dim() != 2:
+            raise InputError(f"prefill: expected ids of shape [batch, seq_len], got {tuple(ids.shape)}")
+        B, L = ids.shape
+        if B > self.max_batch or B == 0:
+            raise InputError(f"prefill: batch {B} must be in 1..max_batch={self.max_batch} "
+                             f"(rebuild with runtime.max_batch={B})")
+        if L > self.max_seq or L == 0:
+            raise InputError(f"prefill: prompt of {L} tokens must be in 1..max_seq={self.max_seq} "
+                             f"(rebuild with a larger runtime.max_seq)")
+        self._check_ids(ids, "prefill")
+        self.reset()
+        self.batch = B
+        ids = self._pad_batch(ids.to(self.device, torch.long))
+        if L == 1:
+            return self._decode(ids[:, 0])[:B, None]
+        logits = self._prefill(ids)
+        self.pos.fill_(L)
+        self.length = L
+        return logits[:B]
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        L = ids.shape[1]
+        model = self.model
+        h = model.streams.expand(model.embed(ids))
+        ctx = {"rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
+        if self.compiled:
+            torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
+            for cos, sin in ctx["rope"].values():
+                torch._dynamo.mark_dynamic(cos, 0, min=2, max=self.max_seq)
+                torch._dynamo.mark_dynamic(sin, 0, min=2, max=self.max_seq)
+        for block, cache in zip(model.layers, self.caches):
+            h = self._run_prefill(block, h, cache, ctx)
+        return model.logits(h)
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.no_grad()
+    def decode(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [B] at each row's next position -> logits [B, V] float32."""
+        if self.batch == 0:
+            raise InputError("decode: no active batch; call prefill first")
+        if tok.dim() != 1 or tok.shape[0] != self.batch:
+            raise InputError(f"decode: expected tokens of shape [{self.batch}] (the prefilled batch), "
+                             f"got {tuple(tok.shape)}")
+        if self.length >= self.max_seq:
+            raise InputError(f"decode: the cache is full (max_seq={self.max_seq} tokens); "
+                             f"rebuild with a larger runtime.max_seq")
+        self._check_ids(tok, "decode")
+        return self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+
+    def _decode(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [max_batch] -> logits [max_batch, V]; advances every row by one position."""
+        if self.use_cuda_graph:
+            if self._graph is None:
+                raise RuntimeError("CUDA graph not captured; call warmup() after building")
+            self._tok_buf.copy_(tok)
+            self._graph.replay()
+            logits = self._logits_buf.clone()
+        else:
+            logits = self._decode_step(tok)
+        self.length += 1
+        return logits
+
+    def _decode_step(self, tok: torch.Tensor) -> torch.Tensor:
+        model, pos = self.model, self.pos
+        h = model.streams.expand(model.embed(tok[:, None]))
+        ctx = {"pos": pos, "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
+        for block, cache in zip(model.layers, self.caches):
+            h = self._run_decode(block, h, cache, ctx)
+        logits = model.logits(h[:, 0])
+        pos.add_(1)
+        return logits
+
+    # ------------------------------------------------------------------ compile
+
+    @torch.no_grad()
+    def warmup(self) -> dict[str, float]:
+        """Compile both graphs (and capture the CUDA graph) on dummy tokens, then reset.
+
+        Returns the wall time spent on each graph's first run (compile + one run).
+        """
+        dummy = torch.zeros(self.max_batch, min(2, self.max_seq), dtype=torch.long, device=self.device)
+        if self.max_seq >= 2:
+            t0 = time.perf_counter()
+            self._prefill(dummy)
+            self.compile_seconds["prefill"] = time.perf_counter() - t0
+        self.reset()
+        t0 = time.perf_counter()
+        if self.use_cuda_graph:
+            self._capture()
+        else:
+            self._decode_step(dummy[:, 0])
+        self.compile_seconds["decode"] = time.perf_counter() - t0
+        self.reset()
+        return dict(self.compile_seconds)
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and settle allocations outside the capture
+                self._decode_step(self._tok_buf)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits_buf = self._decode_step(self._tok_buf)
+        self._graph = graph
+
+    def graph_counts(self) -> dict[str, int]:
+        """Graphs compiled so far by each entry point (recompiles show up here)."""
+        return {name: c.graphs for name, c in self.counters.items()}

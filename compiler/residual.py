@@ -1,0 +1,57 @@
+"""Residual connections around each mixer and FFN, and the model-level stream adapters.
+
+A residual kind provides two modules:
+  connection: per block, `enter(h) -> (x, aux)` gives the sub-layer input, and
+              `exit(h, y, aux) -> h` folds the sub-layer output back into the residual state.
+  streams:    per model, `expand(h)` turns the embedding into the residual state and
+              `collapse(h)` turns the last residual state into the final norm's input.
+The plain pre-norm residual has one stream and no parameters:
+
+    h ---------------------------+---> h + y
+     `--> norm -> sub-layer -> y -'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .registry import lookup, register
+
+
+class _Identity(nn.Module):
+    def expand(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def collapse(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+class _Add(nn.Module):
+    def enter(self, h: torch.Tensor):
+        return h, None
+
+    def exit(self, h: torch.Tensor, y: torch.Tensor, aux) -> torch.Tensor:
+        return h + y
+
+
+@register("residual", "prenorm")
+class PreNorm:
+    @dataclass
+    class Spec:
+        kind: str = "prenorm"
+
+    streams = 1
+
+    @staticmethod
+    def connection(spec, dim: int) -> nn.Module:
+        return _Add()
+
+    @staticmethod
+    def model_streams(spec, dim: int) -> nn.Module:
+        return _Identity()
+
+
+def residual_kind(spec):
+    return lookup("residual", spec.kind, "residual")

@@ -1,0 +1,266 @@
+"""The spec tree: a composed config, validated and resolved into plain dataclasses.
+
+    conf/ (Hydra YAML) --compose--> DictConfig --validate--> ModelSpec --build--> modules
+
+Top-level keys are checked by `ConfigSchema`; each `kind:` node (mixers, ffns, norm, rope,
+residual) by the `Spec` dataclass of the class registered for that kind. The compiler reads the
+resolved `ModelSpec` (per-layer kinds, dims) before building anything: to size caches, count
+parameters, plan graphs and pick checkpoint rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import ConfigError
+from .registry import lookup
+
+# ---------------------------------------------------------------------------- schema (YAML)
+
+
+@dataclass
+class LayerKindSchema:
+    mixer: str = "???"
+    ffn: str = "???"
+
+
+@dataclass
+class RunSchema:
+    """A run of layers in the layout.
+
+    Either one layer kind (`mixer`, `ffn`) repeated `repeat` times, or a `pattern` of layer kinds
+    repeated `repeat` times. `repeat: null` fills the layers left to `n_layers` (one run at most).
+    """
+
+    repeat: Optional[int] = None
+    mixer: Optional[str] = None
+    ffn: Optional[str] = None
+    pattern: Optional[List[LayerKindSchema]] = None
+
+
+@dataclass
+class RuntimeSchema:
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache_dtype: Optional[str] = None  # None: same as dtype
+    max_batch: int = 1
+    max_seq: int = 2048
+    compile: bool = True
+    cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
+
+
+@dataclass
+class CheckpointSchema:
+    rules: List[str] = field(default_factory=list)  # rule files under conf/rules, applied in order
+    mtp: bool = False  # load multi-token-prediction layers when the checkpoint has them
+
+
+@dataclass
+class ConfigSchema:
+    name: str = "???"
+    n_layers: int = "???"  # type: ignore[assignment]
+    dim: int = "???"  # type: ignore[assignment]
+    vocab_size: int = "???"  # type: ignore[assignment]
+    tie_embeddings: bool = False
+    max_position: int = "???"  # type: ignore[assignment]  # context length the model was trained for
+    norm: Any = "???"
+    rope: Any = "???"
+    residual: Any = "???"
+    mixers: Dict[str, Any] = field(default_factory=dict)
+    ffns: Dict[str, Any] = field(default_factory=dict)
+    layout: List[RunSchema] = field(default_factory=list)
+    runtime: RuntimeSchema = field(default_factory=RuntimeSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+
+
+# ---------------------------------------------------------------------------- resolved spec
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: which named mixer and ffn it uses, and their resolved specs."""
+
+    index: int
+    mixer_name: str
+    mixer: Any
+    ffn_name: str
+    ffn: Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    max_position: int
+    norm: Any
+    rope: Any
+    residual: Any
+    mixers: Dict[str, Any]
+    ffns: Dict[str, Any]
+    layers: tuple[LayerSpec, ...]
+    runtime: RuntimeSchema
+    checkpoint: CheckpointSchema
+    source: str  # where the config came from, for error messages
+    config: Any = None  # the resolved DictConfig (read-only), for reports, rules and diffs
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def layout_runs(self) -> list[tuple[str, int]]:
+        """Runs of identical layer kinds, e.g. [("attn+dense", 3), ("attn+moe", 58)]."""
+        runs: list[tuple[str, int]] = []
+        for layer in self.layers:
+            name = f"{layer.mixer_name}+{layer.ffn_name}"
+            if runs and runs[-1][0] == name:
+                runs[-1] = (name, runs[-1][1] + 1)
+            else:
+                runs.append((name, 1))
+        return runs
+
+
+def _fail(source: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {msg}")
+
+
+def _validate_kind(slot: str, node: Any, path: str, source: str, model: dict) -> Any:
+    """Validate one `kind:` node against the Spec of its registered class; resolve defaults."""
+    if not isinstance(node, (DictConfig, dict)):
+        raise _fail(source, f"{path}: expected a mapping with a 'kind' key, got {node!r}")
+    kind = node.get("kind")
+    cls = lookup(slot, kind, f"{source}: {path}")
+    schema = OmegaConf.structured(cls.Spec)
+    try:
+        merged = OmegaConf.merge(schema, node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+        raise _fail(source, f"{path}.{key}: {_short(e)} (valid keys for {slot} kind {kind!r}: "
+                            f"{sorted(f.name for f in dataclasses.fields(cls.Spec))})") from None
+    missing = OmegaConf.missing_keys(merged)
+    if missing:
+        raise _fail(source, f"{path}: missing required keys {sorted(missing)} for {slot} kind {kind!r}")
+    spec = OmegaConf.to_object(merged)
+    resolve = getattr(spec, "resolve", None)
+    if resolve is not None:
+        spec = resolve(model)  # returns a new, fully resolved spec (derived dims filled in)
+    check = getattr(spec, "check", None)
+    if check is not None:
+        problem = check(model)
+        if problem:
+            raise _fail(source, f"{path}: {problem}")
+    return spec
+
+
+def _short(e: Exception) -> str:
+    return str(e).split("\n")[0]
+
+
+def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
+    """Check a composed config node by node and resolve it into a ModelSpec.
+
+    Raises ConfigError naming the key path and `source` (the conf name or checkpoint dir).
+    """
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise _fail(source, f"cannot resolve interpolation: {_short(e)}") from None
+    schema = OmegaConf.structured(ConfigSchema)
+    try:
+        top = OmegaConf.merge(schema, cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise _fail(source, f"{key}: {_short(e)} (valid top-level keys: "
+                            f"{sorted(f.name for f in dataclasses.fields(ConfigSchema))})") from None
+    missing = sorted(k for k in OmegaConf.missing_keys(top))
+    if missing:
+        raise _fail(source, f"missing required keys {missing}")
+
+    model = {"dim": top.dim, "vocab_size": top.vocab_size, "n_layers": top.n_layers,
+             "max_position": top.max_position}
+    for key in ("dim", "vocab_size", "n_layers", "max_position"):
+        if top[key] <= 0:
+            raise _fail(source, f"{key}: must be positive, got {top[key]}")
+    rt = OmegaConf.to_object(top.runtime)
+    for key in ("dtype", "cache_dtype"):
+        value = getattr(rt, key)
+        if value is not None and value not in DTYPES:
+            raise _fail(source, f"runtime.{key}: expected one of {list(DTYPES)}, got {value!r}")
+    if rt.max_batch <= 0 or rt.max_seq <= 0:
+        raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
+                            f"got {rt.max_batch} and {rt.max_seq}")
+
+    norm = _validate_kind("norm", top.norm, "norm", source, model)
+    rope = _validate_kind("rope", top.rope, "rope", source, model)
+    residual = _validate_kind("residual", top.residual, "residual", source, model)
+    model_with = {**model, "norm": norm, "rope": rope}
+    mixers = {name: _validate_kind("mixer", node, f"mixers.{name}", source, model_with)
+              for name, node in top.mixers.items()}
+    ffns = {name: _validate_kind("ffn", node, f"ffns.{name}", source, model_with)
+            for name, node in top.ffns.items()}
+
+    kinds = _expand_layout(top.layout, top.n_layers, source)
+    layers = []
+    for i, (mixer_name, ffn_name) in enumerate(kinds):
+        if mixer_name not in mixers:
+            raise _fail(source, f"layout: layer {i} uses mixer {mixer_name!r}, "
+                                f"not one of mixers {sorted(mixers)}")
+        if ffn_name not in ffns:
+            raise _fail(source, f"layout: layer {i} uses ffn {ffn_name!r}, not one of ffns {sorted(ffns)}")
+        layers.append(LayerSpec(i, mixer_name, mixers[mixer_name], ffn_name, ffns[ffn_name]))
+
+    OmegaConf.set_readonly(top, True)
+    return ModelSpec(
+        name=top.name, dim=top.dim, vocab_size=top.vocab_size, tie_embeddings=top.tie_embeddings,
+        max_position=top.max_position, norm=norm, rope=rope, residual=residual, mixers=mixers,
+        ffns=ffns, layers=tuple(layers), runtime=rt, checkpoint=OmegaConf.to_object(top.checkpoint),
+        source=source, config=top,
+    )
+
+
+def _expand_layout(layout: ListConfig, n_layers: int, source: str) -> list[tuple[str, str]]:
+    """Runs -> one (mixer name, ffn name) per layer; checks the total against n_layers."""
+    if not layout:
+        raise _fail(source, "layout: empty; expected a list of runs like [{mixer: attn, ffn: mlp}]")
+    fixed, fill_at = 0, None
+    for i, run in enumerate(layout):
+        has_kind = run.mixer is not None or run.ffn is not None
+        if has_kind == (run.pattern is not None):
+            raise _fail(source, f"layout[{i}]: give either mixer+ffn or a pattern, not both or neither")
+        if has_kind and (run.mixer is None or run.ffn is None):
+            raise _fail(source, f"layout[{i}]: both mixer and ffn are required, got mixer={run.mixer!r} "
+                                f"ffn={run.ffn!r}")
+        if run.repeat is None:
+            if fill_at is not None:
+                raise _fail(source, f"layout[{i}]: only one run may omit 'repeat' (layout[{fill_at}] does too)")
+            fill_at = i
+        else:
+            if run.repeat < 0:
+                raise _fail(source, f"layout[{i}].repeat: must be >= 0, got {run.repeat}")
+            fixed += run.repeat * _run_width(run)
+    if fill_at is not None:
+        rest, width = n_layers - fixed, _run_width(layout[fill_at])
+        if rest < 0 or rest % width:
+            raise _fail(source, f"layout[{fill_at}]: cannot fill the {rest} layers left of n_layers="
+                                f"{n_layers} with a pattern of {width}")
+    kinds: list[tuple[str, str]] = []
+    for i, run in enumerate(layout):
+        pattern = [(run.mixer, run.ffn)] if run.pattern is None else [(k.mixer, k.ffn) for k in run.pattern]
+        repeat = run.repeat if i != fill_at else (n_layers - fixed) // len(pattern)
+        kinds.extend(pattern * repeat)
+    if len(kinds) != n_layers:
+        raise _fail(source, f"layout: runs add up to {len(kinds)} layers but n_layers={n_layers}")
+    return kinds
+
+
+def _run_width(run: Any) -> int:
+    return 1 if run.pattern is None else len(run.pattern)

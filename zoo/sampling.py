@@ -1,0 +1,28 @@
+"""Next-token selection: greedy, temperature, top-k and top-p (nucleus)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy (argmax)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
