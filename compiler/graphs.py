@@ -4,6 +4,9 @@ Regional compilation: the repeated block is compiled once per distinct layer kin
 every layer of that kind (parameters are graph inputs, so layers share one graph); the embedding,
 final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
 
+Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
+({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written).
+
     prefill: ids [B, L] -> logits [B, L, V]. L is a dynamic dimension (one graph for every
              prompt length 2..max_seq); a 1-token prompt runs the decode graph at position 0.
     decode:  tok [B] -> logits [B, V] at each row's next position. Static shapes: one graph.
@@ -144,9 +147,10 @@ class Engine:
         L = ids.shape[1]
         model = self.model
         h = model.streams.expand(model.embed(ids))
-        ctx = {"rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
+        ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
         if self.compiled:
             torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
+            torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq)
             for cos, sin in ctx["rope"].values():
                 torch._dynamo.mark_dynamic(cos, 0, min=2, max=self.max_seq)
                 torch._dynamo.mark_dynamic(sin, 0, min=2, max=self.max_seq)
@@ -186,7 +190,8 @@ class Engine:
     def _decode_step(self, tok: torch.Tensor) -> torch.Tensor:
         model, pos = self.model, self.pos
         h = model.streams.expand(model.embed(tok[:, None]))
-        ctx = {"pos": pos, "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
+        ctx = {"ids": tok[:, None], "pos": pos,
+               "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
         for block, cache in zip(model.layers, self.caches):
             h = self._run_decode(block, h, cache, ctx)
         logits = model.logits(h[:, 0])

@@ -51,14 +51,14 @@ class Block(nn.Module):
         x, aux = self.mixer_residual.enter(h)
         h = self.mixer_residual.exit(h, self.mixer.prefill(self.mixer_norm(x), cache, ctx), aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.prefill(self.ffn_norm(x)), aux)
+        return self.ffn_residual.exit(h, self.ffn.prefill(self.ffn_norm(x), ctx), aux)
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         x, aux = self.mixer_residual.enter(h)
         h = self.mixer_residual.exit(h, self.mixer.decode(self.mixer_norm(x), cache, ctx), aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.decode(self.ffn_norm(x)), aux)
+        return self.ffn_residual.exit(h, self.ffn.decode(self.ffn_norm(x), ctx), aux)
 
 
 class Decoder(nn.Module):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from compiler.checkpoint.hub import open_source
 from compiler.checkpoint.loader import LoadReport, execute, plan_load
 from compiler.checkpoint.rules import load_stage
-from compiler.config import compose
+from compiler.config import apply_overrides, compose
 from compiler.errors import InputError, ZooError
 from compiler.graphs import Engine
 from compiler.hf_import import import_config
@@ -171,7 +171,9 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     source = None
     if weights is not None:
         source = weights if hasattr(weights, "entries") else open_source(str(weights))
-        stages = [load_stage(name, spec.config) for name in spec.checkpoint.rules]
+        # a format's own renames (llama.cpp names in GGUF) run before the family's rules
+        names = list(getattr(source, "format_stages", lambda: [])()) + list(spec.checkpoint.rules)
+        stages = [load_stage(name, spec.config) for name in names]
         load_plan = plan_load(meta_model, source, stages)  # every check before allocating
     t0 = time.perf_counter()
     module = materialize(meta_model, device, dtype)
@@ -257,15 +259,26 @@ def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device
 def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, compile: bool = True,
                     max_batch: int = 1, max_seq: Optional[int] = None, revision: Optional[str] = None,
                     overrides: Sequence[str] = (), cache_dtype=None, progress: bool = False) -> Model:
-    """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes."""
+    """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes.
+
+    max_seq defaults to the model's context length, capped at 4096.
+    """
+    return from_pretrained_config(path_or_repo_id, overrides, revision=revision, dry=False, progress=progress,
+                                  device=device, dtype=dtype, compile=compile, max_batch=max_batch,
+                                  max_seq=max_seq, cache_dtype=cache_dtype)
+
+
+def from_pretrained_config(path_or_repo_id: str, overrides: Sequence[str] = (), *, revision=None,
+                           dry: Optional[bool] = False, progress: bool = False, **runtime) -> Model:
+    """from_pretrained with config overrides (`runtime.max_seq=512`, ...) applied to the imported config."""
     source = open_source(str(path_or_repo_id), revision=revision)
     config = source.config()
-    cfg = import_config(config, source.description, overrides)
-    if max_seq is None:
-        max_seq = min(int(cfg.max_position), 4096)
-    _runtime_overrides(cfg, device=device, dtype=dtype, compile=compile, max_batch=max_batch,
-                       max_seq=max_seq, cache_dtype=cache_dtype)
-    return build_from_config(cfg, source.description, source, dry=False, progress=progress,
+    cfg = import_config(config, source.description)
+    cfg.runtime.max_seq = min(int(cfg.max_position), 4096)
+    if overrides:
+        cfg = apply_overrides(cfg, overrides, source.description)
+    _runtime_overrides(cfg, **runtime)
+    return build_from_config(cfg, source.description, source, dry=dry, progress=progress,
                              eos_ids=_eos_ids(config), tokenizer=load_tokenizer_for(source))
 
 
