@@ -25,6 +25,7 @@ import torch
 from .cache import plan_caches
 from .errors import InputError
 from .model import Decoder
+from .mtp import mtp_caches, mtp_prefill
 from .rope import rope_key
 
 # Every engine compiles the same two functions; distinct models add cache entries to them.
@@ -70,6 +71,7 @@ class Engine:
         self.vocab_size = model.spec.vocab_size
         self.plan = plan_caches(model, max_batch, max_seq, cache_dtype)
         self.caches = self.plan.allocate(self.device)
+        self.mtp_caches = mtp_caches(model, max_batch, max_seq, cache_dtype, self.device)
         self.rope = {rope_key(r): model.rope_impl.table(r, max_seq, self.device) for r in model.rope_dims()}
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # next slot per row
         self.length = 0  # tokens in the cache (all rows advance together)
@@ -121,8 +123,12 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32."""
+    def prefill(self, ids: torch.Tensor, return_mtp: bool = False):
+        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32.
+
+        return_mtp: return (logits, mtp) where mtp holds, per multi-token-prediction depth k,
+        logits [B, L - k, V] for token t + k + 1 at positions t (see mtp.py).
+        """
         if ids.dim() != 2:
             raise InputError(f"prefill: expected ids of shape [batch, seq_len], got {tuple(ids.shape)}")
         B, L = ids.shape
@@ -136,27 +142,39 @@ class Engine:
         self.reset()
         self.batch = B
         ids = self._pad_batch(ids.to(self.device, torch.long))
-        if L == 1:
+        if L == 1 and not return_mtp:
             return self._decode(ids[:, 0])[:B, None]
-        logits = self._prefill(ids)
+        h = self._prefill_states(ids)
+        logits = self.model.logits(h)
         self.pos.fill_(L)
         self.length = L
+        if return_mtp:
+            return logits[:B], [m[:B] for m in mtp_prefill(self, ids, h)]
         return logits[:B]
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        L = ids.shape[1]
+        return self.model.logits(self._prefill_states(ids))
+
+    def _prefill_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, L] -> the last residual state [B, L, ...D]; fills the caches."""
         model = self.model
         h = model.streams.expand(model.embed(ids))
+        ctx = self._prefill_ctx(ids, h)
+        for block, cache in zip(model.layers, self.caches):
+            h = self._run_prefill(block, h, cache, ctx)
+        return h
+
+    def _prefill_ctx(self, ids: torch.Tensor, h: torch.Tensor) -> dict:
+        """The block context of a prefill over positions 0..L-1 (L dynamic when compiled)."""
+        L = ids.shape[1]
         ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
-        if self.compiled:
+        if self.compiled and L >= 2:
             torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
             torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq)
             for cos, sin in ctx["rope"].values():
                 torch._dynamo.mark_dynamic(cos, 0, min=2, max=self.max_seq)
                 torch._dynamo.mark_dynamic(sin, 0, min=2, max=self.max_seq)
-        for block, cache in zip(model.layers, self.caches):
-            h = self._run_prefill(block, h, cache, ctx)
-        return model.logits(h)
+        return ctx
 
     # ------------------------------------------------------------------ decode
 

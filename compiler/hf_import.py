@@ -62,7 +62,9 @@ def rope_from_hf(config: dict, where: str) -> dict:
                 "original_max_position": int(original),
                 "beta_fast": float(params.get("beta_fast") or 32.0),
                 "beta_slow": float(params.get("beta_slow") or 1.0),
-                "mscale": float(params.get("mscale") or 1.0),
+                # absent mscale: transformers scales cos/sin by mscale(factor) alone, which the
+                # zoo spec expresses as mscale 0 (see YarnRope.cos_sin_scale)
+                "mscale": float(params.get("mscale") or 0.0),
                 "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
                 "truncate": bool(params.get("truncate", True))}
         if params.get("attention_factor") is not None:

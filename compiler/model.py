@@ -1,3 +1,4 @@
+# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """The decoder stack, assembled from a ModelSpec. Built on the meta device, materialized once.
 
     ids [B, L] -> embed -> streams.expand -> layers[0..n) -> streams.collapse -> norm -> head
@@ -72,6 +73,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        from .mtp import mtp_layers  # mtp.py builds on Block
+
+        self.mtp = mtp_layers(ctx)  # multi-token-prediction blocks; empty unless enabled
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -80,7 +84,7 @@ class Decoder(nn.Module):
 
     def rope_dims(self) -> list[int]:
         """Distinct rotary widths the layers need cos/sin tables for."""
-        return sorted({r for block in self.layers for r in block.mixer.rope_dims()})
+        return sorted({r for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
         """Random weights for configs built without a checkpoint (norms: their own init)."""
@@ -91,6 +95,9 @@ class Decoder(nn.Module):
                 module.weight.data.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.data.zero_()
+            elif module is not self:  # bare parameters (stacked experts, ...)
+                for p in module.parameters(recurse=False):
+                    p.data.normal_(0.0, std, generator=generator)
         self.tie_weights()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

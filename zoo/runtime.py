@@ -76,9 +76,13 @@ class Model:
     def config(self) -> DictConfig:
         return self.spec.config
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, L] -> logits [B, L, V] (float32); starts a new batch."""
-        return self.engine.prefill(torch.as_tensor(ids))
+    def prefill(self, ids: torch.Tensor, return_mtp: bool = False):
+        """ids [B, L] -> logits [B, L, V] (float32); starts a new batch.
+
+        return_mtp: (logits, mtp) with the multi-token-prediction layers' next-next-token logits,
+        mtp[k-1] [B, L - k, V] for token t + k + 1 at position t (needs checkpoint.mtp=true).
+        """
+        return self.engine.prefill(torch.as_tensor(ids), return_mtp=return_mtp)
 
     def decode(self, tok: torch.Tensor) -> torch.Tensor:
         """tok [B] -> logits [B, V] for the next position of each sequence."""
@@ -224,10 +228,12 @@ def shape_check(model: Model) -> dict[str, tuple[int, ...]]:
 def _progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+    # on stderr: stdout carries only what the command prints (`zoo generate`'s text, pipeable)
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                   TimeRemainingColumn(), transient=True)
+                   TimeRemainingColumn(), transient=True, console=Console(stderr=True))
     task = bar.add_task("loading weights", total=total)
     bar.start()
 
@@ -241,11 +247,18 @@ def _progress_bar(total: int, enabled: bool):
 def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device=None, dtype=None,
           compile: Optional[bool] = None, max_batch: Optional[int] = None, max_seq: Optional[int] = None,
           cache_dtype=None, seed: int = 0, dry: Optional[bool] = False, progress: bool = False) -> Model:
-    """Build conf/NAME.yaml (with Hydra overrides); random weights unless `weights` is given."""
+    """Build conf/NAME.yaml (with Hydra overrides).
+
+    weights: a checkpoint (directory, .gguf file, Hub repo id, pkg://PACKAGE/FILE). None loads the
+    config's `checkpoint.weights` when it names some (except for dry builds, which read no
+    weights) and random weights otherwise; `checkpoint.weights=null` forces random weights.
+    """
     cfg = compose(conf_name, overrides)
     _runtime_overrides(cfg, device=device, dtype=dtype, compile=compile, max_batch=max_batch,
                        max_seq=max_seq, cache_dtype=cache_dtype)
     source_desc = f"conf/{conf_name}.yaml" + (f" (overrides {list(overrides)})" if overrides else "")
+    if weights is None and dry is not True:
+        weights = OmegaConf.select(cfg, "checkpoint.weights", default=None)
     eos, tok = (), None
     if weights is not None:
         source = open_source(str(weights))

@@ -135,6 +135,22 @@ class GGUFSource:
             cfg["rope_scaling"] = rope_scaling
         return cfg
 
+    def format_stages(self) -> list[str]:
+        """Rule stages that rename llama.cpp tensor names to the architecture's Hugging Face names
+        (conf/rules/gguf_{general.architecture}.yaml); the loader runs them before the model's rules.
+
+        Raises CheckpointError when no such rule file exists for the file's architecture.
+        """
+        from .rules import rules_dir
+
+        arch = self.metadata("general.architecture")
+        name = f"gguf_{arch}"
+        if not isinstance(arch, str) or not (rules_dir() / f"{name}.yaml").is_file():
+            known = sorted(p.stem.removeprefix("gguf_") for p in rules_dir().glob("gguf_*.yaml"))
+            raise CheckpointError(f"{self.description}: unsupported GGUF architecture {arch!r}: no tensor-name "
+                                  f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
+        return [name]
+
     def close(self) -> None:
         """Drop the memory map (tensors already returned by `read` are independent copies)."""
         self._reader = None

@@ -93,9 +93,9 @@ def _unpermute(xs, heads: int):
 # ---------------------------------------------------------------------------- dequantization
 
 def _fp8_block_shape(shapes, block=(128, 128)):
-    w, s = shapes
+    s, w = shapes
     want = tuple(math.ceil(d / b) for d, b in zip(w, block))
-    if len(w) != 2 or tuple(s) != want:
+    if len(w) != 2 or len(s) != 2 or tuple(s) != want:
         raise ValueError(f"weight {list(w)} with {list(block)} blocks needs a scale of shape {list(want)}, "
                          f"got {list(s)}")
     return tuple(w)
@@ -103,16 +103,22 @@ def _fp8_block_shape(shapes, block=(128, 128)):
 
 @op("fp8_block_dequant", 2, _fp8_block_shape)
 def _fp8_block_dequant(xs, block=(128, 128)):
-    """weight [out, in] (e4m3) * scale_inv [ceil(out/bo), ceil(in/bi)] per fixed-size block.
+    """scale_inv [ceil(out/bo), ceil(in/bi)], weight [out, in] (e4m3 codes) -> float32 [out, in],
+    each element times the scale of its fixed-size block.
 
-    Blocks are always `block` wide; the last row/column block may be partial, so the scale grid is
-    expanded to whole blocks and cropped (deriving the block size from the shapes is wrong there).
+    Inputs come scale first so that a rule's first `from` pattern matches only quantized weights.
+    Blocks are always `block` wide; the last row/column block may be partial, so the scale rows are
+    expanded to whole blocks and cropped (deriving the block size from the shapes, as out/scale_rows,
+    is wrong there). Scaled one column block at a time: no second full-size temporary.
     """
-    w, scale = xs
+    scale, w = xs
     bo, bi = block
     out, inp = w.shape
-    full = scale.float().repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:out, :inp]
-    return w.float() * full
+    value = w.to(torch.float32)
+    rows = scale.to(torch.float32).repeat_interleave(bo, 0)[:out]  # [out, ceil(in/bi)]
+    for j in range(rows.shape[1]):
+        value[:, j * bi:(j + 1) * bi] *= rows[:, j:j + 1]
+    return value
 
 
 def check_op_args(op_: Op, args: dict, where: str) -> None:

@@ -39,6 +39,8 @@ from .ops import check_op_args, get_op
 
 OmegaConf.register_new_resolver("zoo.not", lambda x: not x, replace=True)
 OmegaConf.register_new_resolver("zoo.add", lambda *xs: sum(xs), replace=True)
+# first argument that is set (not null/0/false), e.g. n_kv_heads or else n_heads
+OmegaConf.register_new_resolver("zoo.or", lambda *xs: next((x for x in xs if x), xs[-1]), replace=True)
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _ANY_PATH = {"path"}

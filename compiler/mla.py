@@ -1,0 +1,156 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-5): keys and values come from one small
+per-token latent, which is all the cache keeps.
+
+    x [B, L, D]
+      q:  wq_a -> q_norm -> wq_b           (or wq when q_lora_rank is null) -> [B, L, H, N + R]
+            per head [q_nope N | q_rope R]; RoPE on q_rope
+      kv: wkv_a -> [latent C | k_rope R];  latent -> kv_norm;  RoPE on k_rope (one, shared by heads)
+      cache: [latent | k_rope]  (C + R values per token, e.g. 512 + 64 = 576 for DeepSeek-V3)
+
+    prefill (expanded, compute-bound): wkv_b turns the latent into per-head k_nope [H, N] and
+      v [H, Vd]; k = [k_nope | k_rope]; causal attention; wo.
+    decode (absorbed, memory-bound): wkv_b = [W_UK | W_UV] per head is folded in instead of
+      expanded, so every step reads only the latent cache:
+        q_lat  = q_nope @ W_UK            [B, H, C]
+        score  = q_lat . latent + q_rope . k_rope           (an MQA over C + R channels)
+        o_lat  = softmax(score * scale) @ latent            [B, H, C]
+        o      = o_lat @ W_UV^T                             [B, H, Vd] -> wo
+      which equals the expanded form: q_nope . (W_UK latent) = (q_nope W_UK) . latent.
+
+RoPE pairs are interleaved (2i, 2i+1) in DeepSeek checkpoints (`rope_interleaved`). The softmax
+scale is (N + R)^-0.5 times the rope's softmax_scale_factor (YaRN mscale^2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import decode_mask, write_decode, write_prefill
+from .cache import CacheField
+from .norm import RMSNorm
+from .registry import register
+from .rope import apply_rotary, rope_key
+
+
+@register("mixer", "mla")
+class MLA(nn.Module):
+    @dataclass
+    class Spec:
+        kind: str = "mla"
+        n_heads: int = "???"  # type: ignore[assignment]
+        q_lora_rank: Optional[int] = None  # null: a full-rank query projection wq
+        kv_lora_rank: int = "???"  # type: ignore[assignment]  # C: latent width cached per token
+        qk_nope_dim: int = "???"  # type: ignore[assignment]  # N: query/key channels without RoPE
+        qk_rope_dim: int = "???"  # type: ignore[assignment]  # R: rotated channels (k_rope is shared)
+        v_head_dim: int = "???"  # type: ignore[assignment]
+        rope_interleaved: bool = True  # rotary pairs (2i, 2i+1), as DeepSeek checkpoints store them
+        bias: bool = False  # biases on wq_a (or wq), wkv_a and wo
+        latent_norm_eps: float = 1e-6  # eps of q_norm and kv_norm
+        softmax_scale: Optional[float] = None  # null: (qk_nope_dim + qk_rope_dim) ** -0.5
+
+        def check(self, model: dict) -> Optional[str]:
+            dims = {k: getattr(self, k) for k in ("n_heads", "kv_lora_rank", "qk_nope_dim", "v_head_dim")}
+            bad = {k: v for k, v in dims.items() if v <= 0}
+            if bad:
+                return f"{bad} must be positive"
+            if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+                return f"q_lora_rank={self.q_lora_rank} must be positive (or null for a full-rank query)"
+            if self.qk_rope_dim <= 0 or self.qk_rope_dim % 2:
+                return f"qk_rope_dim={self.qk_rope_dim} must be a positive even number"
+            return None
+
+    def __init__(self, spec: "MLA.Spec", model):
+        super().__init__()
+        self.spec = s = spec
+        D = model.dim
+        self.n_heads, self.rank = s.n_heads, s.kv_lora_rank
+        self.nope, self.rot, self.v_dim = s.qk_nope_dim, s.qk_rope_dim, s.v_head_dim
+        self.rope = rope_key(s.qk_rope_dim)
+        self.scale = (s.softmax_scale or (s.qk_nope_dim + s.qk_rope_dim) ** -0.5) * \
+            model.rope_impl.softmax_scale_factor()
+        q_out = s.n_heads * (s.qk_nope_dim + s.qk_rope_dim)
+        norm = RMSNorm.Spec(eps=s.latent_norm_eps)
+        if s.q_lora_rank is None:
+            self.wq = nn.Linear(D, q_out, bias=s.bias)
+        else:
+            self.wq_a = nn.Linear(D, s.q_lora_rank, bias=s.bias)
+            self.q_norm = RMSNorm(norm, s.q_lora_rank)
+            self.wq_b = nn.Linear(s.q_lora_rank, q_out, bias=False)
+        self.wkv_a = nn.Linear(D, s.kv_lora_rank + s.qk_rope_dim, bias=s.bias)
+        self.kv_norm = RMSNorm(norm, s.kv_lora_rank)
+        self.wkv_b = nn.Linear(s.kv_lora_rank, s.n_heads * (s.qk_nope_dim + s.v_head_dim), bias=False)
+        self.wo = nn.Linear(s.n_heads * s.v_head_dim, D, bias=s.bias)
+
+    def rope_dims(self) -> list[int]:
+        return [self.rot]
+
+    def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
+        """One field, [normalized latent C | roped k_rope R] per token: [B, 1, S, C + R] (a
+        single KV head, so attention reads it in place)."""
+        return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True)}
+
+    # ------------------------------------------------------------------ projections
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] ->
+        q_nope [B, H, L, N], q_rope [B, H, L, R], kv [B, 1, L, C + R] (what the cache holds)."""
+        B, L, _ = x.shape
+        q = self.wq(x) if self.spec.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(B, L, self.n_heads, self.nope + self.rot).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rot], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.rank, self.rot], dim=-1)
+        il = self.spec.rope_interleaved
+        q_rope = apply_rotary(q_rope, cos, sin, il)
+        k_rope = apply_rotary(k_rope[:, None], cos, sin, il)  # [B, 1, L, R]
+        kv = torch.cat((self.kv_norm(latent)[:, None], k_rope), dim=-1)
+        return q_nope, q_rope, kv
+
+    def _wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, N, C] and W_UV [H, Vd, C] (views of wkv_b, rows per head [k_nope | v])."""
+        w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def attend_expanded(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
+        """Per-head K/V from the latent. q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Vd]."""
+        B, H, L, _ = q_nope.shape
+        latent, k_rope = kv.split([self.rank, self.rot], dim=-1)
+        k_nope, v = self.wkv_b(latent[:, 0]).view(B, -1, H, self.nope + self.v_dim).transpose(1, 2) \
+            .split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, H, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+        return o.transpose(1, 2).reshape(B, L, H * self.v_dim)
+
+    def attend_absorbed(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
+        """W_UK folded into the query, W_UV applied after attending over the latent.
+        q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Vd]."""
+        B, H, L, _ = q_nope.shape
+        w_uk, w_uv = self._wkv_b()
+        q_lat = torch.einsum("bhln,hnc->bhlc", q_nope, w_uk)
+        q = torch.cat((q_lat, q_rope), dim=-1)  # [B, H, L, C + R]
+        o_lat = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)  # [B, H, L, C]
+        o = torch.einsum("bhlc,hvc->blhv", o_lat, w_uv)
+        return o.reshape(B, L, H * self.v_dim)
+
+    # ------------------------------------------------------------------ entry points
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1. Expanded form."""
+        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        q_nope, q_rope, kv = self.project(x, cos, sin)
+        write_prefill(cache["kv"], kv)
+        return self.wo(self.attend_expanded(q_nope, q_rope, kv, causal=True))
+
+    def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; one cache slot per row. Absorbed form."""
+        cos, sin = ctx["rope"][self.rope]  # [B, R/2]
+        q_nope, q_rope, kv = self.project(x, cos[:, None, None], sin[:, None, None])
+        pos = ctx["pos"]
+        write_decode(cache["kv"], kv, pos)
+        cached = cache["kv"].to(q_nope.dtype)
+        return self.wo(self.attend_absorbed(q_nope, q_rope, cached, mask=decode_mask(pos, cached.shape[2])))

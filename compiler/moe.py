@@ -1,0 +1,200 @@
+"""Mixture-of-experts FFN: a router picks top_k of n_experts SwiGLU experts per token, plus
+optional always-on shared experts.
+
+    x [T, D] --router (float32)--> scores [T, E] --select--> idx [T, K], weights [T, K]
+      routed:  sum_k weights[t, k] * expert_{idx[t, k]}(x[t])
+      shared:  shared(x) (* sigmoid(x @ shared_gate) when shared_expert_gate)
+    y = routed + shared
+
+Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
+  scoring               softmax over all experts, or sigmoid per expert
+  score_correction_bias added to the scores for *selection only* (DeepSeek-V3 noaux_tc); the
+                        weights are the uncorrected scores of the chosen experts
+  n_group, topk_group   group-limited selection: experts split into n_group groups, a group scores
+                        the sum of its top-2 (or its max) corrected scores, only the best
+                        topk_group groups compete for the top_k experts
+  norm_topk_prob        weights renormalised to sum to 1 over the chosen experts
+  routed_scaling_factor weights multiplied by it
+
+Expert weights are stacked: w13 [E, 2F, D] (gate rows, then up rows) and w2 [E, D, F]; checkpoint
+rules fill them expert by expert (`stack: expert`). Neither entry point loops over experts in
+the graph:
+  decode   gathered: the K chosen experts' weights of each token are gathered and applied with
+           batched matmuls (one graph, static shapes: T = max_batch tokens).
+  prefill  grouped: the T*K (token, expert) pairs are sorted by expert and run through
+           `expert_mm`, one grouped matmul over contiguous row segments (torch's grouped GEMM on
+           CUDA bf16, a segment loop inside the kernel elsewhere); the graph holds one op
+           whatever E is, and T is a dynamic dimension.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ffn import SwiGLU
+from .registry import register
+
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+
+
+# ---------------------------------------------------------------------------- grouped matmul
+
+@torch.library.custom_op("zoo::expert_mm", mutates_args=())
+def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, I] rows sorted by expert, w [E, O, I], offs [E] int64 (end row of each expert's
+    segment, cumulative) -> [N, O] with row n = x[n] @ w[e]^T for the expert e owning row n."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 \
+            and w.shape[1] % 8 == 0:
+        # one grouped GEMM kernel (16-byte aligned rows required)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs.to(torch.int32))
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.matmul(x[start:end], w[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
+@expert_mm.register_fake
+def _expert_mm_fake(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+# ---------------------------------------------------------------------------- module
+
+@register("ffn", "moe")
+class MoE(nn.Module):
+    """x [..., D] -> [..., D]. Parameters: router [E, D], score_bias [E] (when
+    score_correction_bias), w13 [E, 2F, D], w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
+    shared_gate [1, D] (when shared_expert_gate)."""
+
+    @dataclass
+    class Spec:
+        kind: str = "moe"
+        n_experts: int = "???"  # type: ignore[assignment]
+        top_k: int = "???"  # type: ignore[assignment]
+        ffn_dim: int = "???"  # type: ignore[assignment]  # hidden width of one routed expert
+        scoring: str = "softmax"  # softmax | sigmoid
+        score_correction_bias: bool = False  # learned per-expert bias added for selection only
+        n_group: int = 1
+        topk_group: int = 1
+        group_score: str = "top2_sum"  # top2_sum | max: how a group of experts is scored
+        norm_topk_prob: bool = True
+        routed_scaling_factor: float = 1.0
+        n_shared_experts: int = 0
+        shared_ffn_dim: Optional[int] = None  # None: n_shared_experts * ffn_dim
+        shared_expert_gate: bool = False  # shared output * sigmoid(x @ shared_gate^T)
+
+        def resolve(self, model: dict) -> "MoE.Spec":
+            shared = self.shared_ffn_dim
+            if shared is None:
+                shared = self.n_shared_experts * self.ffn_dim
+            return replace(self, shared_ffn_dim=shared)
+
+        def check(self, model: dict) -> Optional[str]:
+            if self.n_experts <= 0 or self.ffn_dim <= 0:
+                return f"n_experts={self.n_experts} and ffn_dim={self.ffn_dim} must be positive"
+            if not 0 < self.top_k <= self.n_experts:
+                return f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}"
+            if self.scoring not in SCORINGS:
+                return f"scoring={self.scoring!r}: expected one of {list(SCORINGS)}"
+            if self.group_score not in GROUP_SCORES:
+                return f"group_score={self.group_score!r}: expected one of {list(GROUP_SCORES)}"
+            if self.n_group <= 0 or self.n_experts % self.n_group:
+                return f"n_group={self.n_group} must be positive and divide n_experts={self.n_experts}"
+            if not 0 < self.topk_group <= self.n_group:
+                return f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}"
+            per_group = self.n_experts // self.n_group
+            if self.n_group > 1 and self.group_score == "top2_sum" and per_group < 2:
+                return f"group_score=top2_sum needs >= 2 experts per group, got {per_group}"
+            if self.n_group > 1 and self.topk_group * per_group < self.top_k:
+                return (f"topk_group={self.topk_group} groups of {per_group} experts cannot hold "
+                        f"top_k={self.top_k} experts")
+            if self.n_shared_experts < 0 or self.shared_ffn_dim < 0:
+                return f"n_shared_experts and shared_ffn_dim must be >= 0"
+            if self.shared_expert_gate and not self.shared_ffn_dim:
+                return "shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)"
+            return None
+
+    def __init__(self, spec: "MoE.Spec", model):
+        super().__init__()
+        self.spec = spec
+        s, D = spec, model.dim
+        self.n_experts, self.top_k, self.ffn_dim = s.n_experts, s.top_k, s.ffn_dim
+        self.router = nn.Linear(D, s.n_experts, bias=False)
+        self.score_bias = nn.Parameter(torch.empty(s.n_experts)) if s.score_correction_bias else None
+        self.w13 = nn.Parameter(torch.empty(s.n_experts, 2 * s.ffn_dim, D))
+        self.w2 = nn.Parameter(torch.empty(s.n_experts, D, s.ffn_dim))
+        self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim), model) if s.shared_ffn_dim else None
+        self.shared_gate = nn.Linear(D, 1, bias=False) if s.shared_expert_gate else None
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, K] float32, idx [T, K] int64). Scores in float32."""
+        s = self.spec
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if s.scoring == "softmax" else logits.sigmoid()
+        choice = scores if self.score_bias is None else scores + self.score_bias.float()
+        if s.n_group > 1:
+            grouped = choice.view(-1, s.n_group, s.n_experts // s.n_group)
+            if s.group_score == "top2_sum":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.amax(-1)
+            keep = group_scores.topk(s.topk_group, dim=-1).indices  # [T, topk_group]
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(s.n_experts // s.n_group, dim=1), float("-inf"))
+        idx = choice.topk(s.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * s.routed_scaling_factor, idx
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.shared(x)
+        if self.shared_gate is not None:
+            y = torch.sigmoid(self.shared_gate(x)) * y
+        return y
+
+    def _finish(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """routed [T, D] float32 -> y [..., D] in x's dtype, plus the shared experts."""
+        y = routed.to(x.dtype).view(x.shape)
+        return y if self.shared is None else y + self._shared(x)
+
+    # ------------------------------------------------------------------ entry points
+
+    def decode(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Gathered: x [B, 1, D] -> [B, 1, D]; reads only the chosen experts' weights."""
+        xt = x.reshape(-1, x.shape[-1])  # [T, D]
+        weights, idx = self.route(xt)
+        w13 = self.w13[idx]  # [T, K, 2F, D]
+        h = torch.matmul(w13, xt[:, None, :, None]).squeeze(-1)  # [T, K, 2F]
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        a = F.silu(gate) * up  # [T, K, F]
+        y = torch.matmul(self.w2[idx], a[..., None]).squeeze(-1)  # [T, K, D]
+        routed = (y.float() * weights[..., None]).sum(1)
+        return self._finish(x, routed)
+
+    def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Grouped: x [B, L, D] -> [B, L, D]; (token, expert) pairs sorted by expert."""
+        xt = x.reshape(-1, x.shape[-1])  # [T, D]
+        weights, idx = self.route(xt)
+        flat = idx.reshape(-1)  # [T*K] expert of each pair
+        order = flat.argsort(stable=True)
+        token = order // self.top_k  # token of each sorted pair
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0)
+        h = expert_mm(xt[token], self.w13, offs)  # [T*K, 2F]
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        y = expert_mm(F.silu(gate) * up, self.w2, offs)  # [T*K, D]
+        y = y.float() * weights.reshape(-1)[order, None]
+        routed = torch.zeros(xt.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
+        return self._finish(x, routed)

@@ -1,0 +1,225 @@
+"""Benchmark zoo against transformers on the same weights, in one run (not a timed test).
+
+    python scripts/bench.py                       # the Llama-shaped ~40M model (fp32)
+    python scripts/bench.py --case llama40m --new-tokens 128 --prompt 512
+    python scripts/bench.py --list
+
+Each engine runs in its own subprocess (clean peak RSS, no shared compile state):
+  zoo          zoo.from_pretrained(compile=True): regional-compiled prefill + decode graphs
+  hf_eager     transformers, eager, dynamic cache
+  hf_static    transformers, static cache + torch.compile(forward)
+For each: load time, compile time, prefill tok/s, decode tok/s, peak RSS. Then ratios, and the
+weight-read roofline: bytes a decode step must read (weights + the cache it attends over) divided
+by the measured memory read bandwidth of this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ----------------------------------------------------------------------------- cases
+
+def _llama_reference(path: Path, **dims) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**dims, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                      max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+CASES = {
+    # name: (writer(path), description)
+    "llama40m": (lambda p: _llama_reference(p, vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
+                 "Llama-shaped, d 512, 8 layers, GQA 8/2, ffn 1536, vocab 32000"),
+}
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read (sum over a large float32 tensor), best of `repeats`."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def _timed(fn, repeats: int = 1):
+    best = float("inf")
+    out = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def worker_zoo(path: str, prompt: int, new: int, dtype: str) -> dict:
+    import zoo
+
+    dt = getattr(torch, dtype)
+    t0 = time.perf_counter()
+    m = zoo.from_pretrained(path, dtype=dt, compile=True, max_seq=prompt + new)
+    total = time.perf_counter() - t0
+    compile_s = dict(m.info.compile_seconds)
+    ids = torch.randint(0, m.spec.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    prefill_s, logits = _timed(lambda: m.prefill(ids), repeats=3)
+    tok = logits[:, -1].argmax(-1)
+
+    def decode_all():
+        m.prefill(ids)
+        t = tok
+        t0 = time.perf_counter()
+        for _ in range(new):
+            t = m.decode(t).argmax(-1)
+        return time.perf_counter() - t0
+
+    decode_s = min(decode_all() for _ in range(2))
+    weights = sum(p.numel() * p.element_size() for p in m.module.parameters())
+    embed = m.module.embed.weight
+    cache_bytes = m.engine.plan.total_bytes()
+    return {"load_s": m.info.load_seconds, "build_total_s": total, "compile_s": compile_s,
+            "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
+            "peak_rss": peak_rss_bytes(), "graphs": m.engine.graph_counts(),
+            "weight_bytes": weights, "embed_bytes": embed.numel() * embed.element_size(),
+            "tied": m.spec.tie_embeddings, "cache_bytes_read": cache_bytes}
+
+
+def worker_hf(path: str, prompt: int, new: int, dtype: str, static: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dt = getattr(torch, dtype)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
+    compile_s = 0.0
+    if static:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():  # compiles the prefill and the decode shapes
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kw)
+        compile_s = time.perf_counter() - t0
+    with torch.no_grad():
+        prefill_s, _ = _timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), repeats=3)
+        full_s, _ = _timed(lambda: model.generate(ids, max_new_tokens=new + 1, min_new_tokens=new + 1, **kw),
+                           repeats=2)
+    return {"load_s": load_s, "compile_s": {"total": compile_s}, "prefill_tok_s": prompt / prefill_s,
+            "decode_tok_s": new / max(full_s - prefill_s, 1e-9), "peak_rss": peak_rss_bytes()}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run_worker(kind: str, path: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path), "--prompt", str(args.prompt),
+           "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default="llama40m", choices=sorted(CASES))
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--engines", default="zoo,hf_eager,hf_static")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for name, (_, desc) in CASES.items():
+            print(f"{name:16s} {desc}")
+        return 0
+    if args.worker:
+        if args.worker == "zoo":
+            out = worker_zoo(args.path, args.prompt, args.new_tokens, args.dtype)
+        else:
+            out = worker_hf(args.path, args.prompt, args.new_tokens, args.dtype, static=args.worker == "hf_static")
+        print(json.dumps(out))
+        return 0
+
+    writer, desc = CASES[args.case]
+    results: dict = {"case": args.case, "description": desc, "prompt": args.prompt,
+                     "new_tokens": args.new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                     "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt"
+        writer(path)
+        results["checkpoint_bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        for kind in args.engines.split(","):
+            print(f"running {kind} ...", file=sys.stderr, flush=True)
+            results[kind] = run_worker(kind, path, args)
+    results["read_bandwidth"] = read_bandwidth()
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def roofline(z: dict, bandwidth: float) -> tuple[int, float]:
+    """Bytes one decode step must read and the tok/s that bandwidth allows."""
+    step = z["weight_bytes"] - (0 if z["tied"] else z["embed_bytes"])  # one embedding row only
+    step += z["cache_bytes_read"]  # the decode graph attends over the whole static cache
+    return step, bandwidth / step
+
+
+def report(r: dict) -> None:
+    print(f"\n== {r['case']}: {r['description']}  ({r['dtype']}, prompt {r['prompt']}, {r['new_tokens']} new tokens, "
+          f"{r['threads']} threads, torch {r['torch']})")
+    engines = [k for k in ("zoo", "hf_eager", "hf_static") if k in r]
+    print(f"{'':22s}" + "".join(f"{e:>14s}" for e in engines))
+
+    def row(label, fn):
+        print(f"{label:22s}" + "".join(f"{fn(r[e]):>14s}" for e in engines))
+
+    row("load (s)", lambda x: f"{x['load_s']:.2f}")
+    row("compile (s)", lambda x: " ".join(f"{v:.1f}" for v in x["compile_s"].values()) or "-")
+    row("prefill (tok/s)", lambda x: f"{x['prefill_tok_s']:.0f}")
+    row("decode (tok/s)", lambda x: f"{x['decode_tok_s']:.1f}")
+    row("peak RSS (MiB)", lambda x: f"{x['peak_rss'] / 2**20:.0f}")
+    if "zoo" in r:
+        z = r["zoo"]
+        for e in engines[1:]:
+            print(f"zoo / {e}: decode {z['decode_tok_s'] / r[e]['decode_tok_s']:.2f}x, "
+                  f"prefill {z['prefill_tok_s'] / r[e]['prefill_tok_s']:.2f}x")
+        step, limit = roofline(z, r["read_bandwidth"])
+        print(f"decode step reads {step / 2**20:.1f} MiB (weights + cache); read bandwidth "
+              f"{r['read_bandwidth'] / 1e9:.1f} GB/s -> roofline {limit:.1f} tok/s; zoo reaches "
+              f"{z['decode_tok_s'] / limit:.0%} of it")
+        print(f"zoo compile: {z['compile_s']}, graphs {z['graphs']}, build total {z['build_total_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
