@@ -8,6 +8,13 @@
 
 Cache per layer: k, v [max_batch, Hkv, max_seq, Dh] (gpt-fast's static layout: SDPA reads it
 without a copy; one slot per position).
+
+Options (Qwen3-Next gated attention):
+  output_gate  the q rows of wqkv hold [query Dh | gate Dh] per head (the checkpoint's q_proj
+               layout, split by a view); the attention output is multiplied by sigmoid(gate)
+               before wo: wqkv [(2H + 2Hkv) * Dh, D]
+  qk_norm      q and k normalised per head over Dh (before RoPE) by the model's norm kind
+               (q_norm, k_norm [Dh]; zero-centred when the model's norm is)
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import CacheField
+from .norm import make_norm
 from .registry import register
 from .rope import apply_rotary, rope_key
 
@@ -56,6 +64,8 @@ class Attention(nn.Module):
         qkv_bias: bool = False
         out_bias: bool = False
         softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
+        output_gate: bool = False  # q rows hold [query | gate] per head; output * sigmoid(gate)
+        qk_norm: bool = False  # per-head norm (the model's norm kind) on q and k before RoPE
 
         def resolve(self, model: dict) -> "Attention.Spec":
             head_dim = self.head_dim
@@ -88,9 +98,13 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
         self.rope = rope_key(self.rot_dim)
         self.scale = (s.softmax_scale or s.head_dim ** -0.5) * model.rope_impl.softmax_scale_factor()
-        qkv_out = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
+        q_rows = (2 if s.output_gate else 1) * s.n_heads
+        qkv_out = (q_rows + 2 * s.n_kv_heads) * s.head_dim
         self.wqkv = nn.Linear(model.dim, qkv_out, bias=s.qkv_bias)
         self.wo = nn.Linear(s.n_heads * s.head_dim, model.dim, bias=s.out_bias)
+        if s.qk_norm:
+            self.q_norm = make_norm(model.spec.norm, s.head_dim)
+            self.k_norm = make_norm(model.spec.norm, s.head_dim)
 
     def rope_dims(self) -> list[int]:
         return [self.rot_dim]
@@ -100,12 +114,22 @@ class Attention(nn.Module):
         return {"k": CacheField(shape, dtype, grows=True), "v": CacheField(shape, dtype, grows=True)}
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh]."""
+        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh],
+        gate [B, L, H*Dh] (None without output_gate)."""
         B, L, _ = x.shape
         H, Hkv, Dh, R = self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim
-        q, k, v = self.wqkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-        q = q.view(B, L, H, Dh).transpose(1, 2)
-        k = k.view(B, L, Hkv, Dh).transpose(1, 2)
+        gated = self.spec.output_gate
+        q, k, v = self.wqkv(x).split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        gate = None
+        if gated:
+            qg = q.view(B, L, H, 2 * Dh)
+            q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, L, H * Dh)
+        q = q.reshape(B, L, H, Dh)
+        k = k.view(B, L, Hkv, Dh)
+        if self.spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
         v = v.view(B, L, Hkv, Dh).transpose(1, 2)
         il = self.spec.rope_interleaved
         if R == Dh:
@@ -113,30 +137,33 @@ class Attention(nn.Module):
         else:
             q = torch.cat((apply_rotary(q[..., :R], cos, sin, il), q[..., R:]), dim=-1)
             k = torch.cat((apply_rotary(k[..., :R], cos, sin, il), k[..., R:]), dim=-1)
-        return q, k, v
+        return q, k, v, gate
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         B, H, L, Dh = o.shape
-        return self.wo(o.transpose(1, 2).reshape(B, L, H * Dh))
+        o = o.transpose(1, 2).reshape(B, L, H * Dh)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.wo(o)
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1."""
         cos, sin = ctx["rope"][self.rope]  # [L, R/2]
-        q, k, v = self._project(x, cos, sin)
+        q, k, v, gate = self._project(x, cos, sin)
         write_prefill(cache["k"], k)
         write_prefill(cache["v"], v)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._out(o)
+        return self._out(o, gate)
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row."""
         cos, sin = ctx["rope"][self.rope]  # [B, R/2]
-        q, k, v = self._project(x, cos[:, None, None], sin[:, None, None])
+        q, k, v, gate = self._project(x, cos[:, None, None], sin[:, None, None])
         pos = ctx["pos"]
         write_decode(cache["k"], k, pos)
         write_decode(cache["v"], v, pos)
         kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
         o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=decode_mask(pos, kc.shape[2]),
                                            scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._out(o)
+        return self._out(o, gate)

@@ -1,4 +1,5 @@
 # NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """Imports every concept module so that their kinds are registered (see registry.py)."""
-from . import attention, ffn, norm, residual, rope  # noqa: F401
+from . import attention, ffn, mhc, norm, residual, rope  # noqa: F401
 from . import mla, moe  # noqa: F401
+from . import gated_deltanet  # noqa: F401

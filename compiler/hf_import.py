@@ -17,12 +17,15 @@ from .config import compose, conf_dir
 from .errors import ConfigError
 
 _ABSENT = object()
+QUANTIZATION_TABLE = "quantization.yaml"  # conf/hf/: quant_method -> rule stages
 
 
 def import_specs() -> dict[str, dict]:
     """model_type -> its import spec (conf/hf/*.yaml)."""
     out = {}
     for path in sorted((conf_dir() / "hf").glob("*.yaml")):
+        if path.name == QUANTIZATION_TABLE:  # the quantization table, not a model_type
+            continue
         data = OmegaConf.to_container(OmegaConf.load(path))
         data["file"] = f"conf/hf/{path.name}"
         out[data["model_type"]] = data
@@ -112,7 +115,7 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
 
 def quantization_stages(quant: dict, where: str) -> list[str]:
     """Rule stages that turn a quantized checkpoint's stored codes into values (conf/hf/quantization.yaml)."""
-    path = conf_dir() / "hf" / "quantization.yaml"
+    path = conf_dir() / "hf" / QUANTIZATION_TABLE
     table = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
     method = quant.get("quant_method")
     if method not in table:

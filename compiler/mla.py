@@ -48,7 +48,7 @@ class MLA(nn.Module):
         qk_rope_dim: int = "???"  # type: ignore[assignment]  # R: rotated channels (k_rope is shared)
         v_head_dim: int = "???"  # type: ignore[assignment]
         rope_interleaved: bool = True  # rotary pairs (2i, 2i+1), as DeepSeek checkpoints store them
-        bias: bool = False  # biases on wq_a (or wq), wkv_a and wo
+        bias: bool = False  # biases on wq_a, wkv_a and wo (never on wq, wq_b, wkv_b)
         latent_norm_eps: float = 1e-6  # eps of q_norm and kv_norm
         softmax_scale: Optional[float] = None  # null: (qk_nope_dim + qk_rope_dim) ** -0.5
 
@@ -75,7 +75,7 @@ class MLA(nn.Module):
         q_out = s.n_heads * (s.qk_nope_dim + s.qk_rope_dim)
         norm = RMSNorm.Spec(eps=s.latent_norm_eps)
         if s.q_lora_rank is None:
-            self.wq = nn.Linear(D, q_out, bias=s.bias)
+            self.wq = nn.Linear(D, q_out, bias=False)
         else:
             self.wq_a = nn.Linear(D, s.q_lora_rank, bias=s.bias)
             self.q_norm = RMSNorm(norm, s.q_lora_rank)

@@ -44,8 +44,8 @@ class Block(nn.Module):
         self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
         self.ffn_norm = make_norm(spec.norm, spec.dim)
         self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
-        self.mixer_residual = res.connection(spec.residual, spec.dim)
-        self.ffn_residual = res.connection(spec.residual, spec.dim)
+        self.mixer_residual = res.connection(spec.residual, ctx)
+        self.ffn_residual = res.connection(spec.residual, ctx)
 
     def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] -> same shape."""
@@ -69,7 +69,7 @@ class Decoder(nn.Module):
         self.rope_impl = make_rope(spec.rope)
         ctx = BuildContext(spec, self.rope_impl)
         self.embed = nn.Embedding(spec.vocab_size, spec.dim)
-        self.streams = residual_kind(spec.residual).model_streams(spec.residual, spec.dim)
+        self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
@@ -122,8 +122,27 @@ def count_parameters(model: nn.Module) -> int:
     return total
 
 
+def cast(model: Decoder, dtype: torch.dtype) -> Decoder:
+    """Parameters to `dtype`, except modules that declare `keep_float32 = True` (routing and
+    stream-mixing weights stay float32, as in the checkpoints). Free on the meta device."""
+    model = model.to(dtype=dtype)
+    for module in model.modules():
+        if getattr(module, "keep_float32", False):
+            module.to(torch.float32)
+    return model
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def materialize(model: Decoder, device, dtype: torch.dtype) -> Decoder:
     """Allocate storage once on `device` in `dtype` (contents undefined until loaded or init)."""
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = cast(model, dtype).to_empty(device=device)
     model.tie_weights()
     return model.requires_grad_(False)

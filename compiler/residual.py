@@ -1,11 +1,11 @@
 """Residual connections around each mixer and FFN, and the model-level stream adapters.
 
-A residual kind provides two modules:
+A residual kind provides two modules (built from its spec and the model's BuildContext):
   connection: per block, `enter(h) -> (x, aux)` gives the sub-layer input, and
               `exit(h, y, aux) -> h` folds the sub-layer output back into the residual state.
   streams:    per model, `expand(h)` turns the embedding into the residual state and
               `collapse(h)` turns the last residual state into the final norm's input.
-The plain pre-norm residual has one stream and no parameters:
+The plain pre-norm residual has one stream and no parameters (mhc.py has the n-stream kind):
 
     h ---------------------------+---> h + y
      `--> norm -> sub-layer -> y -'
@@ -45,11 +45,11 @@ class PreNorm:
     streams = 1
 
     @staticmethod
-    def connection(spec, dim: int) -> nn.Module:
+    def connection(spec, ctx) -> nn.Module:
         return _Add()
 
     @staticmethod
-    def model_streams(spec, dim: int) -> nn.Module:
+    def model_streams(spec, ctx) -> nn.Module:
         return _Identity()
 
 

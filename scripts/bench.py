@@ -126,12 +126,16 @@ def worker_hf(path: str, prompt: int, new: int, dtype: str, static: bool) -> dic
         with torch.no_grad():  # compiles the prefill and the decode shapes
             model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kw)
         compile_s = time.perf_counter() - t0
+    def gen(n):
+        return _timed(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw), repeats=2)[0]
+
     with torch.no_grad():
-        prefill_s, _ = _timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), repeats=3)
-        full_s, _ = _timed(lambda: model.generate(ids, max_new_tokens=new + 1, min_new_tokens=new + 1, **kw),
-                           repeats=2)
+        prefill_s = gen(1)
+        # decode rate from the difference of two lengths: prefill and set-up costs cancel
+        half, full = new // 2 + 1, new + 1
+        decode_s = (gen(full) - gen(half)) / (full - half)
     return {"load_s": load_s, "compile_s": {"total": compile_s}, "prefill_tok_s": prompt / prefill_s,
-            "decode_tok_s": new / max(full_s - prefill_s, 1e-9), "peak_rss": peak_rss_bytes()}
+            "decode_tok_s": 1.0 / decode_s, "peak_rss": peak_rss_bytes()}
 
 
 # ----------------------------------------------------------------------------- driver

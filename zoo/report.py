@@ -21,6 +21,7 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         ("config", f"{spec.name}  ({spec.source})"),
         ("layers", f"{spec.n_layers}: {layout}"),
         ("parameters", f"{info.params:,}  ({info.params})"),
+        ("residual", _residual_row(model)),
         ("weights", f"{human_bytes(info.param_bytes)} in {rt.dtype}"),
         ("cache per token", f"{info.cache_bytes_per_token:,} B  (grows with context, "
                             f"{rt.cache_dtype or rt.dtype})"),
@@ -48,6 +49,16 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         rows.append(("shape check", f"prefill logits {list(shapes['prefill'])}, decode logits "
                                     f"{list(shapes['decode']) if shapes['decode'] else '-'}"))
     return rows
+
+
+def _residual_row(model) -> str:
+    from compiler.model import count_parameters
+
+    spec = model.spec.residual
+    streams = getattr(spec, "streams", 1)
+    modules = [model.module.streams] + [m for b in model.module.layers for m in (b.mixer_residual, b.ffn_residual)]
+    added = sum(count_parameters(m) for m in modules)
+    return f"{spec.kind}, {streams} stream{'s' if streams > 1 else ''}" + (f", {added:,} parameters" if added else "")
 
 
 def print_build_report(model, shapes: dict | None = None, console: Console | None = None) -> None:

@@ -20,7 +20,7 @@ from compiler.config import apply_overrides, compose
 from compiler.errors import InputError, ZooError
 from compiler.graphs import Engine
 from compiler.hf_import import import_config
-from compiler.model import Decoder, build_model, count_parameters, materialize
+from compiler.model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes
 from compiler.spec import ModelSpec, validate
 
 from .sampling import sample
@@ -152,9 +152,9 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     rt = spec.runtime
     device = torch.device(rt.device)
     dtype, cache_dtype = DTYPES[rt.dtype], DTYPES[rt.cache_dtype or rt.dtype]
-    meta_model = build_model(spec)
+    meta_model = cast(build_model(spec), dtype)
     params = count_parameters(meta_model)
-    param_bytes = params * torch.empty((), dtype=dtype).element_size()
+    param_bytes = parameter_bytes(meta_model)
     from compiler.cache import plan_caches
 
     plan = plan_caches(meta_model, rt.max_batch, rt.max_seq, cache_dtype)
@@ -303,7 +303,8 @@ def load_tokenizer_for(source):
     from .tokenizer import Tokenizer
 
     if isinstance(source, GGUFSource):
-        return Tokenizer.from_gguf(source)
+        # a file without tokenizer metadata still loads (ids in, logits out)
+        return Tokenizer.from_gguf(source) if source.metadata("tokenizer.ggml.model") is not None else None
     if isinstance(source, SafetensorsSource) and (source.directory / "tokenizer.json").exists():
         return Tokenizer.from_dir(source.directory)
     return None

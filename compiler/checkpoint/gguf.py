@@ -55,7 +55,18 @@ class GGUFSource:
     # -- Source protocol ------------------------------------------------------------------------
 
     def entries(self) -> dict[str, TensorInfo]:
-        """name -> TensorInfo(torch-order shape, GGML type name, file, stored bytes)."""
+        """name -> TensorInfo(torch-order shape, GGML type name, file, stored bytes).
+
+        Raises CheckpointError naming the tensors whose GGML type `read` cannot dequantize, so a
+        load fails while planning, before any memory is allocated.
+        """
+        unreadable = [f"{name} ({t.tensor_type.name})" for name, t in self._open_tensors().items()
+                      if t.tensor_type not in SUPPORTED_TYPES]
+        if unreadable:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+            more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
+            raise CheckpointError(f"{self.description}: unsupported GGML quantization type(s) in "
+                                  f"{', '.join(unreadable[:8])}{more} (supported: {supported})")
         return {
             name: TensorInfo(
                 shape=_torch_shape(t.shape),

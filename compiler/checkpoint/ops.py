@@ -129,3 +129,48 @@ def check_op_args(op_: Op, args: dict, where: str) -> None:
     unknown = sorted(set(args) - set(allowed))
     if unknown:
         raise CheckpointError(f"{where}: op {op_.name!r} takes no argument(s) {unknown}; it takes {allowed}")
+
+
+# ---------------------------------------------------------------------------- grouped layouts
+
+def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None):
+    sizes = _group_sizes(sizes, len(shapes))
+    rest = tuple(shapes[0][1:])
+    for shape, parts in zip(shapes, sizes):
+        if tuple(shape[1:]) != rest:
+            raise ValueError(f"inputs {[list(s) for s in shapes]} differ beyond dim 0")
+        if groups <= 0 or shape[0] != groups * sum(parts):
+            raise ValueError(f"{shape[0]} rows are not {groups} groups of {list(parts)} "
+                             f"(= {groups * sum(parts)} rows)")
+    flat = [p for parts in sizes for p in parts]
+    if index is not None and not 0 <= index < len(flat):
+        raise ValueError(f"part {index} does not exist; there are {len(flat)} parts {flat}")
+    rows = groups * (flat[index] if index is not None else sum(flat))
+    return (rows, *rest)
+
+
+def _group_sizes(sizes, n_inputs: int) -> list[list[int]]:
+    """sizes: one list of per-group part sizes per input (a flat list for a single input)."""
+    sizes = list(sizes)
+    if sizes and not isinstance(sizes[0], (list, tuple)):
+        sizes = [sizes]
+    if len(sizes) != n_inputs:
+        raise ValueError(f"sizes gives part lists for {len(sizes)} input(s), the rule has {n_inputs}")
+    return [[int(p) for p in parts] for parts in sizes]
+
+
+@op("split_groups", None, _split_groups_shape)
+def _split_groups(xs, groups: int, sizes, index: int | None = None):
+    """Group-major rows -> part-major rows.
+
+    Each input's rows (dim 0) are `groups` equal groups, each the parts `sizes[i]` in order
+    (e.g. per key head [q | k | v | z]). The output gathers each part across all groups, part
+    after part and input after input ([q of every group | k of every group | ...]); with `index`
+    (a rule with several targets) only that part, counted over all inputs' parts.
+    """
+    sizes = _group_sizes(sizes, len(xs))
+    parts = []
+    for x, sz in zip(xs, sizes):
+        grouped = x.reshape(groups, sum(sz), *x.shape[1:])
+        parts += [p.reshape(groups * p.shape[1], *x.shape[1:]) for p in grouped.split(sz, dim=1)]
+    return parts[index] if index is not None else torch.cat(parts, dim=0)
