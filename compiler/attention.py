@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +109,10 @@ class Attention(nn.Module):
 
     def rope_dims(self) -> list[int]:
         return [self.rot_dim]
+
+    def attention_flops(self, context):
+        """Per token at `context` cached tokens: q.k scores and the weighted sum of v."""
+        return 4 * self.n_heads * self.head_dim * np.asarray(context)
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         shape = (max_batch, self.n_kv_heads, max_seq, self.head_dim)

@@ -7,6 +7,7 @@ structured schemas in spec.py and each kind's Spec check every node.
 """
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
@@ -22,9 +23,19 @@ def conf_dir() -> Path:
     return Path(str(resources.files("conf")))
 
 
+def user_conf_dir() -> Path:
+    """Where `zoo import` writes configs: $ZOO_CONF_DIR, else ~/.config/zoo/conf. Its YAML files
+    are usable as conf=NAME next to the shipped ones, with the shipped groups."""
+    return Path(os.environ.get("ZOO_CONF_DIR") or Path.home() / ".config" / "zoo" / "conf")
+
+
 def available_configs() -> list[str]:
-    """Names usable as conf=NAME (top-level YAML files of conf/)."""
-    return sorted(p.stem for p in conf_dir().glob("*.yaml"))
+    """Names usable as conf=NAME (top-level YAML files of conf/ and of the user conf dir)."""
+    user = user_conf_dir()
+    names = {p.stem for p in conf_dir().glob("*.yaml")}
+    if user.is_dir():
+        names |= {p.stem for p in user.glob("*.yaml")}
+    return sorted(names)
 
 
 def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -36,9 +47,13 @@ def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
 
     if name not in available_configs():
         raise ConfigError(f"unknown conf {name!r}; available: {', '.join(available_configs())}")
+    primary, extra = conf_dir(), []
+    if not (primary / f"{name}.yaml").exists():
+        # an imported conf: its own directory first, the shipped groups on the search path
+        primary, extra = user_conf_dir(), [f"hydra.searchpath=[file://{conf_dir()}]"]
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="zoo"):
-            cfg = hydra_compose(config_name=name, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(primary), version_base=None, job_name="zoo"):
+            cfg = hydra_compose(config_name=name, overrides=extra + list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"conf {name!r} with overrides {list(overrides)}: {_hydra_message(e)}") from None
     OmegaConf.set_struct(cfg, False)

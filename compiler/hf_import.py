@@ -4,8 +4,16 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     fields:                      # zoo key: config.json key (dotted keys reach into sub-dicts)
       dim: hidden_size           #   required in config.json
       mixers.attn.head_dim: {key: head_dim, default: null}   # optional
+      mixers.attn.rotary_fraction: {key: [rope_parameters.partial_rotary_factor,
+                                          partial_rotary_factor], default: 1.0}  # first present
     expect: {hidden_act: silu}   # values the zoo modules assume; anything else is an error
     rope: rope                   # zoo key that receives the rope spec
+    layout_from:                 # per-layer kinds -> `layout` (compressed into a pattern or runs)
+      key: layer_types           #   a list with one kind name per layer, or else
+      every_nth: {key: full_attention_interval, kind: full_attention, other: linear_attention}
+      kinds:                     #   kind name -> zoo layer kind
+        linear_attention: {mixer: linear, ffn: moe}
+        full_attention: {mixer: attn, ffn: moe}
 """
 from __future__ import annotations
 
@@ -39,6 +47,59 @@ def _get(config: dict, dotted: str) -> Any:
             return _ABSENT
         node = node[part]
     return node
+
+
+def _get_first(config: dict, keys: Any) -> Any:
+    """The value of the first of `keys` (one dotted key or a list of them) that config.json has."""
+    for key in keys if isinstance(keys, list) else [keys]:
+        value = _get(config, key)
+        if value is not _ABSENT and value is not None:
+            return value
+    return _ABSENT
+
+
+def layout_from_hf(config: dict, rule: dict, n_layers: int, where: str, file: str) -> list[dict]:
+    """The zoo `layout` of a config.json that names each layer's kind (`rule['key']`, a list), or
+    else puts `kind` on every n-th layer (1-based) and `other` elsewhere (`rule['every_nth']`).
+    `rule['kinds']` maps kind names to {mixer, ffn}; the per-layer list is compressed."""
+    types = _get(config, rule["key"])
+    if types is _ABSENT or types is None:
+        nth = rule.get("every_nth")
+        interval = _get(config, nth["key"]) if nth else _ABSENT
+        if interval is _ABSENT or interval is None:
+            interval = nth.get("default", _ABSENT) if nth else _ABSENT
+        if interval is _ABSENT:
+            keys = [rule["key"]] + ([nth["key"]] if nth else [])
+            raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, keys))} (for layout; see {file})")
+        if not isinstance(interval, int) or interval <= 0:
+            raise ConfigError(f"{where}: {nth['key']}={interval!r}: expected a positive integer")
+        types = [nth["kind"] if (i + 1) % interval == 0 else nth["other"] for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConfigError(f"{where}: {rule['key']} has {len(types) if isinstance(types, list) else types!r} "
+                          f"entries but the model has {n_layers} layers")
+    unknown = sorted({t for t in types if t not in rule["kinds"]}, key=str)
+    if unknown:
+        raise ConfigError(f"{where}: {rule['key']} has unsupported layer kind(s) {unknown}; supported: "
+                          f"{sorted(rule['kinds'])} (see {file})")
+    return compress_layout([dict(rule["kinds"][t]) for t in types])
+
+
+def compress_layout(kinds: list[dict]) -> list[dict]:
+    """Per-layer {mixer, ffn} -> layout runs: one kind for all layers, else the shortest repeating
+    pattern (repeat omitted: it fills n_layers), else runs of identical kinds."""
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+    if period == 1:
+        return [dict(kinds[0])]
+    if period < n:
+        return [{"pattern": kinds[:period]}]
+    runs: list[dict] = []
+    for kind in kinds:
+        if runs and {k: runs[-1][k] for k in kind} == kind:
+            runs[-1]["repeat"] += 1
+        else:
+            runs.append({**kind, "repeat": 1})
+    return runs
 
 
 def rope_from_hf(config: dict, where: str) -> dict:
@@ -91,7 +152,7 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     cfg = compose(spec["base"])
     for zoo_key, rule in spec["fields"].items():
         key, default = (rule["key"], rule.get("default", _ABSENT)) if isinstance(rule, dict) else (rule, _ABSENT)
-        value = _get(config, key)
+        value = _get_first(config, key)
         if value is _ABSENT or value is None:
             if default is _ABSENT:
                 raise ConfigError(f"{where}: config.json lacks required key {key!r} (for {zoo_key}; "
@@ -100,6 +161,9 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
         OmegaConf.update(cfg, zoo_key, value, merge=False)
     if spec.get("rope"):
         OmegaConf.update(cfg, spec["rope"], rope_from_hf(config, where), merge=False)
+    if spec.get("layout_from"):
+        layout = layout_from_hf(config, spec["layout_from"], int(cfg.n_layers), where, spec["file"])
+        OmegaConf.update(cfg, "layout", layout, merge=False)
     quant = config.get("quantization_config")
     stages = list(spec["rules"])
     if quant:
@@ -127,3 +191,31 @@ def quantization_stages(quant: dict, where: str) -> list[str]:
             raise ConfigError(f"{where}: quantization_config.{key}={quant.get(key)!r} is not supported "
                               f"(expected {expected!r})")
     return list(entry["rules"])
+
+
+def _group_option(group: str, kind: str) -> str | None:
+    """The conf/<group>/ option whose `kind` is `kind` (the file named after the kind first)."""
+    folder = conf_dir() / group
+    files = sorted(folder.glob("*.yaml"), key=lambda p: (p.stem != kind, p.stem))
+    for path in files:
+        if OmegaConf.load(path).get("kind") == kind:
+            return path.stem
+    return None
+
+
+def conf_yaml(cfg: DictConfig, header: str) -> str:
+    """A conf/ YAML reproducing `cfg` exactly. Its defaults list names the group option of each
+    kind node (so `residual=mhc`-style group overrides keep working on it); every value follows
+    in `_self_`, which wins."""
+    defaults: list = []
+    slots = [("norm", "norm"), ("rope", "rope"), ("residual", "residual")]
+    slots += [("mixer", f"mixers.{k}") for k in cfg.mixers] + [("ffn", f"ffns.{k}") for k in cfg.ffns]
+    for group, key in slots:
+        option = _group_option(group, OmegaConf.select(cfg, key).kind)
+        if option is not None:
+            defaults.append({group if group == key else f"{group}@{key}": option})
+    defaults.append({"runtime": "default"})
+    defaults.append("_self_")
+    body = OmegaConf.to_container(cfg, resolve=True)
+    text = OmegaConf.to_yaml(OmegaConf.create({"defaults": defaults, **body}))
+    return "".join(f"# {line}\n" for line in header.splitlines()) + text

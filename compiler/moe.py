@@ -68,11 +68,23 @@ def _expert_mm_fake(x, w, offs):
 
 # ---------------------------------------------------------------------------- module
 
+class Router(nn.Module):
+    """weight [E, D] and, with score_correction_bias, score_bias [E]; kept in float32 (the
+    checkpoints store the bias in float32, and near-ties in selection are decided by it)."""
+
+    keep_float32 = True
+
+    def __init__(self, n_experts: int, dim: int, score_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.score_bias = nn.Parameter(torch.empty(n_experts)) if score_bias else None
+
+
 @register("ffn", "moe")
 class MoE(nn.Module):
-    """x [..., D] -> [..., D]. Parameters: router [E, D], score_bias [E] (when
+    """x [..., D] -> [..., D]. Parameters: router.weight [E, D], router.score_bias [E] (when
     score_correction_bias), w13 [E, 2F, D], w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
-    shared_gate [1, D] (when shared_expert_gate)."""
+    shared_gate.weight [1, D] (when shared_expert_gate)."""
 
     @dataclass
     class Spec:
@@ -127,8 +139,7 @@ class MoE(nn.Module):
         self.spec = spec
         s, D = spec, model.dim
         self.n_experts, self.top_k, self.ffn_dim = s.n_experts, s.top_k, s.ffn_dim
-        self.router = nn.Linear(D, s.n_experts, bias=False)
-        self.score_bias = nn.Parameter(torch.empty(s.n_experts)) if s.score_correction_bias else None
+        self.router = Router(s.n_experts, D, s.score_correction_bias)
         self.w13 = nn.Parameter(torch.empty(s.n_experts, 2 * s.ffn_dim, D))
         self.w2 = nn.Parameter(torch.empty(s.n_experts, D, s.ffn_dim))
         self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim), model) if s.shared_ffn_dim else None
@@ -141,7 +152,8 @@ class MoE(nn.Module):
         s = self.spec
         logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if s.scoring == "softmax" else logits.sigmoid()
-        choice = scores if self.score_bias is None else scores + self.score_bias.float()
+        bias = self.router.score_bias
+        choice = scores if bias is None else scores + bias.float()
         if s.n_group > 1:
             grouped = choice.view(-1, s.n_group, s.n_experts // s.n_group)
             if s.group_score == "top2_sum":

@@ -49,7 +49,7 @@ class MTPLayer(Block):
 
     def step_in(self, model: "Decoder", prev: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """prev [B, L, D] (hidden^(k-1) at t), ids [B, L] (tokens t + k) -> block input [B, L, D]."""
-        embed = model.embed
+        embed = getattr(self, "embed", model.embed)
         x = torch.cat((self.enorm(embed(ids)), self.hnorm(prev)), dim=-1)
         return model.streams.expand(self.eh_proj(x))
 

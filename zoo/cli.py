@@ -2,6 +2,11 @@
 
     zoo build conf=llama3_8b [weights=<repo id|dir|file.gguf>] [Hydra overrides ...]
     zoo generate (conf=NAME weights=... | weights=...) prompt="..." [chat=true] [max_new_tokens=64]
+    zoo report conf=NAME[,NAME...] [overrides] [context=T] [batch=B] [device=h200] [output=json]
+               [plot=cache.png]
+    zoo diff "llama3_8b" "llama3_8b residual=mhc"      (conf names + overrides, dirs or Hub ids)
+    zoo import <repo id | dir> [name=NAME] [out=FILE]
+    zoo check weights=<dir | repo id> [conf=NAME]
     zoo configs
 
 Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every other key=value (or
@@ -16,7 +21,9 @@ from typing import Optional, Sequence
 from compiler.errors import ZooError
 
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
-            "top_k", "top_p", "seed", "dry", "output"}
+            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out"}
+# report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
+ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
 COMMANDS = ("build", "generate", "configs")
 
@@ -25,13 +32,13 @@ def _usage() -> str:
     return (__doc__ or "").strip()
 
 
-def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+def parse_args(argv: Sequence[str], zoo_keys=ZOO_KEYS) -> tuple[dict[str, str], list[str]]:
     """Split key=value arguments into zoo options and Hydra overrides."""
     opts: dict[str, str] = {}
     overrides: list[str] = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if sep and key in ZOO_KEYS:
+        if sep and key in zoo_keys:
             opts[key] = value
         elif sep and key in RUNTIME_KEYS:
             overrides.append(f"runtime.{key}={value}")
@@ -109,6 +116,129 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
     return 0
 
 
+def resolve_target(text: str, revision=None):
+    """'NAME [overrides]' (a conf), or 'DIR|REPO [overrides]' (a checkpoint) -> (DictConfig, label)."""
+    import shlex
+
+    from compiler.checkpoint.hub import open_source
+    from compiler.config import available_configs, compose
+    from compiler.hf_import import import_config
+
+    head, *rest = shlex.split(text)
+    if head in available_configs():
+        return compose(head, rest), text
+    source = open_source(head, revision=revision)
+    return import_config(source.config(), source.description, rest), text
+
+
+def cmd_report(opts: dict, overrides: list[str]) -> int:
+    from compiler.analysis import analyze
+    from compiler.spec import validate
+
+    from .report import plot_cache, print_analysis
+
+    targets = [c for c in opts.get("conf", "").split(",") if c] if "conf" in opts else []
+    if "weights" in opts:
+        targets.append(opts["weights"])
+    if not targets:
+        raise ZooError("report needs conf=NAME (or several, comma-separated) or weights=<dir|repo id>")
+    results = []
+    for target in targets:
+        cfg, label = resolve_target(" ".join([target, *overrides]), opts.get("revision"))
+        spec = validate(cfg, source=label)
+        dtype = opts.get("dtype", "bfloat16")
+        results.append(analyze(spec, context=int(opts.get("context", 4096)), batch=int(opts.get("batch", 1)),
+                               cache_dtype=dtype, weight_dtype=dtype, device=opts.get("device")))
+    if "plot" in opts:
+        plot_cache([validate(resolve_target(" ".join([t, *overrides]))[0], source=t) for t in targets],
+                   opts["plot"], max_context=int(opts.get("context", 131072)), dtype=opts.get("dtype", "bfloat16"))
+    if opts.get("output") == "json":
+        import json
+
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    else:
+        for r in results:
+            print_analysis(r)
+    return 0
+
+
+def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
+    from compiler.analysis import analyze
+    from compiler.spec import validate
+
+    from .report import config_diff, print_diff
+
+    if len(positional) != 2:
+        raise ZooError('diff needs two targets, e.g. zoo diff llama3_8b "llama3_8b residual=mhc"')
+    sides = []
+    for text in positional:
+        cfg, label = resolve_target(text, opts.get("revision"))
+        spec = validate(cfg, source=label)
+        dtype = opts.get("dtype", "bfloat16")
+        sides.append((label, cfg, analyze(spec, context=int(opts.get("context", 4096)), cache_dtype=dtype,
+                                          weight_dtype=dtype)))
+    diff = config_diff(sides[0][1], sides[1][1], sides[0][2], sides[1][2])
+    if opts.get("output") == "json":
+        import json
+
+        print(json.dumps({"a": sides[0][0], "b": sides[1][0], **diff}, indent=2))
+    else:
+        print_diff(sides[0][0], sides[1][0], diff)
+    return 0
+
+
+def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
+    from pathlib import Path
+
+    from compiler.checkpoint.hub import open_source
+    from compiler.config import user_conf_dir
+    from compiler.hf_import import conf_yaml, import_config
+    from compiler.spec import validate
+
+    if len(positional) != 1:
+        raise ZooError("import needs one checkpoint: zoo import <repo id | dir> [name=NAME] [out=FILE]")
+    source = open_source(positional[0], revision=opts.get("revision"))
+    cfg = import_config(source.config(), source.description, overrides)
+    name = opts.get("name") or str(cfg.name).lower().replace("-", "_").replace(".", "_")
+    cfg.name = name
+    validate(cfg.copy(), source=source.description)  # never write a conf that would not build
+    out = Path(opts["out"]) if "out" in opts else user_conf_dir() / f"{name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(conf_yaml(cfg, f"Imported by `zoo import {positional[0]}` ({source.description}).\n"
+                                  f"Rebuild with: zoo build conf={name} weights={positional[0]}"))
+    print(f"wrote {out}  (use: zoo build conf={name} weights={positional[0]})")
+    return 0
+
+
+def cmd_check(opts: dict, overrides: list[str]) -> int:
+    from compiler.checkpoint.hub import open_source
+    from compiler.checkpoint.loader import plan_load
+    from compiler.checkpoint.rules import load_stage
+    from compiler.config import compose
+    from compiler.hf_import import import_config
+    from compiler.model import build_model, cast
+    from compiler.spec import validate
+
+    from .report import print_check
+
+    if "weights" not in opts:
+        raise ZooError("check needs weights=<dir | repo id>")
+    source = open_source(opts["weights"], revision=opts.get("revision"), verify_data=False)
+    if "conf" in opts:
+        cfg, label = compose(opts["conf"], overrides), f"conf/{opts['conf']}.yaml"
+    else:
+        cfg, label = import_config(source.config(), source.description, overrides), source.description
+    spec = validate(cfg, source=label)
+    from .runtime import DTYPES
+
+    model = cast(build_model(spec), DTYPES[spec.runtime.dtype])
+    names = list(getattr(source, "format_stages", lambda: [])()) + list(spec.checkpoint.rules)
+    plan = plan_load(model, source, [load_stage(n, spec.config) for n in names], strict=False)
+    data = list(getattr(source, "data_problems", None) or [])
+    print_check(source.description, label, plan, data)
+    return 0 if plan.ok and not data else 1
+
+
 def cmd_configs(opts: dict, overrides: list[str]) -> int:
     from compiler.config import available_configs
 
@@ -122,12 +252,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(_usage())
         return 0
     command, rest = argv[0], argv[1:]
-    handlers = {"build": cmd_build, "generate": cmd_generate, "configs": cmd_configs}
-    if command not in handlers:
-        print(f"zoo: unknown command {command!r}; expected one of {', '.join(handlers)}", file=sys.stderr)
+    handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
+                "configs": cmd_configs}
+    positional_handlers = {"diff": cmd_diff, "import": cmd_import}
+    if command not in handlers and command not in positional_handlers:
+        known = ", ".join([*handlers, *positional_handlers])
+        print(f"zoo: unknown command {command!r}; expected one of {known}", file=sys.stderr)
         return 2
     try:
-        opts, overrides = parse_args(rest)
+        if command in positional_handlers:
+            # targets are free text (a conf with overrides, a dir, a repo id); key=value options
+            # that zoo reads are taken out, the rest are overrides applied to the import
+            positional = [a for a in rest if "=" not in a.split(" ")[0] or " " in a]
+            opts, overrides = parse_args([a for a in rest if a not in positional], ANALYSIS_KEYS)
+            return positional_handlers[command](opts, overrides, positional)
+        opts, overrides = parse_args(rest, ANALYSIS_KEYS if command == "report" else ZOO_KEYS)
         return handlers[command](opts, overrides)
     except ZooError as e:
         print(f"zoo {command}: error: {e}", file=sys.stderr)

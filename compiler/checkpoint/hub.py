@@ -81,8 +81,11 @@ def resolve_local(name: str, revision: Optional[str] = None) -> Path:
         raise CheckpointError(f"Hub repo {name!r}: {str(e).splitlines()[0]}") from None
 
 
-def open_source(name: str, revision: Optional[str] = None):
-    """The checkpoint Source for a directory, a .gguf file or a Hub repo id."""
+def open_source(name: str, revision: Optional[str] = None, verify_data: bool = True):
+    """The checkpoint Source for a directory, a .gguf file or a Hub repo id.
+
+    verify_data=False: a safetensors data section shorter than its header declares is recorded
+    in `source.data_problems` instead of raising (header-only checks)."""
     path = resolve_local(name, revision)
     if path.is_file():
         if path.suffix == ".gguf":
@@ -103,4 +106,4 @@ def open_source(name: str, revision: Optional[str] = None):
         from .gguf import GGUFSource
 
         return GGUFSource(ggufs[0])
-    return SafetensorsSource(path)
+    return SafetensorsSource(path, verify_data=verify_data)

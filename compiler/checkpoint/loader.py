@@ -60,6 +60,13 @@ class LoadPlan:
     ignored: list[tuple[str, str]]  # (stored name, why)
     bytes_to_read: int
     n_stored: int
+    # what does not fit, by kind: "unexpected" (stored, no rule), "missing" (parameter unfilled),
+    # "mismatched" (shape / dtype / rows), "invalid" (rule targets that are no parameter)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.problems.values())
 
 
 @dataclass
@@ -120,9 +127,10 @@ def _derive(rule: Rule, inputs: list[Node], target: str, index: Optional[int], s
     return Node(target, shape, dtype, tuple(inputs), rule.op, tuple(sorted(args.items())))
 
 
-def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan:
+def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: bool = True) -> LoadPlan:
     """Check the whole mapping from headers: every stored tensor used or ignored, every
-    parameter filled exactly once with the right shape. Raises CheckpointError listing offenders."""
+    parameter filled exactly once with the right shape. strict: raise CheckpointError listing
+    every offender; otherwise return them in `plan.problems` (what `zoo check` prints)."""
     desc = source.description
     entries = source.entries()
     nodes = {n: Node(n, tuple(i.shape), i.dtype, info=i) for n, i in entries.items()}
@@ -143,10 +151,13 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan
     final = stages[-1]
     matches, ign, left = _apply_rules(final, nodes, desc)
     ignored += ign
-    if left:
+    problems: dict[str, list[str]] = {
+        "unexpected": [f"{n} {list(x.shape)} {x.dtype}" for n, x in sorted(left.items())],
+        "missing": [], "mismatched": [], "invalid": []}
+    if left and strict:
         raise CheckpointError(f"{desc}: {len(left)} checkpoint tensor(s) match no rule in "
                               f"{[f'conf/rules/{s.name}.yaml' for s in stages]} (map or ignore them):"
-                              + _listing([f"{n} {list(x.shape)} {x.dtype}" for n, x in sorted(left.items())]))
+                              + _listing(problems["unexpected"]))
 
     params = dict(model.named_parameters(remove_duplicate=False))
     canonical = {}
@@ -155,12 +166,13 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan
         canonical[name] = first_name.setdefault(id(p), name)
 
     assignments: list[Assignment] = []
-    errors: list[str] = []
+    errors = problems["mismatched"]
     for rule, binds, inputs in matches:
         for i, pattern in enumerate(rule.targets):
             target = fill(pattern, binds, rule.where)
             if target not in canonical:
-                errors.append(f"{rule.where}: target {target!r} (from {inputs[0].name!r}) is not a parameter")
+                problems["invalid"].append(f"{rule.where}: target {target!r} (from {inputs[0].name!r}) is not a "
+                                           f"parameter")
                 continue
             node = _derive(rule, inputs, target, i if len(rule.targets) > 1 else None, desc)
             index = int(binds[rule.stack]) if rule.stack else None
@@ -174,7 +186,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan
             continue
         got = by_param.get(name, [])
         if not got:
-            errors.append(f"parameter {name} {list(p.shape)} is not filled by any rule")
+            problems["missing"].append(f"parameter {name} {list(p.shape)} is not filled by any rule")
             continue
         whole = [a for a in got if a.index is None]
         rows = [a for a in got if a.index is not None]
@@ -198,13 +210,15 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage]) -> LoadPlan
                 dup = sorted({i for i in seen if seen.count(i) > 1})
                 missing = sorted(set(range(p.shape[0])) - set(seen))
                 errors.append(f"parameter {name} rows: missing {missing[:8]}, duplicated {dup[:8]}")
-    if errors:
-        raise CheckpointError(f"{desc}: the checkpoint does not fit the model:" + _listing(errors))
+    found = problems["invalid"] + problems["missing"] + problems["mismatched"]
+    if found and strict:
+        raise CheckpointError(f"{desc}: the checkpoint does not fit the model:" + _listing(found))
 
     order = {n: i for i, group in enumerate(source.read_order()) for n in group}
     assignments.sort(key=lambda a: min(order[s.name] for s in a.node.stored()))
     stored = {s.name: s.info.nbytes for a in assignments for s in a.node.stored()}
-    return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries))
+    return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries),
+                    problems=problems)
 
 
 def _evaluate(node: Node, source: Source, memo: dict[str, torch.Tensor]) -> torch.Tensor:

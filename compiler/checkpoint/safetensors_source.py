@@ -23,8 +23,12 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor infos of one .safetensors file, from its header; checks the data section's size."""
+def read_header(path: Path, problems: list[str] | None = None) -> dict[str, TensorInfo]:
+    """Tensor infos of one .safetensors file, from its header; checks the data section's size.
+
+    A data section too short for the header is an error, or, when `problems` is given, a line
+    appended to it (`zoo check` reports it and goes on: it never reads tensor data).
+    """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -55,10 +59,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         width = _DTYPE_BYTES.get(dtype)
         if width is None:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        if end - start != numel * width or end > data_size:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) but the data "
-                f"section has {data_size} bytes (truncated or corrupt file)")
+        if end - start != numel * width:
+            raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} declares {end - start} bytes, "
+                                  f"expected {numel * width} (corrupt header)")
+        if end > data_size:
+            msg = (f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) but the data "
+                   f"section has {data_size} bytes (truncated or corrupt file)")
+            if problems is None:
+                raise CheckpointError(msg)
+            problems.append(msg)
         out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start)
     return out
 
@@ -75,8 +84,9 @@ def refuse_pickles(directory: Path) -> None:
 class SafetensorsSource:
     """A directory with model.safetensors, or shards listed by model.safetensors.index.json."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, verify_data: bool = True):
         self.directory = Path(directory)
+        self.data_problems: list[str] | None = None if verify_data else []
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
         index = self.directory / INDEX
@@ -98,7 +108,7 @@ class SafetensorsSource:
         self._entries: dict[str, TensorInfo] = {}
         self._order: list[list[str]] = []
         for fname in files:
-            infos = read_header(self.directory / fname)
+            infos = read_header(self.directory / fname, self.data_problems)
             names = []
             for name, info in infos.items():
                 if weight_map is not None and weight_map.get(name) != fname:
