@@ -1,7 +1,7 @@
 """Gated DeltaNet: linear attention with a gated delta-rule state (Qwen3-Next linear layers).
 
     x [B, L, D] -> in_proj -> q, k [B, L, Hk, Dk] | v, z [B, L, Hv, Dv] | b, a [B, L, Hv]
-    [q|k|v] (C = 2*Hk*Dk + Hv*Dv channels) -> causal depthwise conv (kernel k) -> SiLU
+    [q|k|v] (Cc = 2*Hk*Dk + Hv*Dv channels) -> causal depthwise conv (width W) -> SiLU
     q, k l2-normalised (q also scaled by Dk^-0.5), each key head serving Hv/Hk value heads
     decay g = -exp(A_log) * softplus(a + dt_bias) (log space, <= 0), beta = sigmoid(b)
 
@@ -13,19 +13,19 @@
     o [B, L, Hv, Dv] -> rmsnorm(o) * w * silu(z) -> out_proj -> [B, L, D]
 
 Two execution forms of the same recurrence, chosen by the entry point:
-  prefill  chunked parallel (`chunk_gated_delta_rule`): within a chunk of `chunk_size` tokens the
-           writes are solved at once (a unit lower-triangular system, the WY form), and only the
-           state crosses chunk boundaries. Memory O(L * chunk_size), never [L, L]. Starts from a
+  prefill  chunked parallel (`chunk_gated_delta_rule`): within a chunk of Lc = `chunk_size`
+           tokens the writes are solved at once (a unit lower-triangular system, the WY form), and
+           only the state crosses chunk boundaries. Memory O(L * Lc), never [L, L]. Starts from a
            zero state (a prefill starts new sequences) and leaves the final state in the cache.
   decode   recurrent (`recurrent_gated_delta_step`): one step of the recurrence from the cached
            state, O(1) per token.
 
 Cache per layer, constant per sequence (grows=False):
-  conv   [B, C, k-1]      the last k-1 conv inputs (cache dtype)
+  conv   [B, Cc, W-1]     the last W-1 conv inputs (cache dtype)
   state  [B, Hv, Dk, Dv]  the recurrent state, always float32
 
 Parameters: in_proj [2*Hk*Dk + 2*Hv*Dv + 2*Hv, D] (rows q | k | v | z | b | a, heads in order;
-value head h reads key head h // (Hv/Hk)), conv_weight [C, 1, k], A_log [Hv], dt_bias [Hv],
+value head h reads key head h // (Hv/Hk)), conv_weight [Cc, 1, W], A_log [Hv], dt_bias [Hv],
 norm.weight [Dv] (plain weight), out_proj [D, Hv*Dv].
 """
 from __future__ import annotations
@@ -52,55 +52,55 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked parallel gated delta rule, float32.
 
-    q, k [B, H, L, K] (q already scaled), v [B, H, L, V], g, beta [B, H, L],
-    initial_state [B, H, K, V] -> (o [B, H, L, V], final state [B, H, K, V]).
+    q, k [B, Hv, L, Dk] (q already scaled), v [B, Hv, L, Dv], g, beta [B, Hv, L],
+    initial_state [B, Hv, Dk, Dv] -> (o [B, Hv, L, Dv], final state [B, Hv, Dk, Dv]).
 
-    Per chunk with cumulative decay G_i = g_1 + ... + g_i and start state S0, the writes
+    Per chunk (Lc tokens) with cumulative decay G_i = g_1 + ... + g_i and start state S0, the writes
     u_i = beta_i (v_i - k_i^T S'_{i-1}) solve (I + A) U = beta V - beta exp(G) K S0 with
     A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i); then
         O   = exp(G) Q S0 + (Q K^T * exp(G_i - G_j))_{j <= i} U
-        S_C = exp(G_C) S0 + (K * exp(G_C - G))^T U.
+        S_end = exp(G_Lc) S0 + (K * exp(G_Lc - G))^T U.
     Zero padding to whole chunks (g = beta = 0) leaves the state unchanged.
 
     A custom op: the sequential loop over chunks runs eagerly inside, so the compiled prefill
     graph keeps one op for it whatever the (dynamic) prompt length.
     """
-    B, H, L, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    n = -(-L // C)
-    pad = n * C - L
+    B, H, L, Dk = q.shape
+    Dv = v.shape[-1]
+    Lc = chunk_size
+    n = -(-L // Lc)
+    pad = n * Lc - L
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    q, k, v = q.reshape(B, H, n, C, K), k.reshape(B, H, n, C, K), v.reshape(B, H, n, C, V)
-    G = g.reshape(B, H, n, C).cumsum(-1)
-    beta = beta.reshape(B, H, n, C)
+    q, k, v = q.reshape(B, H, n, Lc, Dk), k.reshape(B, H, n, Lc, Dk), v.reshape(B, H, n, Lc, Dv)
+    G = g.reshape(B, H, n, Lc).cumsum(-1)
+    beta = beta.reshape(B, H, n, Lc)
 
-    idx = torch.arange(C, device=q.device)
-    causal = idx[:, None] >= idx[None, :]  # [C, C] j <= i
+    idx = torch.arange(Lc, device=q.device)
+    causal = idx[:, None] >= idx[None, :]  # [Lc, Lc]: j <= i
     # exp(G_i - G_j) on and below the diagonal; masked before exp so it never overflows
     decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()
     A = torch.where(idx[:, None] > idx[None, :], (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
     eG = G.exp()
-    rhs = torch.cat((v * beta[..., None], k * (beta * eG)[..., None]), dim=-1)  # [B, H, n, C, V+K]
-    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    rhs = torch.cat((v * beta[..., None], k * (beta * eG)[..., None]), dim=-1)  # [B, Hv, n, Lc, Dv+Dk]
+    eye = torch.eye(Lc, dtype=A.dtype, device=A.device)
     w = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
-    wv, wk = w.split([V, K], dim=-1)  # U = wv - wk @ S0
+    wv, wk = w.split([Dv, Dk], dim=-1)  # U = wv - wk @ S0
     del A, rhs, w
-    attn = (q @ k.transpose(-1, -2)) * decay  # [B, H, n, C, C]
+    attn = (q @ k.transpose(-1, -2)) * decay  # [B, Hv, n, Lc, Lc]
     del decay
     q_dec = q * eG[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = eG[..., -1]  # [B, H, n]
+    chunk_decay = eG[..., -1]  # [B, Hv, n]
 
     S = initial_state.to(torch.float32).clone()
-    o = torch.empty(B, H, n, C, V, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, H, n, Lc, Dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         u = wv[:, :, i] - wk[:, :, i] @ S
         o[:, :, i] = q_dec[:, :, i] @ S + attn[:, :, i] @ u
         S = S * chunk_decay[:, :, i, None, None] + k_dec[:, :, i].transpose(-1, -2) @ u
-    return o.reshape(B, H, n * C, V)[:, :, :L].contiguous(), S
+    return o.reshape(B, H, n * Lc, Dv)[:, :, :L].contiguous(), S
 
 
 @chunk_gated_delta_rule.register_fake
@@ -114,8 +114,8 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the recurrence, float32.
 
-    q, k [B, H, K] (q already scaled), v [B, H, V], g, beta [B, H], state [B, H, K, V]
-    -> (o [B, H, V], new state [B, H, K, V]).
+    q, k [B, Hv, Dk] (q already scaled), v [B, Hv, Dv], g, beta [B, Hv], state [B, Hv, Dk, Dv]
+    -> (o [B, Hv, Dv], new state [B, Hv, Dk, Dv]).
     """
     S = state * g.exp()[..., None, None]
     delta = beta[..., None] * (v - (k[..., None] * S).sum(-2))  # [B, H, V]
@@ -158,8 +158,8 @@ class GatedDeltaNet(nn.Module):
         n_v_heads: Optional[int] = None  # value heads (Hv), a multiple of n_k_heads; None: n_k_heads
         k_head_dim: int = "???"  # type: ignore[assignment]  # Dk
         v_head_dim: Optional[int] = None  # Dv; None: k_head_dim
-        conv_kernel: int = 4  # causal depthwise conv width over [q|k|v]
-        chunk_size: int = 64  # tokens per chunk of the chunked prefill
+        conv_kernel: int = 4  # W: causal depthwise conv width over [q|k|v]
+        chunk_size: int = 64  # Lc: tokens per chunk of the chunked prefill
         norm_eps: float = 1e-6  # eps of the gated output RMSNorm
 
         def resolve(self, model: dict) -> "GatedDeltaNet.Spec":
@@ -182,7 +182,7 @@ class GatedDeltaNet(nn.Module):
 
         @property
         def conv_dim(self) -> int:
-            """C: channels of the conv, [q | k | v]."""
+            """Cc: channels of the conv, [q | k | v]."""
             return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
 
     def __init__(self, spec: "GatedDeltaNet.Spec", model):
@@ -220,7 +220,7 @@ class GatedDeltaNet(nn.Module):
         return g, b.float().sigmoid()
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv output [B, L, C] -> q, k [B, Hv, L, Dk] (normalised, q scaled), v [B, Hv, L, Dv], float32."""
+        """Conv output [B, L, Cc] -> q, k [B, Hv, L, Dk] (normalised, q scaled), v [B, Hv, L, Dv], float32."""
         B, L, _ = qkv.shape
         q, k, v = qkv.float().split(self.split[:3], dim=-1)
         rep = self.Hv // self.Hk
@@ -241,10 +241,10 @@ class GatedDeltaNet(nn.Module):
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
-        the last k-1 positions and the final recurrent state in the cache."""
+        the last W-1 positions and the final recurrent state in the cache."""
         B, L, _ = x.shape
         q, k, v, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, C, L]
+        mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, Cc, L]
         padded = F.pad(mixed, (self.kernel - 1, 0))  # zero history: a prefill starts from scratch
         cache["conv"].copy_(padded[:, :, padded.shape[2] - (self.kernel - 1):])
         conv = F.silu(F.conv1d(padded, self.conv_weight.to(padded.dtype), groups=padded.shape[1]))
@@ -259,10 +259,10 @@ class GatedDeltaNet(nn.Module):
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""
         q, k, v, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        new = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, C, 1]
-        window = torch.cat((cache["conv"].to(new.dtype), new), dim=-1)  # [B, C, k]
+        new = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, Cc, 1]
+        window = torch.cat((cache["conv"].to(new.dtype), new), dim=-1)  # [B, Cc, W]
         cache["conv"].copy_(window[:, :, 1:])
-        conv = F.silu((window * self.conv_weight[:, 0].to(window.dtype)).sum(-1))  # [B, C]
+        conv = F.silu((window * self.conv_weight[:, 0].to(window.dtype)).sum(-1))  # [B, Cc]
         q, k, v = self._heads(conv[:, None, :])
         g, beta = self._gates(b[:, 0], a[:, 0])
         o, state = recurrent_gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g, beta, cache["state"])

@@ -17,6 +17,13 @@ Config fields and shape letters mean the same thing everywhere:
     C   kv_lora_rank          MLA latent width cached per token
     N   n_streams             residual streams of mHC
     T   context               tokens already in the cache (reports)
+    Hk  n_k_heads             query/key heads of a Gated DeltaNet mixer
+    Hv  n_v_heads             its value heads (Hv % Hk == 0; state per value head [Dk, Dv])
+    Dk  k_head_dim            width of one DeltaNet query/key head
+    Dv  v_head_dim            width of one DeltaNet value head
+    W   conv_kernel           width of the DeltaNet causal conv
+    Cc  conv_dim              channels of that conv, [q|k|v] = 2*Hk*Dk + Hv*Dv (derived)
+    Lc  chunk_size            tokens per chunk of the chunked DeltaNet prefill
 
 Module paths are fixed whatever the layer kind, so checkpoint rules and reports address
 parameters uniformly:
@@ -48,4 +55,11 @@ DIMENSIONS = {
     "C": "kv_lora_rank",
     "N": "n_streams",
     "T": "context",
+    "Hk": "n_k_heads",
+    "Hv": "n_v_heads",
+    "Dk": "k_head_dim",
+    "Dv": "v_head_dim",
+    "W": "conv_kernel",
+    "Cc": "conv_dim",
+    "Lc": "chunk_size",
 }

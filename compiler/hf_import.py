@@ -205,17 +205,29 @@ def _group_option(group: str, kind: str) -> str | None:
 
 def conf_yaml(cfg: DictConfig, header: str) -> str:
     """A conf/ YAML reproducing `cfg` exactly. Its defaults list names the group option of each
-    kind node (so `residual=mhc`-style group overrides keep working on it); every value follows
-    in `_self_`, which wins."""
+    kind node, and `_self_` holds only what differs from those options, so group overrides on the
+    command line (`residual=mhc`) replace a node exactly as they do on the shipped confs."""
+    body = OmegaConf.to_container(cfg, resolve=True)
     defaults: list = []
     slots = [("norm", "norm"), ("rope", "rope"), ("residual", "residual")]
     slots += [("mixer", f"mixers.{k}") for k in cfg.mixers] + [("ffn", f"ffns.{k}") for k in cfg.ffns]
     for group, key in slots:
-        option = _group_option(group, OmegaConf.select(cfg, key).kind)
-        if option is not None:
-            defaults.append({group if group == key else f"{group}@{key}": option})
-    defaults.append({"runtime": "default"})
-    defaults.append("_self_")
-    body = OmegaConf.to_container(cfg, resolve=True)
+        node = OmegaConf.select(cfg, key)
+        option = _group_option(group, node.kind)
+        if option is None:
+            continue
+        defaults.append({group if group == key else f"{group}@{key}": option})
+        base = OmegaConf.to_container(OmegaConf.load(conf_dir() / group / f"{option}.yaml"))
+        delta = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if base.get(k, _ABSENT) != v}
+        parent, _, leaf = key.rpartition(".")
+        holder = body[parent] if parent else body
+        if delta:
+            holder[leaf] = delta
+        else:
+            del holder[leaf]
+    for parent in ("mixers", "ffns"):
+        if not body.get(parent):
+            body.pop(parent, None)
+    defaults += [{"runtime": "default"}, "_self_"]
     text = OmegaConf.to_yaml(OmegaConf.create({"defaults": defaults, **body}))
     return "".join(f"# {line}\n" for line in header.splitlines()) + text

@@ -93,6 +93,13 @@ class MLA(nn.Module):
         single KV head, so attention reads it in place)."""
         return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True)}
 
+    def expanded_cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
+        """What a per-head K/V cache of the expanded form would hold (for reports, never allocated):
+        k [B, H, S, N + R], v [B, H, S, Vd]."""
+        H = self.n_heads
+        return {"k": CacheField((max_batch, H, max_seq, self.nope + self.rot), dtype, grows=True),
+                "v": CacheField((max_batch, H, max_seq, self.v_dim), dtype, grows=True)}
+
     # ------------------------------------------------------------------ projections
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -42,11 +42,42 @@ def _llama_reference(path: Path, **dims) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
+def _deepseek_v3_reference(path: Path, **dims) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config(**dims, rope_parameters=rope, max_position_embeddings=4096, tie_word_embeddings=False,
+                           n_shared_experts=1, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # a selection bias that matters, as in the real checkpoint
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    model.save_pretrained(path)
+
+
+# conf/deepseek_v3_tiny.yaml's dims (the tiny twin), and a larger model of the same shape
+DEEPSEEK_V3_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2)
+DEEPSEEK_V3_SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+                         num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+                         q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                         v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2)
+
 CASES = {
     # name: (writer(path), description)
     "llama40m": (lambda p: _llama_reference(p, vocab_size=32000, hidden_size=512, intermediate_size=1536,
                                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
                  "Llama-shaped, d 512, 8 layers, GQA 8/2, ffn 1536, vocab 32000"),
+    "deepseek_v3_tiny": (lambda p: _deepseek_v3_reference(p, **DEEPSEEK_V3_TINY),
+                         "DeepSeek-V3 tiny twin (conf/deepseek_v3_tiny): d 64, 3 layers, MLA 4 heads latent 32+8, "
+                         "8 experts top-2 in 4 groups, YaRN"),
+    "deepseek_v3_small": (lambda p: _deepseek_v3_reference(p, **DEEPSEEK_V3_SMALL),
+                          "DeepSeek-V3-shaped, d 512, 8 layers, MLA 16 heads latent 128+16, 32 experts top-4, "
+                          "vocab 32000"),
 }
 
 
@@ -102,7 +133,15 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str) -> dict:
     weights = sum(p.numel() * p.element_size() for p in m.module.parameters())
     embed = m.module.embed.weight
     cache_bytes = m.engine.plan.total_bytes()
-    return {"load_s": m.info.load_seconds, "build_total_s": total, "compile_s": compile_s,
+    # what the same attention would cache with per-head K/V (MLA reports it; others cache K/V)
+    expanded = sum(f.nbytes for block, layer in zip(m.module.layers, m.engine.plan.layers) for f in (
+        block.mixer.expanded_cache_fields(*next(iter(layer.values())).shape[:1], m.engine.max_seq,
+                                          next(iter(layer.values())).dtype)
+        if hasattr(block.mixer, "expanded_cache_fields") else layer).values())
+    # a decode step of one sequence reads top_k of a MoE layer's routed experts
+    inactive = sum((b.ffn.n_experts - b.ffn.top_k) * (b.ffn.w13[0].nbytes + b.ffn.w2[0].nbytes)
+                   for b in m.module.layers if hasattr(b.ffn, "n_experts"))
+    return {"expanded_cache_bytes": expanded, "inactive_expert_bytes": inactive,"load_s": m.info.load_seconds, "build_total_s": total, "compile_s": compile_s,
             "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
             "peak_rss": peak_rss_bytes(), "graphs": m.engine.graph_counts(),
             "weight_bytes": weights, "embed_bytes": embed.numel() * embed.element_size(),
@@ -195,6 +234,7 @@ def main(argv=None) -> int:
 def roofline(z: dict, bandwidth: float) -> tuple[int, float]:
     """Bytes one decode step must read and the tok/s that bandwidth allows."""
     step = z["weight_bytes"] - (0 if z["tied"] else z["embed_bytes"])  # one embedding row only
+    step -= z.get("inactive_expert_bytes", 0)  # experts the router did not pick
     step += z["cache_bytes_read"]  # the decode graph attends over the whole static cache
     return step, bandwidth / step
 
@@ -222,6 +262,10 @@ def report(r: dict) -> None:
         print(f"decode step reads {step / 2**20:.1f} MiB (weights + cache); read bandwidth "
               f"{r['read_bandwidth'] / 1e9:.1f} GB/s -> roofline {limit:.1f} tok/s; zoo reaches "
               f"{z['decode_tok_s'] / limit:.0%} of it")
+        if z.get("expanded_cache_bytes", z["cache_bytes_read"]) != z["cache_bytes_read"]:
+            print(f"decode attends over a latent cache of {z['cache_bytes_read'] / 2**20:.2f} MiB; per-head K/V "
+                  f"would be {z['expanded_cache_bytes'] / 2**20:.2f} MiB "
+                  f"({z['expanded_cache_bytes'] / z['cache_bytes_read']:.1f}x)")
         print(f"zoo compile: {z['compile_s']}, graphs {z['graphs']}, build total {z['build_total_s']:.1f} s")
 
 

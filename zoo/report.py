@@ -13,10 +13,19 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def _layout_text(runs: list[tuple[str, int]]) -> str:
+    """Runs of layer kinds as text; a repeating group of runs is shown once with its count
+    ("12 x (linear+moe x3, attn+moe x1)")."""
+    n = len(runs)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(runs[i] == runs[i % p] for i in range(n)))
+    group = ", ".join(f"{kind} x{count}" for kind, count in runs[:period])
+    return group if period == n else f"{n // period} x ({group})"
+
+
 def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
     spec, info = model.spec, model.info
     rt = spec.runtime
-    layout = ", ".join(f"{kind} x{n}" for kind, n in spec.layout_runs())
+    layout = _layout_text(spec.layout_runs())
     rows = [
         ("config", f"{spec.name}  ({spec.source})"),
         ("layers", f"{spec.n_layers}: {layout}"),
