@@ -214,7 +214,7 @@ def print_diff(label_a: str, label_b: str, diff: dict, console: Console | None =
 # ----------------------------------------------------------------------------- zoo check
 
 def print_check(source: str, label: str, plan, data_problems: list[str], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(soft_wrap=True)  # one line per finding, never wrapped
     mapped = len({s.name for a in plan.assignments for s in a.node.stored()})
     console.print(f"[bold]zoo check[/bold] {source} against {label} (headers only, no tensor data read)")
     console.print(f"  {plan.n_stored} stored tensors: {mapped} mapped to {len({a.param for a in plan.assignments})} "
