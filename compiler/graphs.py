@@ -17,7 +17,9 @@ static buffers and replayed.
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,6 +29,17 @@ from .errors import InputError
 from .model import Decoder
 from .mtp import mtp_caches, mtp_prefill
 from .rope import rope_key
+
+def compile_cache_dir() -> Path:
+    """Where compiled graphs persist between processes: $ZOO_CACHE_DIR (default ~/.cache/zoo)
+    /compile/torch-<version>. Inductor keys each artifact by its graph, shapes, dtypes and device;
+    delete the folder to clear it."""
+    root = Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo")
+    return root / "compile" / f"torch-{torch.__version__}"
+
+
+# inductor reads its cache location from the environment; an explicit user setting wins
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
 
 # Every engine compiles the same two functions; distinct models add cache entries to them.
 # Hitting the limit must fail loudly rather than fall back to eager.

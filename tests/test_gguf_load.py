@@ -215,3 +215,20 @@ def test_unsupported_quant_type_through_from_pretrained(tmp_path, random_llama):
         zoo.from_pretrained(str(path), compile=False)
     message = str(err.value)
     assert "blk.1.ffn_down.weight (IQ2_XXS)" in message and "Q4_K" in message
+
+
+
+def test_rename_stage_head_counts():
+    """attn_k un-permutes with the key/value heads, which default to the query heads (MHA)."""
+    from compiler.checkpoint.rules import load_stage
+    from compiler.config import compose
+
+    def stage(overrides):
+        return load_stage("gguf_llama", compose("llama3_8b_tiny", overrides))
+
+    def heads(overrides):
+        return {r.sources[0].split(".")[2]: r.args["heads"] for r in stage(overrides).rules if r.op == "unpermute_rope"}
+
+    assert stage([]).kind == "rename"
+    assert heads([]) == {"attn_q": 4, "attn_k": 2}
+    assert heads(["mixers.attn.n_kv_heads=null"]) == {"attn_q": 4, "attn_k": 4}
