@@ -1,4 +1,8 @@
-"""Dense feed-forward networks. SwiGLU: y = w2(silu(x w1) * (x w3)), with w1|w3 fused as w13."""
+"""Dense feed-forward networks. SwiGLU: y = w2(silu(x w1) * (x w3)), with w1|w3 fused as w13.
+
+`swiglu_limit` (DeepSeek-V4) clamps the pre-activations first: the gate from above at +limit, the
+up projection to [-limit, limit].
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +15,13 @@ from torch import nn
 from .registry import register
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """silu(gate) * up, with the optional DeepSeek-V4 clamp (see the module docstring)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 @register("ffn", "swiglu")
 class SwiGLU(nn.Module):
     """x [..., D] -> [..., D]. w13 [2F, D] holds the gate rows (w1) then the up rows (w3)."""
@@ -20,19 +31,23 @@ class SwiGLU(nn.Module):
         kind: str = "swiglu"
         ffn_dim: int = "???"  # type: ignore[assignment]
         bias: bool = False
+        swiglu_limit: Optional[float] = None  # clamp gate <= limit, up to [-limit, limit] (DeepSeek-V4)
 
         def check(self, model: dict) -> Optional[str]:
+            if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+                return f"swiglu_limit must be positive (or null), got {self.swiglu_limit}"
             return None if self.ffn_dim > 0 else f"ffn_dim must be positive, got {self.ffn_dim}"
 
     def __init__(self, spec: "SwiGLU.Spec", model):
         super().__init__()
         self.ffn_dim = spec.ffn_dim
+        self.limit = spec.swiglu_limit
         self.w13 = nn.Linear(model.dim, 2 * spec.ffn_dim, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_dim, model.dim, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(gate, up, self.limit))
 
     def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self(x)

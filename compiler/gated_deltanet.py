@@ -93,14 +93,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     del decay
     q_dec = q * eG[..., None]
     k_dec = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = eG[..., -1]  # [B, Hv, n]
+    chunk_decay = eG[..., -1, None, None]  # [B, Hv, n, 1, 1]
 
     S = initial_state.to(torch.float32).clone()
     o = torch.empty(B, H, n, Lc, Dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         u = wv[:, :, i] - wk[:, :, i] @ S
         o[:, :, i] = q_dec[:, :, i] @ S + attn[:, :, i] @ u
-        S = S * chunk_decay[:, :, i, None, None] + k_dec[:, :, i].transpose(-1, -2) @ u
+        S = S.mul_(chunk_decay[:, :, i]).add_(k_dec[:, :, i].transpose(-1, -2) @ u)
     return o.reshape(B, H, n * Lc, Dv)[:, :, :L].contiguous(), S
 
 

@@ -24,6 +24,15 @@ Config fields and shape letters mean the same thing everywhere:
     W   conv_kernel           width of the DeltaNet causal conv
     Cc  conv_dim              channels of that conv, [q|k|v] = 2*Hk*Dk + Hv*Dv (derived)
     Lc  chunk_size            tokens per chunk of the chunked DeltaNet prefill
+    Sw  window                sliding window: keys a query sees, itself included (ring slots of
+                              a sliding-window cache: min(window, max_seq))
+    Cq  q_lora_rank           width of a low-rank query projection (wq_a -> q_norm -> wq_b)
+    Dn  qk_nope_dim           MLA query/key channels of a head without RoPE (q.k width: Dn + R)
+    G   o_groups              head groups of a grouped output projection
+    Go  o_lora_rank           per-group width of that projection
+    Hi  index_n_heads         heads of a DSA lightning indexer
+    Di  index_head_dim        width of one indexer head, and of the one indexer key per token
+    Ks  index_topk            cached tokens a DSA query attends to (chosen by the indexer)
 
 Module paths are fixed whatever the layer kind, so checkpoint rules and reports address
 parameters uniformly:
@@ -62,4 +71,12 @@ DIMENSIONS = {
     "W": "conv_kernel",
     "Cc": "conv_dim",
     "Lc": "chunk_size",
+    "Sw": "window",
+    "Cq": "q_lora_rank",
+    "Dn": "qk_nope_dim",
+    "G": "o_groups",
+    "Go": "o_lora_rank",
+    "Hi": "index_n_heads",
+    "Di": "index_head_dim",
+    "Ks": "index_topk",
 }

@@ -85,7 +85,8 @@ class Engine:
         self.plan = plan_caches(model, max_batch, max_seq, cache_dtype)
         self.caches = self.plan.allocate(self.device)
         self.mtp_caches = mtp_caches(model, max_batch, max_seq, cache_dtype, self.device)
-        self.rope = {rope_key(r): model.rope_impl.table(r, max_seq, self.device) for r in model.rope_dims()}
+        self.rope = {rope_key(r, slot): model.rope_impls[slot].table(r, max_seq, self.device)
+                     for slot, r in model.rope_slots()}
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # next slot per row
         self.length = 0  # tokens in the cache (all rows advance together)
         self.batch = 0  # rows in use since the last prefill
@@ -181,6 +182,7 @@ class Engine:
     def _prefill_ctx(self, ids: torch.Tensor, h: torch.Tensor) -> dict:
         """The block context of a prefill over positions 0..L-1 (L dynamic when compiled)."""
         L = ids.shape[1]
+        ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
         if self.compiled and L >= 2:
             torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
@@ -222,7 +224,7 @@ class Engine:
     def _decode_step(self, tok: torch.Tensor) -> torch.Tensor:
         model, pos = self.model, self.pos
         h = model.streams.expand(model.embed(tok[:, None]))
-        ctx = {"ids": tok[:, None], "pos": pos,
+        ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
         for block, cache in zip(model.layers, self.caches):
             h = self._run_decode(block, h, cache, ctx)

@@ -7,6 +7,7 @@ from and which config.json key fills which zoo key. Nothing here names a family.
       mixers.attn.rotary_fraction: {key: [rope_parameters.partial_rotary_factor,
                                           partial_rotary_factor], default: 1.0}  # first present
     expect: {hidden_act: silu}   # values the zoo modules assume; anything else is an error
+    set: {mixers.attn.index_rope_interleaved: false}   # fixed for this model_type (config.json never says)
     rope: rope                   # zoo key that receives the rope spec
     layout_from:                 # per-layer kinds -> `layout` (compressed into a pattern or runs)
       key: layer_types           #   a list with one kind name per layer, or else
@@ -14,6 +15,11 @@ from and which config.json key fills which zoo key. Nothing here names a family.
       kinds:                     #   kind name -> zoo layer kind
         linear_attention: {mixer: linear, ffn: moe}
         full_attention: {mixer: attn, ffn: moe}
+    # or a list of such rules, one per schedule, each giving part of the kind (merged per layer):
+    #   - {key: [layer_types, compress_ratios], trim: true, kinds: {...: {mixer: swa}},
+    #      pending: {compressed_sparse_attention: "why not yet"}}    # -> "not yet supported"
+    #   - {key: mlp_layer_types, first_n: {key: num_hash_layers, kind: hash_moe, other: moe},
+    #      kinds: {hash_moe: {ffn: moe_hash}, moe: {ffn: moe}}}
 """
 from __future__ import annotations
 
@@ -58,30 +64,64 @@ def _get_first(config: dict, keys: Any) -> Any:
     return _ABSENT
 
 
-def layout_from_hf(config: dict, rule: dict, n_layers: int, where: str, file: str) -> list[dict]:
-    """The zoo `layout` of a config.json that names each layer's kind (`rule['key']`, a list), or
-    else puts `kind` on every n-th layer (1-based) and `other` elsewhere (`rule['every_nth']`).
-    `rule['kinds']` maps kind names to {mixer, ffn}; the per-layer list is compressed."""
-    types = _get(config, rule["key"])
-    if types is _ABSENT or types is None:
-        nth = rule.get("every_nth")
-        interval = _get(config, nth["key"]) if nth else _ABSENT
-        if interval is _ABSENT or interval is None:
-            interval = nth.get("default", _ABSENT) if nth else _ABSENT
-        if interval is _ABSENT:
-            keys = [rule["key"]] + ([nth["key"]] if nth else [])
-            raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, keys))} (for layout; see {file})")
-        if not isinstance(interval, int) or interval <= 0:
-            raise ConfigError(f"{where}: {nth['key']}={interval!r}: expected a positive integer")
-        types = [nth["kind"] if (i + 1) % interval == 0 else nth["other"] for i in range(n_layers)]
+def layout_from_hf(config: dict, rule: dict | list, n_layers: int, where: str, file: str) -> list[dict]:
+    """The zoo `layout` of a config.json that names each layer's kind (`rule['key']`, a list; or
+    the first present of several keys), or else puts `kind` on every n-th layer (1-based,
+    `rule['every_nth']`) or on the first n layers (`rule['first_n']`) and `other` elsewhere.
+    `rule['kinds']` maps kind names to zoo layer kinds {mixer, ffn}; `rule['pending']` maps the
+    kind names the zoo does not build yet to a note (they raise "not yet supported"); with
+    `trim: true` a longer list is cut to n_layers (entries for the MTP layers). `rule` may be a
+    list of such rules, each giving part of a layer's kind ({mixer} from the attention schedule,
+    {ffn} from the FFN schedule): the parts are merged per layer. The result is compressed."""
+    rules = rule if isinstance(rule, list) else [rule]
+    layers: list[dict] = [{} for _ in range(n_layers)]
+    for r in rules:
+        for merged, part in zip(layers, _layer_kinds(config, r, n_layers, where, file)):
+            merged.update(part)
+    for i, kind in enumerate(layers):
+        if set(kind) != {"mixer", "ffn"}:
+            raise ConfigError(f"{where}: layer {i} gets {kind} from layout_from in {file}; expected both a "
+                              f"mixer and an ffn")
+    return compress_layout(layers)
+
+
+def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str) -> list[dict]:
+    """One rule of `layout_from`: the zoo kind (part) of every layer."""
+    keys = rule["key"] if isinstance(rule["key"], list) else [rule["key"]]
+    name = next((k for k in keys if _get(config, k) not in (_ABSENT, None)), " or ".join(keys))
+    types = _get_first(config, keys)
+    if types is _ABSENT:
+        fill = rule.get("every_nth") or rule.get("first_n")
+        n = _get(config, fill["key"]) if fill else _ABSENT
+        if n is _ABSENT or n is None:
+            n = fill.get("default", _ABSENT) if fill else _ABSENT
+        if n is _ABSENT:
+            wanted = keys + ([fill["key"]] if fill else [])
+            raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, wanted))} (for layout; see {file})")
+        if "every_nth" in rule:
+            if not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"{where}: {fill['key']}={n!r}: expected a positive integer")
+            types = [fill["kind"] if (i + 1) % n == 0 else fill["other"] for i in range(n_layers)]
+        else:
+            if not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{where}: {fill['key']}={n!r}: expected an integer >= 0")
+            types = [fill["kind"] if i < n else fill["other"] for i in range(n_layers)]
+    if isinstance(types, list) and rule.get("trim") and len(types) > n_layers:
+        types = types[:n_layers]
     if not isinstance(types, list) or len(types) != n_layers:
-        raise ConfigError(f"{where}: {rule['key']} has {len(types) if isinstance(types, list) else types!r} "
+        raise ConfigError(f"{where}: {name} has {len(types) if isinstance(types, list) else types!r} "
                           f"entries but the model has {n_layers} layers")
+    pending = rule.get("pending") or {}
+    later = {t: [i for i, x in enumerate(types) if x == t] for t in sorted({t for t in types if t in pending}, key=str)}
+    if later:
+        listed = "; ".join(f"{t!r} at layers {at} ({pending[t]})" for t, at in later.items())
+        raise ConfigError(f"{where}: {name} has layer kind(s) not yet supported by the zoo: {listed}; "
+                          f"supported: {sorted(rule['kinds'], key=str)} (see {file})")
     unknown = sorted({t for t in types if t not in rule["kinds"]}, key=str)
     if unknown:
-        raise ConfigError(f"{where}: {rule['key']} has unsupported layer kind(s) {unknown}; supported: "
-                          f"{sorted(rule['kinds'])} (see {file})")
-    return compress_layout([dict(rule["kinds"][t]) for t in types])
+        raise ConfigError(f"{where}: {name} has unsupported layer kind(s) {unknown}; supported: "
+                          f"{sorted(rule['kinds'], key=str)} (see {file})")
+    return [dict(rule["kinds"][t]) for t in types]
 
 
 def compress_layout(kinds: list[dict]) -> list[dict]:
@@ -158,6 +198,8 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
                 raise ConfigError(f"{where}: config.json lacks required key {key!r} (for {zoo_key}; "
                                   f"see {spec['file']})")
             value = default
+        OmegaConf.update(cfg, zoo_key, value, merge=False)
+    for zoo_key, value in (spec.get("set") or {}).items():
         OmegaConf.update(cfg, zoo_key, value, merge=False)
     if spec.get("rope"):
         OmegaConf.update(cfg, spec["rope"], rope_from_hf(config, where), merge=False)

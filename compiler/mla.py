@@ -2,29 +2,30 @@
 per-token latent, which is all the cache keeps.
 
     x [B, L, D]
-      q:  wq_a -> q_norm -> wq_b           (or wq when q_lora_rank is null) -> [B, L, H, N + R]
-            per head [q_nope N | q_rope R]; RoPE on q_rope
+      q:  wq_a -> q_norm -> wq_b           (or wq when q_lora_rank is null) -> [B, L, H, Dn + R]
+            per head [q_nope Dn | q_rope R]; RoPE on q_rope
       kv: wkv_a -> [latent C | k_rope R];  latent -> kv_norm;  RoPE on k_rope (one, shared by heads)
       cache: [latent | k_rope]  (C + R values per token, e.g. 512 + 64 = 576 for DeepSeek-V3)
 
-    prefill (expanded, compute-bound): wkv_b turns the latent into per-head k_nope [H, N] and
-      v [H, Vd]; k = [k_nope | k_rope]; causal attention; wo.
+    prefill (expanded, compute-bound): wkv_b turns the latent into per-head k_nope [H, Dn] and
+      v [H, Dv]; k = [k_nope | k_rope]; causal attention; wo.
     decode (absorbed, memory-bound): wkv_b = [W_UK | W_UV] per head is folded in instead of
       expanded, so every step reads only the latent cache:
         q_lat  = q_nope @ W_UK            [B, H, C]
         score  = q_lat . latent + q_rope . k_rope           (an MQA over C + R channels)
         o_lat  = softmax(score * scale) @ latent            [B, H, C]
-        o      = o_lat @ W_UV^T                             [B, H, Vd] -> wo
+        o      = o_lat @ W_UV^T                             [B, H, Dv] -> wo
       which equals the expanded form: q_nope . (W_UK latent) = (q_nope W_UK) . latent.
 
 RoPE pairs are interleaved (2i, 2i+1) in DeepSeek checkpoints (`rope_interleaved`). The softmax
-scale is (N + R)^-0.5 times the rope's softmax_scale_factor (YaRN mscale^2).
+scale is (Dn + R)^-0.5 times the rope's softmax_scale_factor (YaRN mscale^2).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,9 +45,9 @@ class MLA(nn.Module):
         n_heads: int = "???"  # type: ignore[assignment]
         q_lora_rank: Optional[int] = None  # null: a full-rank query projection wq
         kv_lora_rank: int = "???"  # type: ignore[assignment]  # C: latent width cached per token
-        qk_nope_dim: int = "???"  # type: ignore[assignment]  # N: query/key channels without RoPE
+        qk_nope_dim: int = "???"  # type: ignore[assignment]  # Dn: query/key channels without RoPE
         qk_rope_dim: int = "???"  # type: ignore[assignment]  # R: rotated channels (k_rope is shared)
-        v_head_dim: int = "???"  # type: ignore[assignment]
+        v_head_dim: int = "???"  # type: ignore[assignment]  # Dv
         rope_interleaved: bool = True  # rotary pairs (2i, 2i+1), as DeepSeek checkpoints store them
         bias: bool = False  # biases on wq_a, wkv_a and wo (never on wq, wq_b, wkv_b)
         latent_norm_eps: float = 1e-6  # eps of q_norm and kv_norm
@@ -88,6 +89,11 @@ class MLA(nn.Module):
     def rope_dims(self) -> list[int]:
         return [self.rot]
 
+    def attention_flops(self, context):
+        """Per token at `context` cached tokens, absorbed (decode) form: per head, scores over the
+        C + R latent channels and the weighted sum of the C latent values."""
+        return 2 * self.n_heads * (2 * self.rank + self.rot) * np.asarray(context)
+
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """One field, [normalized latent C | roped k_rope R] per token: [B, 1, S, C + R] (a
         single KV head, so attention reads it in place)."""
@@ -95,18 +101,26 @@ class MLA(nn.Module):
 
     def expanded_cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """What a per-head K/V cache of the expanded form would hold (for reports, never allocated):
-        k [B, H, S, N + R], v [B, H, S, Vd]."""
+        k [B, H, S, Dn + R], v [B, H, S, Dv]."""
         H = self.n_heads
         return {"k": CacheField((max_batch, H, max_seq, self.nope + self.rot), dtype, grows=True),
                 "v": CacheField((max_batch, H, max_seq, self.v_dim), dtype, grows=True)}
 
     # ------------------------------------------------------------------ projections
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def query_residual(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x [B, L, D] -> q_norm(wq_a(x)) [B, L, Cq], the low-rank query (None without q_lora_rank)."""
+        return None if self.spec.q_lora_rank is None else self.q_norm(self.wq_a(x))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_resid: Optional[torch.Tensor] = None):
         """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] ->
-        q_nope [B, H, L, N], q_rope [B, H, L, R], kv [B, 1, L, C + R] (what the cache holds)."""
+        q_nope [B, H, L, Dn], q_rope [B, H, L, R], kv [B, 1, L, C + R] (what the cache holds).
+        q_resid: query_residual(x) when the caller has it already (DSA's indexer reads it too)."""
         B, L, _ = x.shape
-        q = self.wq(x) if self.spec.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        if q_resid is None:
+            q_resid = self.query_residual(x)
+        q = self.wq(x) if q_resid is None else self.wq_b(q_resid)
         q = q.view(B, L, self.n_heads, self.nope + self.rot).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rot], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.rank, self.rot], dim=-1)
@@ -117,12 +131,12 @@ class MLA(nn.Module):
         return q_nope, q_rope, kv
 
     def _wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, N, C] and W_UV [H, Vd, C] (views of wkv_b, rows per head [k_nope | v])."""
+        """W_UK [H, Dn, C] and W_UV [H, Dv, C] (views of wkv_b, rows per head [k_nope | v])."""
         w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope:]
 
     def attend_expanded(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
-        """Per-head K/V from the latent. q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Vd]."""
+        """Per-head K/V from the latent. q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
         B, H, L, _ = q_nope.shape
         latent, k_rope = kv.split([self.rank, self.rot], dim=-1)
         k_nope, v = self.wkv_b(latent[:, 0]).view(B, -1, H, self.nope + self.v_dim).transpose(1, 2) \
@@ -134,7 +148,7 @@ class MLA(nn.Module):
 
     def attend_absorbed(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
         """W_UK folded into the query, W_UV applied after attending over the latent.
-        q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Vd]."""
+        q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
         B, H, L, _ = q_nope.shape
         w_uk, w_uv = self._wkv_b()
         q_lat = torch.einsum("bhln,hnc->bhlc", q_nope, w_uk)

@@ -67,6 +67,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.rope_impl = make_rope(spec.rope)
+        # rope slot -> schedule: `rope`, plus the spec's extra `ropes` (mixers pick one by rope_slot)
+        self.rope_impls = {"rope": self.rope_impl, **{name: make_rope(r) for name, r in spec.ropes.items()}}
         ctx = BuildContext(spec, self.rope_impl)
         self.embed = nn.Embedding(spec.vocab_size, spec.dim)
         self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
@@ -85,6 +87,12 @@ class Decoder(nn.Module):
     def rope_dims(self) -> list[int]:
         """Distinct rotary widths the layers need cos/sin tables for."""
         return sorted({r for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
+
+    def rope_slots(self) -> list[tuple[str, int]]:
+        """(rope slot, rotary width) pairs the layers need cos/sin tables for; a mixer reads the
+        slot named by its `rope_slot` attribute (default `rope`)."""
+        return sorted({(getattr(block.mixer, "rope_slot", "rope"), r)
+                       for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
         """Random weights for configs built without a checkpoint (norms: their own init)."""

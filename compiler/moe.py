@@ -7,7 +7,11 @@ optional always-on shared experts.
     y = routed + shared
 
 Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
-  scoring               softmax over all experts, or sigmoid per expert
+  routing               learned: the top_k experts by score (below); hash: a fixed table
+                        tid2eid [V, K] picks each token's experts by its token id (DeepSeek-V4's
+                        first layers; ctx["ids"]), the scores still weight them
+  scoring               softmax over all experts, sigmoid per expert, or sqrtsoftplus
+                        (sqrt(softplus(logit)) per expert, DeepSeek-V4)
   score_correction_bias added to the scores for *selection only* (DeepSeek-V3 noaux_tc); the
                         weights are the uncorrected scores of the chosen experts
   n_group, topk_group   group-limited selection: experts split into n_group groups, a group scores
@@ -15,6 +19,7 @@ Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
                         topk_group groups compete for the top_k experts
   norm_topk_prob        weights renormalised to sum to 1 over the chosen experts
   routed_scaling_factor weights multiplied by it
+  swiglu_limit          experts (routed and shared) clamp their pre-activations (see ffn.py)
 
 Expert weights are stacked: w13 [E, 2F, D] (gate rows, then up rows) and w2 [E, D, F]; checkpoint
 rules fill them expert by expert (`stack: expert`). Neither entry point loops over experts in
@@ -35,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ffn import SwiGLU
+from .ffn import SwiGLU, swiglu
 from .registry import register
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+ROUTINGS = ("learned", "hash")
 GROUP_SCORES = ("top2_sum", "max")
 
 
@@ -48,9 +54,9 @@ GROUP_SCORES = ("top2_sum", "max")
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, I] rows sorted by expert, w [E, O, I], offs [E] int64 (end row of each expert's
     segment, cumulative) -> [N, O] with row n = x[n] @ w[e]^T for the expert e owning row n."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 \
-            and w.shape[1] % 8 == 0:
-        # one grouped GEMM kernel (16-byte aligned rows required)
+    if x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 \
+            and torch.cuda.get_device_capability(x.device) >= (9, 0):
+        # one grouped GEMM kernel (Hopper+, bf16, rows 16-byte aligned)
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs.to(torch.int32))
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
@@ -70,20 +76,46 @@ def _expert_mm_fake(x, w, offs):
 
 class Router(nn.Module):
     """weight [E, D] and, with score_correction_bias, score_bias [E]; kept in float32 (the
-    checkpoints store the bias in float32, and near-ties in selection are decided by it)."""
+    checkpoints store the bias in float32, and near-ties in selection are decided by it).
+    With routing=hash, hash.tid2eid [V, K] (see TokenHash)."""
 
     keep_float32 = True
 
-    def __init__(self, n_experts: int, dim: int, score_bias: bool):
+    def __init__(self, n_experts: int, dim: int, score_bias: bool, hash_table: Optional["TokenHash"] = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         self.score_bias = nn.Parameter(torch.empty(n_experts)) if score_bias else None
+        self.hash = hash_table
+
+
+class TokenHash(nn.Module):
+    """Hash routing's table: tid2eid [V, K] int32, the experts of each token id (checkpoint data,
+    not trained; int32 as the checkpoints store it)."""
+
+    def __init__(self, vocab_size: int, top_k: int, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.tid2eid = nn.Parameter(torch.empty(vocab_size, top_k, dtype=torch.int32), requires_grad=False)
+
+    def init_weights(self) -> None:
+        """Random-build table: token t gets experts (t*K + k) % E, distinct when K <= E."""
+        V, K = self.tid2eid.shape
+        rows = torch.arange(V, device=self.tid2eid.device)[:, None] * K + torch.arange(K, device=self.tid2eid.device)
+        self.tid2eid.data.copy_(rows % self.n_experts)
+
+    def active_parameters(self, matmul_only: bool = False) -> int:
+        return 0 if matmul_only else self.tid2eid.shape[1]  # a token reads its own row
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> expert indices [numel(ids), K] int64."""
+        return self.tid2eid[ids.reshape(-1)].long()
 
 
 @register("ffn", "moe")
 class MoE(nn.Module):
     """x [..., D] -> [..., D]. Parameters: router.weight [E, D], router.score_bias [E] (when
-    score_correction_bias), w13 [E, 2F, D], w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
+    score_correction_bias), router.hash.tid2eid [V, K] int32 (routing=hash), w13 [E, 2F, D],
+    w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
     shared_gate.weight [1, D] (when shared_expert_gate)."""
 
     @dataclass
@@ -92,7 +124,8 @@ class MoE(nn.Module):
         n_experts: int = "???"  # type: ignore[assignment]
         top_k: int = "???"  # type: ignore[assignment]
         ffn_dim: int = "???"  # type: ignore[assignment]  # hidden width of one routed expert
-        scoring: str = "softmax"  # softmax | sigmoid
+        routing: str = "learned"  # learned | hash (experts from a token-id table, tid2eid)
+        scoring: str = "softmax"  # softmax | sigmoid | sqrtsoftplus
         score_correction_bias: bool = False  # learned per-expert bias added for selection only
         n_group: int = 1
         topk_group: int = 1
@@ -102,6 +135,7 @@ class MoE(nn.Module):
         n_shared_experts: int = 0
         shared_ffn_dim: Optional[int] = None  # None: n_shared_experts * ffn_dim
         shared_expert_gate: bool = False  # shared output * sigmoid(x @ shared_gate^T)
+        swiglu_limit: Optional[float] = None  # clamp of every expert's pre-activations (DeepSeek-V4)
 
         def resolve(self, model: dict) -> "MoE.Spec":
             shared = self.shared_ffn_dim
@@ -116,6 +150,13 @@ class MoE(nn.Module):
                 return f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}"
             if self.scoring not in SCORINGS:
                 return f"scoring={self.scoring!r}: expected one of {list(SCORINGS)}"
+            if self.routing not in ROUTINGS:
+                return f"routing={self.routing!r}: expected one of {list(ROUTINGS)}"
+            if self.routing == "hash" and (self.score_correction_bias or self.n_group > 1):
+                return ("routing=hash takes the experts from the token-id table: score_correction_bias and "
+                        "n_group (which only steer a learned selection) must be false and 1")
+            if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+                return f"swiglu_limit must be positive (or null), got {self.swiglu_limit}"
             if self.group_score not in GROUP_SCORES:
                 return f"group_score={self.group_score!r}: expected one of {list(GROUP_SCORES)}"
             if self.n_group <= 0 or self.n_experts % self.n_group:
@@ -139,19 +180,29 @@ class MoE(nn.Module):
         self.spec = spec
         s, D = spec, model.dim
         self.n_experts, self.top_k, self.ffn_dim = s.n_experts, s.top_k, s.ffn_dim
-        self.router = Router(s.n_experts, D, s.score_correction_bias)
+        table = TokenHash(model.spec.vocab_size, s.top_k, s.n_experts) if s.routing == "hash" else None
+        self.router = Router(s.n_experts, D, s.score_correction_bias, table)
         self.w13 = nn.Parameter(torch.empty(s.n_experts, 2 * s.ffn_dim, D))
         self.w2 = nn.Parameter(torch.empty(s.n_experts, D, s.ffn_dim))
-        self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim), model) if s.shared_ffn_dim else None
+        self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim, swiglu_limit=s.swiglu_limit), model) \
+            if s.shared_ffn_dim else None
         self.shared_gate = nn.Linear(D, 1, bias=False) if s.shared_expert_gate else None
 
     # ------------------------------------------------------------------ routing
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, K] float32, idx [T, K] int64). Scores in float32."""
+    def route(self, x: torch.Tensor, ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], ids [T] token ids (read by hash routing only) -> (weights [T, K] float32,
+        idx [T, K] int64). Scores in float32."""
         s = self.spec
         logits = F.linear(x.float(), self.router.weight.float())
-        scores = logits.softmax(-1) if s.scoring == "softmax" else logits.sigmoid()
+        if s.scoring == "softmax":
+            scores = logits.softmax(-1)
+        elif s.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if s.routing == "hash":
+            return self._weights(scores, self.router.hash(ids))
         bias = self.router.score_bias
         choice = scores if bias is None else scores + bias.float()
         if s.n_group > 1:
@@ -163,7 +214,11 @@ class MoE(nn.Module):
             keep = group_scores.topk(s.topk_group, dim=-1).indices  # [T, topk_group]
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             choice = choice.masked_fill(~mask.repeat_interleave(s.n_experts // s.n_group, dim=1), float("-inf"))
-        idx = choice.topk(s.top_k, dim=-1).indices
+        return self._weights(scores, choice.topk(s.top_k, dim=-1).indices)
+
+    def _weights(self, scores: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts' scores, renormalised and scaled: (weights [T, K], idx [T, K])."""
+        s = self.spec
         weights = scores.gather(1, idx)
         if s.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -185,11 +240,11 @@ class MoE(nn.Module):
     def decode(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Gathered: x [B, 1, D] -> [B, 1, D]; reads only the chosen experts' weights."""
         xt = x.reshape(-1, x.shape[-1])  # [T, D]
-        weights, idx = self.route(xt)
+        weights, idx = self.route(xt, ctx["ids"])
         w13 = self.w13[idx]  # [T, K, 2F, D]
         h = torch.matmul(w13, xt[:, None, :, None]).squeeze(-1)  # [T, K, 2F]
         gate, up = h.split(self.ffn_dim, dim=-1)
-        a = F.silu(gate) * up  # [T, K, F]
+        a = swiglu(gate, up, self.spec.swiglu_limit)  # [T, K, F]
         y = torch.matmul(self.w2[idx], a[..., None]).squeeze(-1)  # [T, K, D]
         routed = (y.float() * weights[..., None]).sum(1)
         return self._finish(x, routed)
@@ -197,7 +252,7 @@ class MoE(nn.Module):
     def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Grouped: x [B, L, D] -> [B, L, D]; (token, expert) pairs sorted by expert."""
         xt = x.reshape(-1, x.shape[-1])  # [T, D]
-        weights, idx = self.route(xt)
+        weights, idx = self.route(xt, ctx["ids"])
         flat = idx.reshape(-1)  # [T*K] expert of each pair
         order = flat.argsort(stable=True)
         token = order // self.top_k  # token of each sorted pair
@@ -206,7 +261,7 @@ class MoE(nn.Module):
         offs = counts.cumsum(0)
         h = expert_mm(xt[token], self.w13, offs)  # [T*K, 2F]
         gate, up = h.split(self.ffn_dim, dim=-1)
-        y = expert_mm(F.silu(gate) * up, self.w2, offs)  # [T*K, D]
+        y = expert_mm(swiglu(gate, up, self.spec.swiglu_limit), self.w2, offs)  # [T*K, D]
         y = y.float() * weights.reshape(-1)[order, None]
         routed = torch.zeros(xt.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
         return self._finish(x, routed)

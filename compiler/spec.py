@@ -85,6 +85,9 @@ class ConfigSchema:
     max_position: int = "???"  # type: ignore[assignment]  # context length the model was trained for
     norm: Any = "???"
     rope: Any = "???"
+    # extra rope schedules by name; a mixer reads `rope` unless its spec names one of these
+    # (`rope_slot`), e.g. DeepSeek-V4's compressed layers use their own YaRN schedule
+    ropes: Dict[str, Any] = field(default_factory=dict)
     residual: Any = "???"
     mixers: Dict[str, Any] = field(default_factory=dict)
     ffns: Dict[str, Any] = field(default_factory=dict)
@@ -129,6 +132,7 @@ class ModelSpec:
     config: Any = None  # the resolved DictConfig (read-only), for reports, rules and diffs
     mtp: Optional[MTPSchema] = None
     mtp_layers: tuple[LayerSpec, ...] = ()  # the MTP blocks (indices n_layers..), per `mtp`
+    ropes: Dict[str, Any] = field(default_factory=dict)  # extra rope slots (see ConfigSchema.ropes)
 
     @property
     def n_layers(self) -> int:
@@ -221,7 +225,10 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     norm = _validate_kind("norm", top.norm, "norm", source, model)
     rope = _validate_kind("rope", top.rope, "rope", source, model)
     residual = _validate_kind("residual", top.residual, "residual", source, model)
-    model_with = {**model, "norm": norm, "rope": rope}
+    if "rope" in top.ropes:
+        raise _fail(source, "ropes.rope: the name 'rope' is the top-level `rope`; give the extra slot another name")
+    ropes = {name: _validate_kind("rope", node, f"ropes.{name}", source, model) for name, node in top.ropes.items()}
+    model_with = {**model, "norm": norm, "rope": rope, "rope_slots": ["rope", *ropes]}
     mixers = {name: _validate_kind("mixer", node, f"mixers.{name}", source, model_with)
               for name, node in top.mixers.items()}
     ffns = {name: _validate_kind("ffn", node, f"ffns.{name}", source, model_with)
@@ -244,7 +251,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         name=top.name, dim=top.dim, vocab_size=top.vocab_size, tie_embeddings=top.tie_embeddings,
         max_position=top.max_position, norm=norm, rope=rope, residual=residual, mixers=mixers,
         ffns=ffns, layers=tuple(layers), runtime=rt, checkpoint=OmegaConf.to_object(top.checkpoint),
-        source=source, config=top, mtp=mtp, mtp_layers=mtp_layers,
+        source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
     )
 
 

@@ -164,7 +164,14 @@ def test_preset_counts_and_cache_bytes():
     m = zoo.build("deepseek_v3", dry=True, dtype=torch.bfloat16)
     assert m.info.dry and m.info.params == total
     assert m.info.cache_bytes_per_token == 70_272 == L * (kv_lora + rope) * 2
+    # softmax scale 192^-0.5 * mscale^2, mscale = 0.1 ln 40 + 1 (YaRN mscale_all_dim 1)
+    assert m.module.layers[0].mixer.scale == pytest.approx((nope + rope) ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
     assert m.spec.layout_runs() == [("attn+dense", 3), ("attn+moe", 58)]
+    # checkpoint.mtp=true adds the MTP layer: a MoE block, eh_proj [D, 2D], enorm, hnorm,
+    # shared_head.norm and its own embedding and head copies (671B + 13.5B: the Hub's "685B")
+    with_mtp = zoo.build("deepseek_v3", ["checkpoint.mtp=true"], dry=True, dtype=torch.bfloat16)
+    mtp = attn + moe + norms + 2 * D * D + 3 * D + 2 * V * D
+    assert with_mtp.info.params == total + mtp == 684_489_845_504
 
 
 def test_cli_dry_build_report(capsys):
@@ -172,11 +179,16 @@ def test_cli_dry_build_report(capsys):
 
     assert main(["build", "conf=deepseek_v3", "dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "671,026,419,200" in out and "70,272 B" in out and "dry build" in out
+    assert "671,026,419,200" in out and "70,272 B" in out
     assert "attn+dense x3, attn+moe x58" in out
 
 
 # ----------------------------------------------------------------------------- MoE
+
+
+def block_ctx(x: torch.Tensor) -> dict:
+    """The context a block hands its FFN (token ids [B, L]; learned routing does not read them)."""
+    return {"ids": torch.zeros(x.shape[:2], dtype=torch.long)}
 
 
 def _moe(**spec):
@@ -200,8 +212,8 @@ def test_moe_grouped_equals_gathered():
     moe = _moe(scoring="sigmoid", score_correction_bias=True, n_group=4, topk_group=2, n_shared_experts=1,
                routed_scaling_factor=2.5)
     x = torch.randn(3, 17, 64)
-    grouped = moe.prefill(x, {})
-    gathered = torch.stack([moe.decode(x[:, t:t + 1], {})[:, 0] for t in range(17)], dim=1)
+    grouped = moe.prefill(x, block_ctx(x))
+    gathered = torch.stack([moe.decode(x[:, t:t + 1], block_ctx(x[:, t:t + 1]))[:, 0] for t in range(17)], dim=1)
     assert_logits_close(gathered, grouped, 1e-5, "gathered vs grouped")
 
 
@@ -225,8 +237,8 @@ def test_moe_softmax_shared_gate_matches_qwen3_next():
     moe.shared_gate.weight.copy_(ref.shared_expert_gate.weight)
     x = torch.randn(2, 9, 64)
     want = ref(x)
-    assert_logits_close(moe.prefill(x, {}), want, 1e-5, "prefill")
-    assert_logits_close(moe.decode(x[:, :1], {}), want[:, :1], 1e-5, "decode")
+    assert_logits_close(moe.prefill(x, block_ctx(x)), want, 1e-5, "prefill")
+    assert_logits_close(moe.decode(x[:, :1], block_ctx(x[:, :1])), want[:, :1], 1e-5, "decode")
 
 
 def test_moe_graph_does_not_grow_with_experts():
@@ -236,17 +248,38 @@ def test_moe_graph_does_not_grow_with_experts():
 
     def nodes(n_experts, entry, x):
         moe = _moe(n_experts=n_experts, n_group=4, topk_group=2, scoring="sigmoid", score_correction_bias=True)
-        gm = make_fx(lambda x: getattr(moe, entry)(x, {}))(x)
+        gm = make_fx(lambda x: getattr(moe, entry)(x, block_ctx(x)))(x)
         return len(gm.graph.nodes)
 
     for entry, x in (("decode", torch.randn(4, 1, 64)), ("prefill", torch.randn(1, 12, 64))):
         assert nodes(8, entry, x) == nodes(64, entry, x)
 
 
+@pytest.mark.parametrize("group_score", ["top2_sum", "max"])
+def test_moe_routing_brute_force(group_score):
+    """route() against a per-token loop: groups scored on the corrected scores, experts chosen
+    among the kept groups, weights = uncorrected scores, normalised, scaled."""
+    moe = _moe(scoring="sigmoid", score_correction_bias=True, n_group=4, topk_group=2, group_score=group_score,
+               routed_scaling_factor=2.5)
+    x = torch.randn(40, 64)
+    weights, idx = moe.route(x)
+    for t in range(40):
+        scores = torch.sigmoid(moe.router.weight @ x[t])
+        choice = scores + moe.router.score_bias
+        groups = choice.view(4, 2)
+        group_score_t = groups.sum(-1) if group_score == "top2_sum" else groups.max(-1).values
+        kept = group_score_t.argsort(descending=True)[:2].tolist()
+        candidates = [e for e in range(8) if e // 2 in kept]
+        chosen = sorted(candidates, key=lambda e: -choice[e].item())[:2]
+        assert sorted(idx[t].tolist()) == sorted(chosen)
+        w = scores[idx[t]] / scores[idx[t]].sum() * 2.5
+        torch.testing.assert_close(weights[t], w)
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("topk_group", 5, "topk_group=5 must be in 1..n_group=4"),
     ("n_group", 3, "n_group=3 must be positive and divide n_experts=8"),
-    ("scoring", "sqrtsoftplus", "scoring='sqrtsoftplus': expected one of"),
+    ("scoring", "relu", "scoring=.relu.: expected one of"),
     ("top_k", 9, "top_k=9 must be in 1..n_experts=8"),
 ])
 def test_moe_config_errors(key, value, match):
@@ -255,6 +288,16 @@ def test_moe_config_errors(key, value, match):
 
 
 # ----------------------------------------------------------------------------- MTP
+
+
+@pytest.mark.parametrize("override,match", [
+    ("mtp.mixer=nope", "mtp.mixer: 'nope' is not one of mixers \\['attn'\\]"),
+    ("mtp.ffn=dens", "mtp.ffn: 'dens' is not one of ffns \\['dense', 'moe'\\]"),
+    ("mtp.n_layers=-1", "mtp.n_layers: must be >= 0"),
+])
+def test_mtp_config_errors(override, match):
+    with pytest.raises(ConfigError, match=match):
+        zoo.build("deepseek_v3_tiny", [override], dry=True)
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +358,20 @@ def test_zoo_build_with_mtp_weights(mtp_checkpoint):
     logits, (mtp,) = m.prefill(ids, return_mtp=True)
     assert_logits_close(logits, ref(ids).logits, 1e-5, "main logits")
     assert_logits_close(mtp, mtp_reference(ref, block, extra, ids), 1e-5, "mtp logits")
+
+
+def test_mtp_shared_embeddings(mtp_checkpoint):
+    """mtp.share_embeddings=true (GLM-5's layout): the MTP layer reads the main embedding and head;
+    the checkpoint's copies are skipped with a reason."""
+    ref, path, block, extra = mtp_checkpoint
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32,
+                            overrides=["checkpoint.mtp=true", "mtp.share_embeddings=true"])
+    assert not hasattr(m.module.mtp[0], "embed") and not hasattr(m.module.mtp[0], "head")
+    skipped = dict(m.info.load.ignored)
+    assert set(skipped) == {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    assert all("mtp.share_embeddings=true" in why for why in skipped.values())
+    ids = torch.randint(0, VOCAB, (1, 10))
+    shared = {**extra, "embed_tokens.weight": ref.model.embed_tokens.weight,
+              "shared_head.head.weight": ref.lm_head.weight}
+    _, (mtp,) = m.prefill(ids, return_mtp=True)
+    assert_logits_close(mtp, mtp_reference(ref, block, shared, ids), 1e-5, "mtp logits")

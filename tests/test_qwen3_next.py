@@ -258,11 +258,15 @@ def test_long_prefill_linear_memory():
     """A 2k-token prefill of the tiny twin completes, and its peak allocation grows linearly with
     the prompt, far below one [L, L] score matrix per head."""
     m = zoo.build("qwen3_next_tiny", compile=False, max_seq=2048)
-    peaks = {}
-    for L in (1024, 2048):
-        ids = torch.randint(0, VOCAB, (1, L))
-        peaks[L] = peak_cpu_bytes(lambda: m.prefill(ids))
-        assert m.engine.length == L
+    peaks, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # a memory measurement: spare the shared CPUs the thread barriers
+    try:
+        for L in (1024, 2048):
+            ids = torch.randint(0, VOCAB, (1, L))
+            peaks[L] = peak_cpu_bytes(lambda: m.prefill(ids))
+            assert m.engine.length == L
+    finally:
+        torch.set_num_threads(threads)
     L, H = 2048, 4
     assert peaks[L] < L * L * H * 4 / 4, peaks
     assert peaks[L] < 2.3 * peaks[1024], peaks
@@ -284,6 +288,76 @@ def test_rule_regroups_in_proj(reference, eager):
     attn = ref.model.layers[3].self_attn
     want = torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
     torch.testing.assert_close(eager.module.layers[3].mixer.wqkv.weight, want, rtol=0, atol=0)
+
+
+def real_checkpoint_headers(mtp: bool = True) -> dict:
+    """Names, shapes and dtypes of the real Qwen3-Next-80B-A3B checkpoint (checkpoints.md): 48
+    layers (every 4th full attention), 512 experts each, and the MTP tensors."""
+    from compiler.checkpoint.source import TensorInfo
+
+    D, E = 2048, 512
+    shapes = {"model.embed_tokens.weight": (151936, D), "lm_head.weight": (151936, D), "model.norm.weight": (D,)}
+
+    def block(p: str, full_attention: bool) -> None:
+        if full_attention:
+            a = f"{p}.self_attn"
+            shapes.update({f"{a}.q_proj.weight": (16 * 256 * 2, D), f"{a}.k_proj.weight": (512, D),
+                           f"{a}.v_proj.weight": (512, D), f"{a}.o_proj.weight": (D, 4096),
+                           f"{a}.q_norm.weight": (256,), f"{a}.k_norm.weight": (256,)})
+        else:
+            a = f"{p}.linear_attn"
+            shapes.update({f"{a}.in_proj_qkvz.weight": (12288, D), f"{a}.in_proj_ba.weight": (64, D),
+                           f"{a}.conv1d.weight": (8192, 1, 4), f"{a}.A_log": (32,), f"{a}.dt_bias": (32,),
+                           f"{a}.norm.weight": (128,), f"{a}.out_proj.weight": (D, 4096)})
+        m = f"{p}.mlp"
+        shapes.update({f"{p}.input_layernorm.weight": (D,), f"{p}.post_attention_layernorm.weight": (D,),
+                       f"{m}.gate.weight": (E, D), f"{m}.shared_expert_gate.weight": (1, D),
+                       f"{m}.shared_expert.gate_proj.weight": (512, D), f"{m}.shared_expert.up_proj.weight": (512, D),
+                       f"{m}.shared_expert.down_proj.weight": (D, 512)})
+        for e in range(E):
+            shapes.update({f"{m}.experts.{e}.gate_proj.weight": (512, D), f"{m}.experts.{e}.up_proj.weight": (512, D),
+                           f"{m}.experts.{e}.down_proj.weight": (D, 512)})
+
+    for i in range(48):
+        block(f"model.layers.{i}", i % 4 == 3)
+    if mtp:
+        block("mtp.layers.0", True)
+        shapes.update({"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
+                       "mtp.pre_fc_norm_hidden.weight": (D,), "mtp.norm.weight": (D,)})
+    return {n: TensorInfo(s, "BF16", "model.safetensors", 2 * torch.Size(s).numel()) for n, s in shapes.items()}
+
+
+class HeaderSource:
+    description = "Qwen3-Next-80B-A3B (headers)"
+
+    def __init__(self, entries):
+        self._entries = entries
+
+    def entries(self):
+        return self._entries
+
+    def read_order(self):
+        return [list(self._entries)]
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_rules_plan_the_real_checkpoint(mtp):
+    """The rule stages account for every tensor of the real checkpoint's layout (shapes checked
+    from headers): mtp.* skipped by a reported rule, or loaded into the MTP layer."""
+    from compiler.checkpoint.loader import plan_load
+    from compiler.checkpoint.rules import load_stage
+
+    spec = load_config("qwen3_next", [f"checkpoint.mtp={str(mtp).lower()}"])
+    entries = real_checkpoint_headers()
+    plan = plan_load(build_model(spec), HeaderSource(entries),
+                     [load_stage(name, spec.config) for name in spec.checkpoint.rules])
+    mtp_names = sorted(n for n in entries if n.startswith("mtp."))
+    assert len(mtp_names) == 4 + 6 + 2 + 2 + 3 + 3 * 512  # fc+norms, attn, norms, gates, shared, experts
+    if mtp:
+        assert plan.ignored == [] and sum(a.param.startswith("mtp.0.") for a in plan.assignments) > 0
+    else:
+        assert sorted(n for n, _ in plan.ignored) == mtp_names
+        assert {why for _, why in plan.ignored} == {"multi-token-prediction weights, not loaded (checkpoint.mtp=false)"}
 
 
 def test_checkpoint_that_does_not_fit(reference):

@@ -30,6 +30,7 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         ("config", f"{spec.name}  ({spec.source})"),
         ("layers", f"{spec.n_layers}: {layout}"),
         ("parameters", f"{info.params:,}  ({info.params})"),
+        *([("mtp", _mtp_row(model))] if spec.mtp_layers else []),
         ("residual", _residual_row(model)),
         ("weights", f"{human_bytes(info.param_bytes)} in {rt.dtype}"),
         ("cache per token", f"{info.cache_bytes_per_token:,} B  (grows with context, "
@@ -58,6 +59,16 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         rows.append(("shape check", f"prefill logits {list(shapes['prefill'])}, decode logits "
                                     f"{list(shapes['decode']) if shapes['decode'] else '-'}"))
     return rows
+
+
+def _mtp_row(model) -> str:
+    from compiler.model import count_parameters
+
+    n = len(model.spec.mtp_layers)
+    what = f"{n} multi-token-prediction layer{'s' if n > 1 else ''}"
+    if not len(model.module.mtp):
+        return f"{what} in the checkpoint, not built (checkpoint.mtp=false)"
+    return f"{what}, {count_parameters(model.module.mtp):,} of the parameters"
 
 
 def _residual_row(model) -> str:

@@ -108,7 +108,8 @@ def _apply_rules(stage: Stage, nodes: dict[str, Node], source_desc: str
             if rule.targets:
                 matches.append((rule, binds, inputs))
             else:
-                ignored.extend((n, rule.why) for n in names)
+                # reported under the stored names (an earlier stage may have renamed or combined them)
+                ignored.extend((s.name, rule.why) for x in inputs for s in x.stored())
     return matches, ignored, left
 
 

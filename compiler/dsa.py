@@ -1,0 +1,186 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA whose queries attend only to the Ks
+cached tokens that a lightning indexer picks for each of them.
+
+    x [B, L, D] -> wq_a -> q_norm = q_resid [B, L, Cq] -> wq_b -> MLA queries     (mla.py)
+                                        |
+    lightning indexer                   '-> indexer.wq_b -> iq [B, L, Hi, Di]
+                x -> indexer.wk -> k_norm (LayerNorm) -> ik [B, L, Di]   one key per token
+                x -> indexer.weights_proj -> w [B, L, Hi] * Hi^-0.5      (float32 weights)
+        RoPE on the FIRST R channels of iq and ik (interleaved pairs in GLM-5, rotate-half in
+        DeepSeek-V3.2: `index_rope_interleaved`); the other Di - R channels pass through.
+        score[t, s] = sum_h w[t, h] * relu(iq[t, h] . ik[s] * Di^-0.5)       for s <= t
+        chosen(t)   = the Ks keys of highest score (every s <= t while t < Ks)
+    MLA attention of query t over exactly the latent cache entries chosen(t).
+
+    prefill: scores [B, L, L] over the prompt; the choice becomes a mask on MLA's expanded
+             attention (a compute-bound step: a mask costs nothing extra).
+    decode:  the new query's scores against the indexer key cache [B, S] (Hi * Di per key, far
+             cheaper than MLA's H * (2C + R)); the top Ks slots are gathered from the latent cache
+             [B, 1, Ks, C + R] and MLA's absorbed attention runs over those only, so the attention
+             itself costs O(Ks) whatever the context.
+
+Caches per layer (both grow per token): MLA's latent `kv` [B, 1, S, C + R] and the indexer keys
+`index_k` [B, S, Di].
+
+The indexer's top-k breaks ties (equal scores, e.g. several keys whose ReLUs are all zero)
+however torch.topk does; a reference may break them otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import write_decode, write_prefill
+from .cache import CacheField
+from .mla import MLA
+from .norm import LayerNorm
+from .registry import register
+from .rope import apply_rotary
+
+
+class LightningIndexer(nn.Module):
+    """Scores every cached token for every query and picks the top Ks (see the module docstring).
+
+    Shapes: iq [B, L, Hi, Di], ik [B, T, Di], w [B, L, Hi], scores [B, L, T] (float32)."""
+
+    def __init__(self, spec: "DSA.Spec", dim: int):
+        super().__init__()
+        s = spec
+        self.n_heads, self.head_dim, self.rot, self.topk = s.index_n_heads, s.index_head_dim, s.qk_rope_dim, s.index_topk
+        self.interleaved = s.index_rope_interleaved
+        self.scale = s.index_head_dim ** -0.5
+        self.wq_b = nn.Linear(s.q_lora_rank, s.index_n_heads * s.index_head_dim, bias=False)
+        self.wk = nn.Linear(dim, s.index_head_dim, bias=False)
+        self.k_norm = LayerNorm(LayerNorm.Spec(eps=s.index_norm_eps), s.index_head_dim)
+        self.weights_proj = nn.Linear(dim, s.index_n_heads, bias=False)
+        self.weights_proj.keep_float32 = True  # as the references keep it (cast() reads this)
+
+    def flops_per_key(self) -> int:
+        """Per query and cached key: Hi dot products of Di channels and the Hi-weighted sum."""
+        return 2 * self.n_heads * (self.head_dim + 1)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        R = self.rot
+        return torch.cat((apply_rotary(x[..., :R], cos, sin, self.interleaved), x[..., R:]), dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D], cos/sin broadcastable to [B, L, R/2] -> ik [B, L, Di] (what the cache holds)."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D], q_resid [B, L, Cq], keys [B, T, Di], cos/sin broadcastable to [B, L, R/2]
+        -> index scores [B, L, T] float32 (not yet masked)."""
+        B, L, _ = x.shape
+        q = self.wq_b(q_resid).view(B, L, self.n_heads, self.head_dim)
+        q = self._rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        per_head = torch.matmul(q.float(), keys.float().transpose(1, 2).unsqueeze(1))  # [B, L, Hi, T]
+        per_head = F.relu(per_head * self.scale)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return torch.matmul(w.unsqueeze(-2), per_head).squeeze(-2)
+
+    def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+        """Prompt positions 0..L-1: x [B, L, D], q_resid [B, L, Cq], keys [B, L, Di], cos/sin
+        [L, R/2] -> chosen [B, L, L] bool (query t, key s): the top Ks keys s <= t of each query."""
+        L = x.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        scores = self.scores(x, q_resid, keys, cos, sin).masked_fill(~causal, float("-inf"))
+        # Ks columns of -inf on the right: topk's k stays the constant Ks whatever L is (one
+        # compiled graph for every prompt length); picks among padding or masked keys are dropped
+        idx = F.pad(scores, (0, self.topk), value=float("-inf")).topk(self.topk, dim=-1).indices
+        chosen = torch.zeros(*scores.shape[:-1], L + self.topk, dtype=torch.bool, device=x.device)
+        return chosen.scatter_(-1, idx, True)[..., :L] & causal
+
+    def select_decode(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One query per row at pos [B]: x [B, 1, D], q_resid [B, 1, Cq], keys [B, S, Di] (the
+        cache, slots <= pos filled), cos/sin [B, R/2] -> slots [B, min(Ks, S)], best first; while
+        pos < Ks some are empty slots (> pos), which the caller masks."""
+        S = keys.shape[1]
+        scores = self.scores(x, q_resid, keys, cos[:, None], sin[:, None])[:, 0]  # [B, S]
+        slots = torch.arange(S, device=x.device)
+        scores = scores.masked_fill(slots[None, :] > pos[:, None], float("-inf"))
+        return scores.topk(min(self.topk, S), dim=-1).indices
+
+
+@register("mixer", "dsa")
+class DSA(MLA):
+    """MLA (all of mla.py: projections, latent cache, expanded/absorbed attention) plus a
+    LightningIndexer that restricts each query to Ks cached tokens."""
+
+    @dataclass
+    class Spec(MLA.Spec):
+        kind: str = "dsa"
+        index_n_heads: int = "???"  # type: ignore[assignment]  # Hi
+        index_head_dim: int = "???"  # type: ignore[assignment]  # Di: also the indexer key cached per token
+        index_topk: int = "???"  # type: ignore[assignment]  # Ks: tokens each query attends to
+        index_rope_interleaved: bool = True  # indexer RoPE pairs (2i, 2i+1) (GLM-5); false: rotate-half (V3.2)
+        index_norm_eps: float = 1e-6  # eps of the indexer's k_norm (LayerNorm)
+
+        def check(self, model: dict) -> Optional[str]:
+            problem = MLA.Spec.check(self, model)
+            if problem:
+                return problem
+            if self.q_lora_rank is None:
+                return ("q_lora_rank=null: the dsa indexer's queries come from the low-rank query "
+                        "q_norm(wq_a(x)); give q_lora_rank")
+            dims = {k: getattr(self, k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
+            bad = {k: v for k, v in dims.items() if v <= 0}
+            if bad:
+                return f"{bad} must be positive"
+            if self.index_head_dim < self.qk_rope_dim:
+                return (f"index_head_dim={self.index_head_dim} must be >= qk_rope_dim={self.qk_rope_dim} "
+                        f"(the indexer rotates the first qk_rope_dim channels of each head)")
+            return None
+
+    def __init__(self, spec: "DSA.Spec", model):
+        super().__init__(spec, model)
+        self.indexer = LightningIndexer(spec, model.dim)
+
+    def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
+        """MLA's latent kv [B, 1, S, C + R] and the indexer keys index_k [B, S, Di]."""
+        return {**super().cache_fields(max_batch, max_seq, dtype),
+                "index_k": CacheField((max_batch, max_seq, self.spec.index_head_dim), dtype, grows=True)}
+
+    def attention_flops(self, context):
+        """Per token at `context` cached tokens: the indexer over the whole context, MLA's
+        attention over at most Ks of them."""
+        context = np.asarray(context)
+        return super().attention_flops(np.minimum(context, self.spec.index_topk)) + \
+            self.indexer.flops_per_key() * context
+
+    # ------------------------------------------------------------------ entry points
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills slots 0..L-1 of both caches. MLA's
+        expanded attention under the indexer's choice as a mask."""
+        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        q_resid = self.query_residual(x)
+        q_nope, q_rope, kv = self.project(x, cos, sin, q_resid=q_resid)
+        keys = self.indexer.keys(x, cos, sin)
+        write_prefill(cache["kv"], kv)
+        write_prefill(cache["index_k"][:, None], keys[:, None])  # [B, S, Di] viewed as one head
+        chosen = self.indexer.select_prefill(x, q_resid, keys, cos, sin)  # [B, L, L]
+        return self.wo(self.attend_expanded(q_nope, q_rope, kv, mask=chosen[:, None]))
+
+    def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; one slot per row in both caches.
+        MLA's absorbed attention over the Ks gathered latent entries only."""
+        cos, sin = ctx["rope"][self.rope]  # [B, R/2]
+        pos = ctx["pos"]
+        q_resid = self.query_residual(x)
+        q_nope, q_rope, kv = self.project(x, cos[:, None, None], sin[:, None, None], q_resid=q_resid)
+        write_decode(cache["kv"], kv, pos)
+        index_k = cache["index_k"]
+        write_decode(index_k[:, None], self.indexer.keys(x, cos[:, None], sin[:, None])[:, None], pos)
+        slots = self.indexer.select_decode(x, q_resid, index_k, pos, cos, sin)  # [B, Ks]
+        latent = cache["kv"]
+        picked = latent.gather(2, slots[:, None, :, None].expand(-1, 1, -1, latent.shape[-1]))
+        valid = (slots <= pos[:, None])[:, None, None, :]  # [B, 1, 1, Ks]: empty slots early on
+        return self.wo(self.attend_absorbed(q_nope, q_rope, picked.to(q_nope.dtype), mask=valid))
