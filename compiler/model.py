@@ -108,9 +108,13 @@ class Decoder(nn.Module):
                     p.data.normal_(0.0, std, generator=generator)
         self.tie_weights()
 
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Last residual state [..., D] (or streams) -> the final-normed state [..., D] the head reads."""
+        return self.norm(self.streams.collapse(h))
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Last residual state [..., D] (or streams) -> logits [..., V] in float32."""
-        return self.head(self.norm(self.streams.collapse(h))).float()
+        return self.head(self.final_hidden(h)).float()
 
 
 def build_model(spec: ModelSpec) -> Decoder:

@@ -82,7 +82,7 @@ def mtp_prefill(engine: "Engine", ids: torch.Tensor, h: torch.Tensor) -> list[to
     if not len(model.mtp):
         raise InputError("return_mtp: this model has no multi-token-prediction layers (the config has "
                          "mtp.n_layers=0, or checkpoint.mtp=false so they were not built)")
-    hidden = model.norm(model.streams.collapse(h))  # hidden^0: what the main head reads
+    hidden = model.final_hidden(h)  # hidden^0: what the main head reads
     out = []
     for k, (layer, cache) in enumerate(zip(model.mtp, engine.mtp_caches), start=1):
         n = ids.shape[1] - k  # positions this depth predicts from
