@@ -141,7 +141,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(s.v_head_dim, s.norm_eps)
         self.out_proj = nn.Linear(value, model.dim, bias=False)
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Random-build values: a unit-sum causal conv, decay rates exp(A_log) spread over 1..16."""
         nn.init.constant_(self.conv_weight, 1.0 / self.kernel)
         self.A_log.data.copy_(torch.linspace(0.0, math.log(16.0), self.Hv))

@@ -61,8 +61,8 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n))
         self.scale = nn.Parameter(torch.empty(3))
 
-    def init_weights(self) -> None:
-        nn.init.normal_(self.fn, std=0.02)
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        self.fn.data.normal_(0.0, 0.02, generator=generator)
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
 
@@ -102,8 +102,8 @@ class HyperHead(nn.Module):
         self.base = nn.Parameter(torch.empty(n))
         self.scale = nn.Parameter(torch.empty(1))
 
-    def init_weights(self) -> None:
-        nn.init.normal_(self.fn, std=0.02)
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        self.fn.data.normal_(0.0, 0.02, generator=generator)
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
 

@@ -95,10 +95,11 @@ class Decoder(nn.Module):
                        for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Random weights for configs built without a checkpoint (norms: their own init)."""
+        """Random weights for configs built without a checkpoint, drawn from `generator` (modules
+        with their own `init_weights(generator)` — norms, hyper-connections, ... — use theirs)."""
         for module in self.modules():
             if module is not self and hasattr(module, "init_weights"):
-                module.init_weights()
+                module.init_weights(generator)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.data.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:

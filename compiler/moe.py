@@ -97,7 +97,7 @@ class TokenHash(nn.Module):
         self.n_experts = n_experts
         self.tid2eid = nn.Parameter(torch.empty(vocab_size, top_k, dtype=torch.int32), requires_grad=False)
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Random-build table: token t gets experts (t*K + k) % E, distinct when K <= E."""
         V, K = self.tid2eid.shape
         rows = torch.arange(V, device=self.tid2eid.device)[:, None] * K + torch.arange(K, device=self.tid2eid.device)

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.zero_centered = spec.zero_centered
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.bias = nn.Parameter(torch.empty(dim))
 
-    def init_weights(self) -> None:
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
