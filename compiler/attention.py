@@ -1,4 +1,3 @@
-# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1) with a static KV cache.
 
     x [B, L, D] -> wqkv -> q [B, H, L, Dh], k/v [B, Hkv, L, Dh] -> RoPE on the first R channels

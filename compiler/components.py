@@ -1,4 +1,3 @@
-# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """Imports every concept module so that their kinds are registered (see registry.py)."""
 from . import attention, ffn, mhc, norm, residual, rope  # noqa: F401
 from . import mla, moe  # noqa: F401

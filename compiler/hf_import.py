@@ -209,7 +209,7 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     quant = config.get("quantization_config")
     stages = list(spec["rules"])
     if quant:
-        stages = quantization_stages(quant, where) + stages
+        stages = quantization_stages(quant, where, config) + stages
     OmegaConf.update(cfg, "checkpoint.rules", stages, merge=False)
     cfg.name = str(config.get("_name_or_path") or model_type).rstrip("/").split("/")[-1] or model_type
     if overrides:
@@ -219,8 +219,10 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     return cfg
 
 
-def quantization_stages(quant: dict, where: str) -> list[str]:
-    """Rule stages that turn a quantized checkpoint's stored codes into values (conf/hf/quantization.yaml)."""
+def quantization_stages(quant: dict, where: str, config: dict | None = None) -> list[str]:
+    """Rule stages that turn a quantized checkpoint's stored codes into values (conf/hf/quantization.yaml).
+    A method maps to one entry, or to a list of variants: the first whose `when` values all match
+    (looked up in quantization_config, else at config.json's top level) is used."""
     path = conf_dir() / "hf" / QUANTIZATION_TABLE
     table = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
     method = quant.get("quant_method")
@@ -228,6 +230,13 @@ def quantization_stages(quant: dict, where: str) -> list[str]:
         raise ConfigError(f"{where}: quantization_config.quant_method={method!r} is not supported "
                           f"(supported: {sorted(table)})")
     entry = table[method]
+    if isinstance(entry, list):
+        def value(key):
+            return quant[key] if key in quant else (config or {}).get(key)
+        entry = next((e for e in entry if all(value(k) == v for k, v in (e.get("when") or {}).items())), None)
+        if entry is None:
+            raise ConfigError(f"{where}: no variant of quant_method {method!r} in conf/hf/{QUANTIZATION_TABLE} "
+                              f"matches this quantization_config")
     for key, expected in (entry.get("expect") or {}).items():
         if quant.get(key) != expected:
             raise ConfigError(f"{where}: quantization_config.{key}={quant.get(key)!r} is not supported "

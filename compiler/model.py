@@ -1,4 +1,3 @@
-# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """The decoder stack, assembled from a ModelSpec. Built on the meta device, materialized once.
 
     ids [B, L] -> embed -> streams.expand -> layers[0..n) -> streams.collapse -> norm -> head

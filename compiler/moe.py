@@ -188,6 +188,32 @@ class MoE(nn.Module):
             if s.shared_ffn_dim else None
         self.shared_gate = nn.Linear(D, 1, bias=False) if s.shared_expert_gate else None
 
+    # ------------------------------------------------------------------ analysis (analysis.py)
+
+    def routed_parameters(self) -> int:
+        """Parameters of all routed experts: E * (2F*D + D*F)."""
+        return self.w13.numel() + self.w2.numel()
+
+    def active_parameters(self, matmul_only: bool = False) -> int:
+        """Parameters one token touches: top_k of the E routed experts, the router (its weight
+        [E, D] multiplies every token; the 1-D selection bias and the token's tid2eid row are read,
+        not multiplied), the shared experts and their gate. matmul_only: >= 2-D multiplied weights."""
+        routed = self.routed_parameters() * self.top_k // self.n_experts
+        n = routed + self.router.weight.numel()
+        if not matmul_only:
+            n += 0 if self.router.score_bias is None else self.router.score_bias.numel()
+            n += 0 if self.router.hash is None else self.router.hash.active_parameters()
+        for part in (self.shared, self.shared_gate):
+            if part is not None:
+                n += sum(p.numel() for p in part.parameters() if p.dim() >= 2 or not matmul_only)
+        return n
+
+    def decode_weight_fraction(self, batch: int) -> float:
+        """Expected share of the routed experts a decode step over `batch` tokens reads: each
+        token picks top_k distinct experts of E, uniformly (the balanced load the routers are
+        trained for), so an expert is missed by all with probability (1 - K/E)^B."""
+        return 1.0 - (1.0 - self.top_k / self.n_experts) ** batch
+
     # ------------------------------------------------------------------ routing
 
     def route(self, x: torch.Tensor, ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

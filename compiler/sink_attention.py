@@ -143,12 +143,17 @@ class SinkAttention(nn.Module):
 
     # ------------------------------------------------------------------ projections
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def query_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D] -> q_norm(wq_a(x)) [B, L, Cq] (compressed layers' indexer reads it too)."""
+        return self.q_norm(self.wq_a(x))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_resid: Optional[torch.Tensor] = None):
         """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B, H, L, Dh], kv [B, 1, L, Dh]
-        (normalised and rotated: what the cache holds)."""
+        (normalised and rotated: what the cache holds). q_resid: query_residual(x), if at hand."""
         B, L, _ = x.shape
         il = self.spec.rope_interleaved
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        q_resid = self.query_residual(x) if q_resid is None else q_resid
+        q = self.wq_b(q_resid).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         qf = q.float()  # the per-head query norm has no weight
         q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         q = rope_tail(q, cos, sin, self.rot, il)
@@ -174,13 +179,18 @@ class SinkAttention(nn.Module):
         size of q), those before position 0 masked: [B, H, L, Sw] scores, never [L, L].
         Sw = min(window, max_seq) covers the window, or every earlier key when max_seq is shorter.
         """
+        keys, scores = self.window_scores(q, kv, slots)
+        probs = softmax_with_sink(scores, self.sink.weight.view(1, -1, 1, 1))
+        return torch.einsum("bhlw,blwd->bhld", probs.to(keys.dtype), keys)
+
+    def window_scores(self, q: torch.Tensor, kv: torch.Tensor, slots: int):
+        """q [B, H, L, Dh], kv [B, 1, L, Dh] -> each query's window keys [B, L, Sw, Dh] and their
+        scaled scores [B, H, L, Sw] (-inf before position 0); see attend_window."""
         L = q.shape[2]
         key = torch.arange(L, device=q.device)[:, None] - (slots - 1) + torch.arange(slots, device=q.device)
         keys = kv[:, 0][:, key.clamp(min=0)]  # [B, L, Sw, Dh]
         scores = torch.einsum("bhld,blwd->bhlw", q, keys) * self.scale
-        scores = scores.masked_fill(key < 0, float("-inf"))
-        probs = softmax_with_sink(scores, self.sink.weight.view(1, -1, 1, 1))
-        return torch.einsum("bhlw,blwd->bhld", probs.to(keys.dtype), keys)
+        return keys, scores.masked_fill(key < 0, float("-inf"))
 
     def write_ring(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
         """cache [B, 1, Sw, Dh] <- the last Sw of kv [B, 1, L, Dh] (positions 0..L-1): slot s gets

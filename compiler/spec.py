@@ -1,4 +1,3 @@
-# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """The spec tree: a composed config, validated and resolved into plain dataclasses.
 
     conf/ (Hydra YAML) --compose--> DictConfig --validate--> ModelSpec --build--> modules

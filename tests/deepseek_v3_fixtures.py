@@ -54,14 +54,15 @@ def hub_tensors(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, t
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def make_mtp_layer(config, seed=3):
+def make_mtp_layer(config, seed=3, layer_cls=None):
     """A random MTP layer: a full MoE decoder block (layer index n_layers) and the extra parts
-    (enorm, hnorm, eh_proj, shared_head, its own embedding copy), as Hub-named tensors."""
+    (enorm, hnorm, eh_proj, shared_head, its own embedding copy), as Hub-named tensors.
+    layer_cls(config, layer_idx): the family's decoder layer (default DeepseekV3DecoderLayer)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     torch.manual_seed(seed)
     D, V = config.hidden_size, config.vocab_size
-    block = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers).eval()
+    block = (layer_cls or DeepseekV3DecoderLayer)(config, layer_idx=config.num_hidden_layers).eval()
     with torch.no_grad():
         for name, p in block.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.05)
@@ -102,4 +103,5 @@ def mtp_reference(ref, block, extra, ids):
     cos_sin = ref.model.rotary_emb(x, pos)
     mask = torch.full((L - 1, L - 1), float("-inf")).triu(1)[None, None]
     y = block(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+    y = y[0] if isinstance(y, tuple) else y  # some layers also return their attention's extras
     return _rms(y, extra["shared_head.norm.weight"].float()) @ extra["shared_head.head.weight"].float().T

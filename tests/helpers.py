@@ -1,4 +1,3 @@
-# NOTE TO ENGINEERS (temporary, the lead removes it): read /tmp/HELPER_README.md first -- house rules + issue text.
 """Shared test helpers: tiny reference checkpoints, a real local Hub cache, parity checks.
 
 transformers is the oracle here (test-only); zoo loads what transformers saved through the same

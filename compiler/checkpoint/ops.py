@@ -174,3 +174,58 @@ def _split_groups(xs, groups: int, sizes, index: int | None = None):
         grouped = x.reshape(groups, sum(sz), *x.shape[1:])
         parts += [p.reshape(groups * p.shape[1], *x.shape[1:]) for p in grouped.split(sz, dim=1)]
     return parts[index] if index is not None else torch.cat(parts, dim=0)
+
+
+# ---------------------------------------------------------------------------- E8M0-scaled formats
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale codes (uint8 / int8 bytes or torch.float8_e8m0fnu) -> float32 2^(byte - 127).
+
+    A power of two with no sign and no mantissa: the byte is the biased exponent (byte 255 is NaN
+    in the format and comes out as 2^128 = inf, which no real checkpoint stores)."""
+    if scale.dtype not in (torch.uint8, torch.int8, torch.float8_e8m0fnu):
+        raise CheckpointError(f"E8M0 scale of dtype {scale.dtype}: expected uint8/int8 bytes or float8_e8m0fnu")
+    byte = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    return torch.exp2(byte.to(torch.float32) - 127.0)
+
+
+@op("fp8_e8m0_block_dequant", 2, _fp8_block_shape)
+def _fp8_e8m0_block_dequant(xs, block=(128, 128)):
+    """scale [ceil(out/bo), ceil(in/bi)] (E8M0 codes), weight [out, in] (e4m3 codes) -> float32
+    [out, in]: each element times 2^(scale byte - 127) of its fixed-size block (DeepSeek-V4's
+    `.scale` tensors; the blocks as in fp8_block_dequant)."""
+    scale, w = xs
+    return _fp8_block_dequant([e8m0_to_float(scale), w], block)
+
+
+# e2m1 code -> value: sign bit 3, then 2 exponent bits and 1 mantissa bit
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_shape(shapes, block: int = 32):
+    s, w = shapes
+    if len(w) != 2 or len(s) != 2:
+        raise ValueError(f"MXFP4 needs a 2-d packed weight and a 2-d scale, got {list(w)} and {list(s)}")
+    out, packed = w
+    cols = 2 * packed
+    if cols % block or tuple(s) != (out, cols // block):
+        raise ValueError(f"packed weight {list(w)} ({cols} values per row, {block} per scale) needs a scale of "
+                         f"shape {[out, cols // block] if cols % block == 0 else f'[{out}, {cols}/{block}]'}, "
+                         f"got {list(s)}")
+    return (out, cols)
+
+
+@op("mxfp4_dequant", 2, _mxfp4_shape)
+def _mxfp4_dequant(xs, block: int = 32):
+    """scale [out, in/block] (E8M0 codes), weight [out, in/2] (int8/uint8, two e2m1 codes per byte,
+    the LOW nibble first) -> float32 [out, in]: value(code) * 2^(scale byte - 127), one scale per
+    `block` consecutive values of a row (OCP microscaling MXFP4)."""
+    scale, w = xs
+    if w.dtype not in (torch.int8, torch.uint8):
+        raise CheckpointError(f"MXFP4 weight of dtype {w.dtype}: expected int8/uint8 bytes (two codes each)")
+    byte = w.view(torch.uint8).to(torch.int64)
+    codes = torch.stack((byte & 0xF, byte >> 4), dim=-1).flatten(-2)  # [out, in]: low nibble first
+    value = torch.tensor(_E2M1, dtype=torch.float32)[codes]
+    out, cols = value.shape
+    value = value.view(out, cols // block, block) * e8m0_to_float(scale)[..., None]
+    return value.view(out, cols)
