@@ -2,21 +2,36 @@
 parameters, cache growth, FLOPs per token, decode arithmetic intensity, memory plans.
 
 Conventions (stated in every report):
-  params_active  parameters a token touches: every layer's mixer, norms, residual weights, the
-                 top_k routed experts + shared experts of MoE layers, and the output head; NOT the
-                 input embedding table (a lookup reads one row).
-  FLOPs          2 per multiply-accumulate. Per token: 2 x active matmul parameters (head
-                 included) + each mixer's context-dependent work (`attention_flops(context)`:
-                 scores and weighted sums over the cache, recurrent state updates, indexers).
-                 Prefill of length T averages the context-dependent part over positions 1..T.
-  cache          bytes per token: cache fields that grow with context, at the cache dtype;
-                 state per sequence: fields that stay constant (recurrent / window / partial-block).
+  params_total   every parameter of the main model, tied weights once. The multi-token-prediction
+                 layers (a speculative-decoding extra the checkpoint ships) are reported apart, as
+                 `params_mtp`, and left out of every other figure.
+  params_active  parameters one token touches: every layer's mixer, norms, residual weights, the
+                 top_k routed + shared experts and the router of MoE layers, the final norm and
+                 the output head; NOT the input embedding table (a lookup reads one row). A tied
+                 head counts once, as the head.
+  FLOPs          2 per multiply-accumulate of contractions (matmuls, convolutions, dot products,
+                 weighted sums); elementwise maps, norms, softmax, activations and gates are not
+                 counted. Per token: 2 x active matmul parameters (>= 2-D weights, head included)
+                 + each module's `token_flops()` (contractions its parameters do not show: mHC's
+                 stream mixing) + each mixer's context-dependent work at the context it sees.
+                 Decode at context T: `attention_flops(T)`. Prefill of length T: the mean over the
+                 prompt's positions t = 1..T of `prefill_attention_flops(t)` (the algorithm the
+                 prefill entry point runs, e.g. MLA's expanded form; default `attention_flops`).
+  cache          bytes per token: cache fields that grow with context, at the cache dtype (fields
+                 a module keeps in float32, such as recurrent states, stay float32);
+                 state per sequence: fields that stay constant (recurrent / conv / window state).
+  decode step    bytes moved at batch B: every weight but the embedding table (one row per token),
+                 MoE experts only as many as B tokens are expected to hit (uniform routing), plus
+                 each sequence's cache reads at context T (`decode_cache_bytes`: DSA reads every
+                 indexer key but only top-k latents).
 
-Modules may refine the defaults: `active_parameters()` (MoE: only the routed top_k) and
-`attention_flops(context)` (mixers; context is an int or a numpy array of ints).
+Module hooks (all optional): `active_parameters(matmul_only)` (MoE), `attention_flops(context)`,
+`prefill_attention_flops(context)`, `decode_cache_bytes(context, dtype)` (mixers; context an int or
+a numpy array of ints), `token_flops()`, `decode_weight_fraction(batch)` + `routed_parameters()` (MoE).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +41,18 @@ from omegaconf import OmegaConf
 
 from .cache import plan_caches
 from .config import conf_dir
-from .model import Decoder, build_model, cast, count_parameters
+from .model import BuildContext, Decoder, build_model, cast, count_parameters
+from .rope import make_rope
 from .spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BIG_SEQ = 1 << 20  # cache plans are exact per token at a length every compression ratio divides
+
+ACTIVE_CONVENTION = ("excludes the input embedding table (a lookup) and the MTP layers; includes the "
+                     "output head, the final norm, top_k routed + shared experts and the router")
+FLOPS_CONVENTION = ("2 per multiply-accumulate of contractions; 2 x active matmul parameters + attention "
+                    "over the context (decode at T; prefill: mean over positions 1..T); elementwise ops "
+                    "not counted")
 
 
 def devices() -> dict[str, dict]:
@@ -61,33 +83,74 @@ def active_parameters(module: torch.nn.Module, matmul_only: bool = False, skip: 
     return walk(module)
 
 
-def _attention_flops(mixer, context):
+def token_flops(module: torch.nn.Module) -> int:
+    """Context-independent FLOPs per token below `module` that its parameters do not show."""
+    return sum(m.token_flops() for m in module.modules() if hasattr(m, "token_flops"))
+
+
+def decode_attention_flops(mixer, context):
+    """A mixer's context-dependent FLOPs per decoded token at `context` cached tokens (int or array)."""
     fn = getattr(mixer, "attention_flops", None)
     return fn(context) if fn is not None else 0 * np.asarray(context)
 
 
+def prefill_attention_flops(mixer, context):
+    """The same for a prompt token that sees `context` tokens, under the prefill algorithm."""
+    fn = getattr(mixer, "prefill_attention_flops", None)
+    return fn(context) if fn is not None else decode_attention_flops(mixer, context)
+
+
+def decode_cache_bytes(mixer, context: int, dtype: torch.dtype) -> int:
+    """Cache bytes one decode step reads per sequence at `context` tokens (default: all of it)."""
+    fn = getattr(mixer, "decode_cache_bytes", None)
+    if fn is not None:
+        return int(fn(context, dtype))
+    return sum(f.nbytes for f in mixer.cache_fields(1, context, dtype).values())
+
+
 @dataclass
 class KindSummary:
-    name: str  # "mixer+ffn"
+    name: str  # "mixer+ffn" (the names in `mixers` / `ffns`)
+    mixer: str  # the mixer's kind, e.g. "mla"
+    ffn: str  # the ffn's kind, e.g. "moe"
     layers: int
     params_per_layer: int
     active_per_layer: int
     cache_bytes_per_token: float
     state_bytes_per_sequence: int
+    decode_flops_per_layer: int  # per token at the report's context
+    prefill_flops_per_layer: int
+
+
+def main_model_spec(spec: ModelSpec) -> ModelSpec:
+    """`spec` without its MTP layers built (they never count in the per-token figures)."""
+    if not spec.checkpoint.mtp:
+        return spec
+    return dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=False))
+
+
+def mtp_parameters(spec: ModelSpec) -> int:
+    """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none."""
+    if not spec.mtp_layers:
+        return 0
+    from .mtp import mtp_layers
+
+    on = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=True))
+    with torch.device("meta"):
+        layers = mtp_layers(BuildContext(on, make_rope(on.rope)))
+    return count_parameters(layers)
 
 
 def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: str = "bfloat16",
             weight_dtype: str = "bfloat16", device: str | None = None) -> dict[str, Any]:
-    """Every figure of `zoo report` for one config, as plain data."""
+    """Every figure of `zoo report` for one config, as plain data (see the module docstring)."""
+    if context < 1 or batch < 1:
+        raise ValueError(f"context={context} and batch={batch} must be >= 1")
+    params_mtp = mtp_parameters(spec)
+    spec = main_model_spec(spec)
     model: Decoder = cast(build_model(spec), DTYPES[weight_dtype])
-    cdt = DTYPES[cache_dtype]
+    cdt, wsize = DTYPES[cache_dtype], DTYPES[weight_dtype].itemsize
     plan = plan_caches(model, 1, _BIG_SEQ, cdt)
-    plan_at = plan_caches(model, 1, max(context, 1), cdt)
-
-    def layer_cache(i: int) -> tuple[float, int]:
-        fields = plan.layers[i].values()
-        grow = sum(f.nbytes for f in fields if f.grows) / _BIG_SEQ
-        return grow, sum(f.nbytes for f in fields if not f.grows)
 
     total = count_parameters(model)
     embed_params = model.embed.weight.numel()
@@ -95,50 +158,79 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
     no_embed = frozenset({id(model.embed.weight)})
     head = model.head.weight.numel() if spec.tie_embeddings else 0
     active = active_parameters(model, skip=no_embed) + head
+    matmul = active_parameters(model, matmul_only=True, skip=no_embed) + head
+    extra = token_flops(model)
 
     kinds: dict[str, KindSummary] = {}
-    decode_ctx = np.asarray(context)
-    prefill_ctx = np.arange(1, context + 1)
+    fields: dict[str, dict] = {}
+    decode_ctx, prefill_ctx = np.asarray(context), np.arange(1, context + 1)
     decode_attn = prefill_attn = 0.0
+    layers_active = 0
+    cache_read = 0
     for i, block in enumerate(model.layers):
-        name = f"{spec.layers[i].mixer_name}+{spec.layers[i].ffn_name}"
-        grow, state = layer_cache(i)
+        layer = spec.layers[i]
+        name = f"{layer.mixer_name}+{layer.ffn_name}"
+        d_attn = int(decode_attention_flops(block.mixer, decode_ctx))
+        p_attn = float(np.mean(prefill_attention_flops(block.mixer, prefill_ctx)))
+        decode_attn += d_attn
+        prefill_attn += p_attn
+        block_active = active_parameters(block)
+        layers_active += block_active
+        cache_read += decode_cache_bytes(block.mixer, context, cdt)
+        for field, f in plan.layers[i].items():
+            row = fields.setdefault(f"{layer.mixer_name}.{field}", {
+                "field": f"{layer.mixer_name}.{field}", "mixer": layer.mixer.kind, "layers": 0,
+                "dtype": str(f.dtype).removeprefix("torch."), "bytes_per_token": 0.0,
+                "state_bytes_per_sequence": 0})
+            row["layers"] += 1
+            if f.grows:
+                row["bytes_per_token"] += f.nbytes / _BIG_SEQ
+            else:
+                row["state_bytes_per_sequence"] += f.nbytes
         if name not in kinds:
-            kinds[name] = KindSummary(name, 0, count_parameters(block), _block_active(block), grow, state)
+            grow = sum(f.nbytes for f in plan.layers[i].values() if f.grows) / _BIG_SEQ
+            state = sum(f.nbytes for f in plan.layers[i].values() if not f.grows)
+            dense = 2 * active_parameters(block, matmul_only=True) + token_flops(block)
+            kinds[name] = KindSummary(name, layer.mixer.kind, layer.ffn.kind, 0, count_parameters(block),
+                                      block_active, grow, state, int(dense + d_attn), int(round(dense + p_attn)))
         kinds[name].layers += 1
-        decode_attn += float(_attention_flops(block.mixer, decode_ctx))
-        prefill_attn += float(np.mean(_attention_flops(block.mixer, prefill_ctx)))
-    matmul = active_parameters(model, matmul_only=True, skip=no_embed) + head
-    decode_flops = 2 * matmul + decode_attn
-    prefill_flops = 2 * matmul + prefill_attn
+    for row in fields.values():
+        row["bytes_per_token"] = int(round(row["bytes_per_token"]))
+    decode_flops = 2 * matmul + extra + decode_attn
+    prefill_flops = 2 * matmul + extra + prefill_attn
 
     cache_per_token = sum(k.cache_bytes_per_token * k.layers for k in kinds.values())
     state_per_seq = sum(k.state_bytes_per_sequence * k.layers for k in kinds.values())
-    cache_at_context = sum(f.nbytes for layer in plan_at.layers for f in layer.values() if f.grows)
+    cache_at_context = sum(f.nbytes for layer in plan_caches(model, 1, context, cdt).layers
+                           for f in layer.values() if f.grows)
     weight_bytes = sum(p.numel() * p.element_size() for p in _unique(model.parameters()))
-    active_bytes = active * torch.empty((), dtype=DTYPES[weight_dtype]).element_size()
 
     out: dict[str, Any] = {
         "name": spec.name, "source": spec.source, "n_layers": spec.n_layers,
         "layout": [[kind, n] for kind, n in spec.layout_runs()],
         "params_total": total, "params_active": active,
-        "params_active_convention": "excludes the input embedding table; includes the output head, "
-                                    "top_k routed + shared experts",
+        "params_active_convention": ACTIVE_CONVENTION,
+        "params_active_layers": layers_active,  # the decoder blocks only: no embedding, head, final norm
         "params_embedding": embed_params,
+        "params_head": model.head.weight.numel(),
+        "params_mtp": params_mtp,
         "residual_streams": getattr(spec.residual, "streams", 1),
         "kinds": [k.__dict__ for k in kinds.values()],
         "cache_dtype": cache_dtype, "weight_dtype": weight_dtype,
         "cache_bytes_per_token": int(round(cache_per_token)),
         "state_bytes_per_sequence": state_per_seq,
+        "cache_fields": list(fields.values()),
         "context": context, "batch": batch,
         "cache_bytes_at_context": cache_at_context,
         "weight_bytes": weight_bytes,
-        "decode_flops_per_token": int(decode_flops),
-        "prefill_flops_per_token": int(prefill_flops),
+        "flops_convention": FLOPS_CONVENTION,
+        "decode_flops_per_token": int(round(decode_flops)),
+        "prefill_flops_per_token": int(round(prefill_flops)),
     }
     # decode step at batch B and context T: FLOPs vs bytes that must move
     step_flops = batch * decode_flops
-    step_bytes = _decode_weight_bytes(model, batch, weight_dtype) + batch * (cache_at_context + state_per_seq)
+    step_bytes = _decode_weight_bytes(model, batch, wsize) + batch * cache_read
+    out["decode_cache_bytes_read_per_sequence"] = cache_read
     out["decode_bytes_per_step"] = int(step_bytes)
     out["decode_arithmetic_intensity"] = step_flops / step_bytes
     if device is not None:
@@ -146,12 +238,15 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
         if prof is None:
             raise ValueError(f"unknown device {device!r}; known: {sorted(devices())}")
         ridge = prof["flops"][weight_dtype] / prof["bandwidth"]
-        need = weight_bytes + batch * (cache_at_context + state_per_seq)
+        per_seq = cache_at_context + state_per_seq
+        need = weight_bytes + batch * per_seq
         out["device"] = {"name": device, **prof, "ridge_point": ridge,
                          "decode_bound": "memory" if out["decode_arithmetic_intensity"] < ridge else "compute",
                          "decode_step_seconds_at_roofline": max(step_bytes / prof["bandwidth"],
                                                                 step_flops / prof["flops"][weight_dtype]),
-                         "memory_needed": need, "fits": need <= prof["memory"]}
+                         "memory_needed": need, "fits": need <= prof["memory"],
+                         "max_batch_at_context": max(0, int((prof["memory"] - weight_bytes) // per_seq))
+                         if per_seq else None}
     return out
 
 
@@ -163,30 +258,24 @@ def _unique(params):
             yield p
 
 
-def _block_active(block) -> int:
-    return active_parameters(block)
-
-
-def _decode_weight_bytes(model: Decoder, batch: int, weight_dtype: str) -> float:
-    """Weight bytes one decode step reads: all dense weights, the head, one embedding row per
-    token, and for MoE the experts that `batch` tokens are expected to hit."""
-    size = torch.empty((), dtype=DTYPES[weight_dtype]).element_size()
-    total = 0.0
-    for p in _unique(model.parameters()):
-        total += p.numel() * p.element_size()
-    total -= model.embed.weight.numel() * size * (0 if model.spec.tie_embeddings else 1)
+def _decode_weight_bytes(model: Decoder, batch: int, size: int) -> float:
+    """Weight bytes one decode step reads: all weights but the embedding table (one row per
+    token; all of it when tied, as the head), and of each MoE's routed experts the share that
+    `batch` tokens are expected to hit (`decode_weight_fraction`)."""
+    total = float(sum(p.numel() * p.element_size() for p in _unique(model.parameters())))
+    if not model.spec.tie_embeddings:
+        total -= model.embed.weight.numel() * model.embed.weight.element_size()
     total += batch * model.embed.weight.shape[1] * size
     for block in model.layers:
         fn = getattr(block.ffn, "decode_weight_fraction", None)
-        if fn is not None:  # MoE: only the experts the batch routes to are read
-            routed = getattr(block.ffn, "routed_parameters")()
-            total -= routed * size * (1 - fn(batch))
+        if fn is not None:
+            total -= block.ffn.routed_parameters() * size * (1 - fn(batch))
     return total
 
 
 def cache_curve(spec: ModelSpec, contexts, cache_dtype: str = "bfloat16") -> list[int]:
     """Cache bytes (growing fields + constant state) of one sequence at each context length."""
-    model = build_model(spec)
+    model = build_model(main_model_spec(spec))
     out = []
     for t in contexts:
         plan = plan_caches(model, 1, int(t), DTYPES[cache_dtype])

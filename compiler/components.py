@@ -4,3 +4,4 @@ from . import mla, moe  # noqa: F401
 from . import dsa  # noqa: F401
 from . import gated_deltanet  # noqa: F401
 from . import sink_attention  # noqa: F401
+from . import compressed_attention  # noqa: F401

@@ -155,6 +155,19 @@ class DSA(MLA):
         return super().attention_flops(np.minimum(context, self.spec.index_topk)) + \
             self.indexer.flops_per_key() * context
 
+    def prefill_attention_flops(self, context):
+        """The same for a prompt token with `context` visible tokens, MLA's expanded form over the
+        Ks chosen (the cost of a sparse kernel; the zoo's CPU prefill applies the choice as a mask)."""
+        context = np.asarray(context)
+        return super().prefill_attention_flops(np.minimum(context, self.spec.index_topk)) + \
+            self.indexer.flops_per_key() * context
+
+    def decode_cache_bytes(self, context: int, dtype: torch.dtype) -> int:
+        """Cache bytes one decode step reads per sequence at `context` tokens: every indexer key,
+        but only the Ks latent entries chosen."""
+        return self.cache_fields(1, context, dtype)["index_k"].nbytes + \
+            super().cache_fields(1, min(context, self.spec.index_topk), dtype)["kv"].nbytes
+
     # ------------------------------------------------------------------ entry points
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:

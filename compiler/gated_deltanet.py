@@ -209,6 +209,12 @@ class GatedDeltaNet(nn.Module):
     def rope_dims(self) -> list[int]:
         return []
 
+    def attention_flops(self, context):
+        """Per token, whatever the context (int or array): the recurrence's work on each value
+        head's state S [Dk, Dv], three multiply-adds per state element (S^T k, the rank-1 write
+        k delta^T, S^T q), 2 FLOPs each; the decay scaling is elementwise (not counted, as norms)."""
+        return 0 * context + 6 * self.Hv * self.Dk * self.Dv
+
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         return {"conv": CacheField((max_batch, self.spec.conv_dim, self.kernel - 1), dtype, grows=False),
                 "state": CacheField((max_batch, self.Hv, self.Dk, self.Dv), torch.float32, grows=False)}

@@ -30,6 +30,7 @@ from .model import Decoder
 from .mtp import mtp_caches, mtp_prefill
 from .rope import rope_key
 
+
 def compile_cache_dir() -> Path:
     """Where compiled graphs persist between processes: $ZOO_CACHE_DIR (default ~/.cache/zoo)
     /compile/torch-<version>. Inductor keys each artifact by its graph, shapes, dtypes and device;

@@ -66,6 +66,12 @@ class HyperConnection(nn.Module):
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
 
+    def token_flops(self) -> int:
+        """Per token, beyond 2 x fn's parameters (analysis.py): the pre-weighted sum of the N
+        streams (N*D multiply-adds), comb^T @ h (N*N*D) and post (x) y added in (N*D), 2 FLOPs each."""
+        n, d = self.n, self.fn.shape[1] // self.n
+        return 2 * n * d * (n + 2)
+
     def weights(self, h: torch.Tensor):
         """h [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (float32)."""
         n = self.n
@@ -106,6 +112,10 @@ class HyperHead(nn.Module):
         self.fn.data.normal_(0.0, 0.02, generator=generator)
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
+
+    def token_flops(self) -> int:
+        """Per token, beyond 2 x fn's parameters: the pre-weighted sum of the N streams."""
+        return 2 * self.fn.shape[1]
 
     def expand(self, h: torch.Tensor) -> torch.Tensor:
         """embedding [..., D] -> N identical streams [..., N, D]."""

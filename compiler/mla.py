@@ -94,6 +94,12 @@ class MLA(nn.Module):
         C + R latent channels and the weighted sum of the C latent values."""
         return 2 * self.n_heads * (2 * self.rank + self.rot) * np.asarray(context)
 
+    def prefill_attention_flops(self, context):
+        """Per token at `context` visible tokens, expanded (prefill) form: per head, q.k over
+        Dn + R channels and the weighted sum of Dv-wide values (wkv_b's expansion of each token's
+        latent is a per-token matmul, counted with the parameters)."""
+        return 2 * self.n_heads * (self.nope + self.rot + self.v_dim) * np.asarray(context)
+
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """One field, [normalized latent C | roped k_rope R] per token: [B, 1, S, C + R] (a
         single KV head, so attention reads it in place)."""

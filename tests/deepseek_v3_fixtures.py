@@ -97,11 +97,13 @@ def mtp_reference(ref, block, extra, ids):
     L = ids.shape[1]
     hidden = ref.model(ids).last_hidden_state  # final-normed main hidden state
     e = torch.nn.functional.embedding(ids[:, 1:], extra["embed_tokens.weight"].float())
-    x = torch.cat((_rms(e, extra["enorm.weight"].float()), _rms(hidden[:, :-1], extra["hnorm.weight"].float())), -1)
+    eps = ref.config.rms_norm_eps  # the MTP norms use the model's eps
+    x = torch.cat((_rms(e, extra["enorm.weight"].float(), eps), _rms(hidden[:, :-1], extra["hnorm.weight"].float(), eps)),
+                  -1)
     x = x @ extra["eh_proj.weight"].float().T
     pos = torch.arange(L - 1)[None]
     cos_sin = ref.model.rotary_emb(x, pos)
     mask = torch.full((L - 1, L - 1), float("-inf")).triu(1)[None, None]
     y = block(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
     y = y[0] if isinstance(y, tuple) else y  # some layers also return their attention's extras
-    return _rms(y, extra["shared_head.norm.weight"].float()) @ extra["shared_head.head.weight"].float().T
+    return _rms(y, extra["shared_head.norm.weight"].float(), eps) @ extra["shared_head.head.weight"].float().T

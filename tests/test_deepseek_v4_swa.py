@@ -30,6 +30,9 @@ pytest.importorskip("transformers.models.deepseek_v4")
 
 VOCAB, WINDOW, HEAD_DIM = 256, 8, 32
 MAX_SEQ = 32  # > window: the ring wraps
+# the presets with their sliding-window layers only (the compressed kinds: tests/test_deepseek_v4.py)
+SWA_TINY = "layout=[{repeat: 2, mixer: swa, ffn: moe_hash}, {mixer: swa, ffn: moe}]"
+SWA_FLASH = "layout=[{repeat: 3, mixer: swa, ffn: moe_hash}, {mixer: swa, ffn: moe}]"
 
 
 def tiny_config(streams: int, **kw):
@@ -196,7 +199,7 @@ def test_imported_config(references, streams):
             ("sqrtsoftplus", 0.5, 1.5, 32)
     assert (m.spec.rope.kind, m.spec.rope.theta, m.spec.residual.kind) == ("default", 10000.0, "mhc")
     # the tiny twin is the same architecture (the fixtures clamp harder than V4's limit of 10)
-    twin = load_config("deepseek_v4_flash_tiny", [f"residual.streams={streams}", "ffns.moe.swiglu_limit=0.5"])
+    twin = load_config("deepseek_v4_flash_tiny", [f"residual.streams={streams}", "ffns.moe.swiglu_limit=0.5", SWA_TINY])
     assert [(x.mixer, x.ffn) for x in twin.layers] == [(x.mixer, x.ffn) for x in m.spec.layers]
     assert twin.residual == m.spec.residual
     assert count_parameters(build_model(twin)) == m.info.params
@@ -231,22 +234,22 @@ def test_import_round_trip_and_check(references, tmp_path, monkeypatch, capsys):
     assert "9 ignored by rule" in out and "OK: every tensor accounted for" in out
 
 
-@pytest.mark.parametrize("schedule, kinds", [
-    ({"layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
-                      "heavily_compressed_attention"]},
-     "'compressed_sparse_attention' at layers \\[2\\].*'heavily_compressed_attention' at layers \\[3\\]"),
-    ({"compress_ratios": [0, 0, 4, 128, 4]}, "128 at layers \\[3\\].*4 at layers \\[2\\]"),
+@pytest.mark.parametrize("schedule", [
+    {"layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"]},
+    {"compress_ratios": [0, 0, 4, 128, 4]},
 ])
-def test_compressed_layers_not_yet_supported(references, tmp_path, schedule, kinds):
+def test_compressed_schedules_import(references, schedule):
+    """Both schedule spellings give the compressed kinds (built and tested in test_deepseek_v4.py)."""
+    from compiler.hf_import import import_config
+
     _, path, _ = references[3]
-    for f in path.iterdir():
-        shutil.copy(f, tmp_path / f.name)
     cfg = json.loads((path / "config.json").read_text())
     cfg.pop("compress_ratios")
     cfg.update(schedule)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=f"not yet supported.*{kinds}.*conf/hf/deepseek_v4.yaml"):
-        zoo.from_pretrained(str(tmp_path), compile=False)
+    layout = import_config(cfg, "config.json").layout
+    kinds = [(run["mixer"], run.get("repeat", 1)) for run in layout]
+    assert kinds == [("swa", 2), ("csa", 1), ("hca", 1)]
 
 
 def test_bad_hash_config():
@@ -261,19 +264,19 @@ def test_bad_hash_config():
 
 def test_ring_cache():
     """The cache is a constant per-sequence ring of min(window, max_seq) slots, not per token."""
-    m = zoo.build("deepseek_v4_flash_tiny", compile=False, max_batch=2, max_seq=MAX_SEQ)
+    m = zoo.build("deepseek_v4_flash_tiny", [SWA_TINY], compile=False, max_batch=2, max_seq=MAX_SEQ)
     for layer in m.engine.plan.layers:
         assert {k: (f.shape, f.grows) for k, f in layer.items()} == {"kv": ((2, 1, WINDOW, HEAD_DIM), False)}
     assert m.info.cache_bytes_per_token == 0
     assert m.info.state_bytes_per_sequence == 4 * WINDOW * HEAD_DIM * 4  # 4 layers, float32
-    short = zoo.build("deepseek_v4_flash_tiny", compile=False, max_seq=5)
+    short = zoo.build("deepseek_v4_flash_tiny", [SWA_TINY], compile=False, max_seq=5)
     assert short.engine.plan.layers[0]["kv"].shape == (1, 1, 5, HEAD_DIM)
     check_decode_equals_prefill(short, torch.randint(0, VOCAB, (1, 5)), prompt_len=2)
 
 
 def test_report_window_capped():
     """zoo report: attention FLOPs stop growing at the window; the cache is per-sequence state."""
-    spec = load_config("deepseek_v4_flash")
+    spec = load_config("deepseek_v4_flash", [SWA_FLASH])
     at = {t: analyze(spec, context=t) for t in (64, 128, 4096)}
     per_key = 43 * 4 * 64 * 512  # layers x (qk + av) x heads x head_dim
     assert at[128]["decode_flops_per_token"] - at[64]["decode_flops_per_token"] == per_key * 64
@@ -311,15 +314,15 @@ def test_sink_takes_probability_mass():
 def test_rope_slots():
     """A mixer reads the rope schedule its `rope_slot` names; the engine keys tables by slot."""
     ids = torch.randint(0, VOCAB, (1, 12))
-    main = zoo.build("deepseek_v4_flash_tiny", compile=False, max_seq=16, seed=5)
-    same = zoo.build("deepseek_v4_flash_tiny", ["+ropes.alt.kind=default", "+ropes.alt.theta=10000.0",
+    main = zoo.build("deepseek_v4_flash_tiny", [SWA_TINY], compile=False, max_seq=16, seed=5)
+    same = zoo.build("deepseek_v4_flash_tiny", [SWA_TINY, "+ropes.alt.kind=default", "+ropes.alt.theta=10000.0",
                                                 "mixers.swa.rope_slot=alt"], compile=False, max_seq=16, seed=5)
-    other = zoo.build("deepseek_v4_flash_tiny", ["+ropes.alt.kind=default", "+ropes.alt.theta=50.0",
+    other = zoo.build("deepseek_v4_flash_tiny", [SWA_TINY, "+ropes.alt.kind=default", "+ropes.alt.theta=50.0",
                                                  "mixers.swa.rope_slot=alt"], compile=False, max_seq=16, seed=5)
     assert set(main.engine.rope) == {"rope:8"} and set(same.engine.rope) == {"alt:8"}
     for m in (same, other):  # the same weights (mhc's random init does not follow `seed`)
         m.module.load_state_dict(main.module.state_dict())
     torch.testing.assert_close(same.prefill(ids), main.prefill(ids))
     assert not torch.allclose(other.prefill(ids), main.prefill(ids), atol=1e-3)
-    with pytest.raises(ConfigError, match="rope_slot='compress' is not one of the model's rope slots"):
-        load_config("deepseek_v4_flash_tiny", ["mixers.swa.rope_slot=compress"])
+    with pytest.raises(ConfigError, match="rope_slot='nowhere' is not one of the model's rope slots"):
+        load_config("deepseek_v4_flash_tiny", ["mixers.swa.rope_slot=nowhere"])

@@ -142,16 +142,15 @@ def cmd_report(opts: dict, overrides: list[str]) -> int:
         targets.append(opts["weights"])
     if not targets:
         raise ZooError("report needs conf=NAME (or several, comma-separated) or weights=<dir|repo id>")
-    results = []
+    results, specs = [], []
+    dtype = opts.get("dtype", "bfloat16")
     for target in targets:
         cfg, label = resolve_target(" ".join([target, *overrides]), opts.get("revision"))
-        spec = validate(cfg, source=label)
-        dtype = opts.get("dtype", "bfloat16")
-        results.append(analyze(spec, context=int(opts.get("context", 4096)), batch=int(opts.get("batch", 1)),
+        specs.append(validate(cfg, source=label))
+        results.append(analyze(specs[-1], context=int(opts.get("context", 4096)), batch=int(opts.get("batch", 1)),
                                cache_dtype=dtype, weight_dtype=dtype, device=opts.get("device")))
     if "plot" in opts:
-        plot_cache([validate(resolve_target(" ".join([t, *overrides]))[0], source=t) for t in targets],
-                   opts["plot"], max_context=int(opts.get("context", 131072)), dtype=opts.get("dtype", "bfloat16"))
+        plot_cache(specs, opts["plot"], max_context=int(opts.get("context", 131072)), dtype=dtype, reports=results)
     if opts.get("output") == "json":
         import json
 
@@ -175,8 +174,8 @@ def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
         cfg, label = resolve_target(text, opts.get("revision"))
         spec = validate(cfg, source=label)
         dtype = opts.get("dtype", "bfloat16")
-        sides.append((label, cfg, analyze(spec, context=int(opts.get("context", 4096)), cache_dtype=dtype,
-                                          weight_dtype=dtype)))
+        sides.append((label, spec, analyze(spec, context=int(opts.get("context", 4096)), cache_dtype=dtype,
+                                           weight_dtype=dtype)))
     diff = config_diff(sides[0][1], sides[1][1], sides[0][2], sides[1][2])
     if opts.get("output") == "json":
         import json

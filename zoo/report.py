@@ -100,15 +100,29 @@ def _si(n: float, unit: str = "") -> str:
     return f"{n:,.0f} {unit}".rstrip()
 
 
+def _kinds_text(r: dict) -> str:
+    """Slot names -> kinds, e.g. "attn=mla, dense=swiglu, moe=moe" (slot names are the config's own)."""
+    seen: dict[str, str] = {}
+    for k in r["kinds"]:
+        mixer, ffn = k["name"].split("+")
+        seen.setdefault(mixer, k["mixer"])
+        seen.setdefault(ffn, k["ffn"])
+    return ", ".join(f"{name}={kind}" for name, kind in seen.items())
+
+
 def print_analysis(r: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"zoo report: {r['name']}  ({r['source']})", show_header=False, title_justify="left")
     t.add_column(style="bold cyan", no_wrap=True)
     t.add_column()
-    layout = ", ".join(f"{k} x{n}" for k, n in r["layout"])
-    t.add_row("layers", f"{r['n_layers']}: {layout}")
-    t.add_row("parameters", f"{r['params_total']:,} total; {r['params_active']:,} active per token")
-    t.add_row("", f"active: {r['params_active_convention']}")
+    t.add_row("layers", f"{r['n_layers']}: {_layout_text([tuple(x) for x in r['layout']])}  ({_kinds_text(r)})")
+    t.add_row("parameters", f"{r['params_total']:,} total ({_si(r['params_total'])}); {r['params_active']:,} "
+                            f"active per token ({_si(r['params_active'])})")
+    t.add_row("", f"active: {r['params_active_convention']}; decoder blocks alone "
+                  f"{_si(r['params_active_layers'])}, embedding {_si(r['params_embedding'])}, head "
+                  f"{_si(r['params_head'])}")
+    if r["params_mtp"]:
+        t.add_row("mtp", f"{r['params_mtp']:,} more in the multi-token-prediction layers (not counted above)")
     if r["residual_streams"] > 1:
         t.add_row("residual", f"{r['residual_streams']} streams (mHC)")
     t.add_row(f"cache ({r['cache_dtype']})", f"{r['cache_bytes_per_token']:,} B per token (growing); "
@@ -118,26 +132,61 @@ def print_analysis(r: dict, console: Console | None = None) -> None:
                                             f"({r['weight_dtype']})")
     t.add_row("FLOPs per token", f"decode at context {r['context']:,}: {_si(r['decode_flops_per_token'], 'FLOP')}; "
                                  f"prefill of {r['context']:,}: {_si(r['prefill_flops_per_token'], 'FLOP')}")
-    t.add_row(f"decode, batch {r['batch']}", f"{human_bytes(r['decode_bytes_per_step'])} moved per step; "
-                                             f"arithmetic intensity {r['decode_arithmetic_intensity']:.2f} FLOP/B")
+    t.add_row("", f"FLOPs: {r['flops_convention']}")
+    t.add_row(f"decode, batch {r['batch']}", f"{human_bytes(r['decode_bytes_per_step'])} moved per step "
+                                             f"({human_bytes(r['decode_cache_bytes_read_per_sequence'])} of cache "
+                                             f"per sequence); arithmetic intensity "
+                                             f"{r['decode_arithmetic_intensity']:.2f} FLOP/B")
     if "device" in r:
         d = r["device"]
         t.add_row(f"on {d['name']}", f"ridge point {d['ridge_point']:.0f} FLOP/B -> decode is {d['decode_bound']}-bound; "
                                      f">= {d['decode_step_seconds_at_roofline'] * 1e3:.2f} ms per step")
+        fit = "fits" if d["fits"] else "does NOT fit"
+        if r["weight_bytes"] > d["memory"]:
+            most = f" (the weights alone need {human_bytes(r['weight_bytes'])})"
+        elif d["max_batch_at_context"] is None:
+            most = ""
+        else:
+            most = f"; at most {d['max_batch_at_context']:,} sequences of {r['context']:,} tokens"
         t.add_row("memory plan", f"batch {r['batch']} x context {r['context']:,}: needs {human_bytes(d['memory_needed'])} "
-                                 f"of {human_bytes(d['memory'])} -> {'fits' if d['fits'] else 'does NOT fit'}")
+                                 f"of {human_bytes(d['memory'])} -> {fit}{most}")
     console.print(t)
     k = Table(title="per layer kind", title_justify="left")
-    for col in ("kind", "layers", "params/layer", "active/layer", "cache B/token/layer", "state B/seq/layer"):
+    for col in ("kind", "layers", "params/layer", "active/layer", "cache B/token/layer", "state B/seq/layer",
+                f"decode FLOP/token/layer @{r['context']:,}"):
         k.add_column(col, justify="right" if col != "kind" else "left")
     for kind in r["kinds"]:
-        k.add_row(kind["name"], str(kind["layers"]), f"{kind['params_per_layer']:,}", f"{kind['active_per_layer']:,}",
-                  f"{kind['cache_bytes_per_token']:,.1f}", f"{kind['state_bytes_per_sequence']:,}")
+        k.add_row(f"{kind['name']} ({kind['mixer']}+{kind['ffn']})", str(kind["layers"]),
+                  f"{kind['params_per_layer']:,}", f"{kind['active_per_layer']:,}",
+                  f"{kind['cache_bytes_per_token']:,.1f}", f"{kind['state_bytes_per_sequence']:,}",
+                  _si(kind["decode_flops_per_layer"], "FLOP"))
     console.print(k)
+    c = Table(title="cache fields (all layers)", title_justify="left")
+    for col in ("field", "mixer", "layers", "dtype", "B/token", "state B/seq"):
+        c.add_column(col, justify="left" if col in ("field", "mixer", "dtype") else "right")
+    for f in r["cache_fields"]:
+        c.add_row(f["field"], f["mixer"], str(f["layers"]), f["dtype"], f"{f['bytes_per_token']:,}",
+                  f"{f['state_bytes_per_sequence']:,}")
+    console.print(c)
 
 
-def plot_cache(specs, path: str, max_context: int = 131072, dtype: str = "bfloat16") -> None:
-    """Cache memory of one sequence against context length, one line per config."""
+def _bytes_axis(ax) -> None:
+    """Log-scale y ticks as KiB / MiB / GiB."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.yaxis.set_major_locator(LogLocator(base=2, numticks=30))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v).replace(".00", "")))
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
+    if len(ticks) > 10:  # every power of 2 is too many: keep every 2nd or 4th
+        step = -(-len(ticks) // 8)
+        ax.set_yticks(ticks[::step])
+
+
+def plot_cache(specs, path: str, max_context: int = 131072, dtype: str = "bfloat16", reports=None) -> None:
+    """Cache memory of one sequence (growing fields + constant state) against context length,
+    one line per config, log-log: slope 1 is a cache that grows per token, a flat part a constant
+    state. reports: the specs' `analyze` results at `dtype`, when the caller has them."""
     try:
         import matplotlib
 
@@ -149,18 +198,38 @@ def plot_cache(specs, path: str, max_context: int = 131072, dtype: str = "bfloat
         raise ZooError("plot= needs matplotlib: pip install -e .[plot]") from None
     import numpy as np
 
-    from compiler.analysis import cache_curve
+    from compiler.analysis import analyze, cache_curve
 
-    contexts = np.unique(np.geomspace(128, max_context, 24).astype(int))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for spec in specs:
-        ax.plot(contexts, np.array(cache_curve(spec, contexts, dtype)) / 2**30, marker="o", ms=3, label=spec.name)
+    contexts = np.unique(np.geomspace(128, max(max_context, 256), 40).astype(int))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ends: list[tuple[float, str]] = []
+    for i, spec in enumerate(specs):
+        r = reports[i] if reports else analyze(spec, context=128, cache_dtype=dtype, weight_dtype=dtype)
+        kinds = sorted({k["mixer"] for k in r["kinds"]})
+        label = (f"{spec.name} [{'+'.join(kinds)}]: {r['cache_bytes_per_token']:,} B/token"
+                 + (f" + {human_bytes(r['state_bytes_per_sequence'])} state" if r["state_bytes_per_sequence"] else ""))
+        curve = np.array(cache_curve(spec, contexts, dtype), dtype=float)
+        line, = ax.plot(contexts, curve, lw=2, label=label)
+        ends.append((curve[-1], line.get_color()))
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlim(contexts[0], contexts[-1] * 1.9)
+    ax.autoscale_view()
+    # end labels, pushed apart (>= 10 points) where lines end close together
+    placed: list[float] = []
+    for value, color in sorted(ends, reverse=True):
+        y = ax.transData.transform((contexts[-1], value))[1] * 72 / fig.dpi
+        shift = min(0.0, placed[-1] - 10 - y) if placed else 0.0
+        placed.append(y + shift)
+        ax.annotate(human_bytes(value), (contexts[-1], value), xytext=(4, shift), textcoords="offset points",
+                    va="center", fontsize=8, color=color)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"))
+    _bytes_axis(ax)
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel(f"cache per sequence (GiB, {dtype})")
-    ax.set_title("KV / latent / state cache vs context")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.set_ylabel(f"cache per sequence ({dtype})")
+    ax.set_title("KV / latent / state cache of one sequence vs context (log-log)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -169,56 +238,116 @@ def plot_cache(specs, path: str, max_context: int = 131072, dtype: str = "bfloat
 # ----------------------------------------------------------------------------- zoo diff
 
 _IGNORED = ("runtime", "checkpoint", "name", "layout")
-FIGURES = ("params_total", "params_active", "cache_bytes_per_token", "state_bytes_per_sequence",
-           "weight_bytes", "decode_flops_per_token", "prefill_flops_per_token")
+FIGURES = ("params_total", "params_active", "params_active_layers", "params_mtp", "cache_bytes_per_token",
+           "state_bytes_per_sequence", "cache_bytes_at_context", "weight_bytes", "decode_flops_per_token",
+           "prefill_flops_per_token", "decode_bytes_per_step", "decode_arithmetic_intensity")
 
 
-def _flatten(node, prefix: str = "") -> dict:
-    out = {}
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(node, list):
-        out[prefix[:-1]] = node
-    else:
-        out[prefix[:-1]] = node
-    return out
+def resolved_tree(spec) -> dict:
+    """A spec as nested plain data: the config's top-level keys with every `kind:` node (norm,
+    rope, residual, mixers.*, ffns.*, ropes.*) replaced by its resolved Spec (derived dims filled
+    in, defaults explicit). Only what the model is built from: mixers, ffns and rope slots no
+    layer uses are left out, and the mtp node when there are no MTP layers."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(spec.config, resolve=True)
+    for slot in ("norm", "rope", "residual"):
+        tree[slot] = asdict(getattr(spec, slot))
+    layers = (*spec.layers, *spec.mtp_layers)
+    mixers, ffns = {x.mixer_name for x in layers}, {x.ffn_name for x in layers}
+    tree["mixers"] = {k: asdict(v) for k, v in spec.mixers.items() if k in mixers}
+    tree["ffns"] = {k: asdict(v) for k, v in spec.ffns.items() if k in ffns}
+    slots = {getattr(spec.mixers[k], "rope_slot", "rope") for k in mixers}
+    tree["ropes"] = {k: asdict(v) for k, v in spec.ropes.items() if k in slots}
+    if not tree["ropes"]:
+        del tree["ropes"]
+    if not spec.mtp_layers:
+        tree.pop("mtp", None)
+    return tree
+
+
+def _summary(value) -> str:
+    """A value or a whole node on one line: kind(key=value, ...)."""
+    if isinstance(value, dict):
+        items = ", ".join(f"{k}={_summary(v)}" for k, v in value.items() if k != "kind" and v is not None)
+        return f"{value['kind']}({items})" if "kind" in value else "{" + items + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_summary(v) for v in value) + "]"
+    return str(value)
+
+
+def _compare(a: dict, b: dict, path: str, rows: list) -> None:
+    """Rows for what differs under two nodes: a node present on one side only is one row; a kind
+    node whose kind changed is its kind, the keys both kinds have that differ, and the keys only
+    one kind has as one row per side; other nodes recurse down to the differing leaves."""
+    for key in sorted(set(a) | set(b)):
+        p = f"{path}.{key}" if path else key
+        if not path and key in _IGNORED:
+            continue
+        if key not in b or key not in a:
+            rows.append({"key": p, "a": a.get(key), "b": b.get(key), "only": "a" if key not in b else "b"})
+            continue
+        va, vb = a[key], b[key]
+        if isinstance(va, dict) and isinstance(vb, dict):
+            if "kind" in va and "kind" in vb and va["kind"] != vb["kind"]:
+                rows.append({"key": f"{p}.kind", "a": va["kind"], "b": vb["kind"], "only": None})
+                for k in sorted((set(va) & set(vb)) - {"kind"}):
+                    if va[k] != vb[k]:
+                        rows.append({"key": f"{p}.{k}", "a": va[k], "b": vb[k], "only": None})
+                for side, mine, other in (("a", va, vb), ("b", vb, va)):
+                    extra = {k: v for k, v in mine.items() if k not in other}
+                    if extra:
+                        rows.append({"key": f"{p} ({mine['kind']} only)", "a": extra if side == "a" else None,
+                                     "b": extra if side == "b" else None, "only": side})
+            else:
+                _compare(va, vb, p, rows)
+        elif va != vb:
+            rows.append({"key": p, "a": va, "b": vb, "only": None})
 
 
 def config_diff(a, b, ra: dict, rb: dict) -> dict:
-    """What differs between two resolved configs (layout as runs), and their figures."""
-    from omegaconf import OmegaConf
-
-    fa = {k: v for k, v in _flatten(OmegaConf.to_container(a, resolve=True)).items() if k.split(".")[0] not in _IGNORED}
-    fb = {k: v for k, v in _flatten(OmegaConf.to_container(b, resolve=True)).items() if k.split(".")[0] not in _IGNORED}
-    missing = object()
-    changed = [{"key": k, "a": fa.get(k), "b": fb.get(k), "only": "a" if k not in fb else "b" if k not in fa else None}
-               for k in sorted(set(fa) | set(fb)) if fa.get(k, missing) != fb.get(k, missing)]
-    layout_a = ", ".join(f"{k} x{n}" for k, n in ra["layout"])
-    layout_b = ", ".join(f"{k} x{n}" for k, n in rb["layout"])
+    """What differs between two resolved specs (structure-aware, layout as runs of layer kinds),
+    and their derived figures (analysis dicts ra, rb) side by side with ratios B / A."""
+    rows: list[dict] = []
+    _compare(resolved_tree(a), resolved_tree(b), "", rows)
+    runs_a, runs_b = a.layout_runs(), b.layout_runs()
     figures = [{"figure": f, "a": ra[f], "b": rb[f], "ratio": (rb[f] / ra[f]) if ra[f] else None} for f in FIGURES]
-    return {"changed": changed, "layout": {"a": layout_a, "b": layout_b, "same": layout_a == layout_b},
+    return {"changed": rows,
+            "context": ra["context"],
+            "layout": {"a": _layout_text(runs_a), "b": _layout_text(runs_b), "same": runs_a == runs_b,
+                       "kinds_a": _kinds_text(ra), "kinds_b": _kinds_text(rb),
+                       "runs_a": [list(r) for r in runs_a], "runs_b": [list(r) for r in runs_b]},
             "figures": figures}
+
+
+def _figure(v) -> str:
+    return f"{v:,.2f}" if isinstance(v, float) else f"{v:,}"
 
 
 def print_diff(label_a: str, label_b: str, diff: dict, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table(title=f"zoo diff: {label_a}  vs  {label_b}", title_justify="left")
+    console.print(f"[bold]zoo diff[/bold]  A = {label_a}   B = {label_b}", highlight=False)
+    t = Table(title="what differs (resolved configs)", title_justify="left")
     t.add_column("key", style="bold cyan")
     t.add_column("A")
     t.add_column("B")
     if not diff["layout"]["same"]:
-        t.add_row("layers", diff["layout"]["a"], diff["layout"]["b"])
+        t.add_row("layers", f"{diff['layout']['a']}  ({diff['layout']['kinds_a']})",
+                  f"{diff['layout']['b']}  ({diff['layout']['kinds_b']})")
     for row in diff["changed"]:
-        t.add_row(row["key"], "-" if row["only"] == "b" else str(row["a"]), "-" if row["only"] == "a" else str(row["b"]))
+        t.add_row(row["key"], "-" if row["only"] == "b" else _summary(row["a"]),
+                  "-" if row["only"] == "a" else _summary(row["b"]))
     if not diff["changed"] and diff["layout"]["same"]:
         t.add_row("(no architectural difference)", "", "")
     console.print(t)
-    f = Table(title="derived figures", title_justify="left")
+    f = Table(title=f"derived figures (context {diff['context']:,})", title_justify="left")
     for col in ("figure", "A", "B", "B / A"):
         f.add_column(col, justify="left" if col == "figure" else "right")
     for row in diff["figures"]:
-        f.add_row(row["figure"], f"{row['a']:,}", f"{row['b']:,}", "-" if row["ratio"] is None else f"{row['ratio']:.3f}x")
+        f.add_row(row["figure"], _figure(row["a"]), _figure(row["b"]),
+                  "-" if row["ratio"] is None else f"{row['ratio']:.3f}x")
     console.print(f)
 
 

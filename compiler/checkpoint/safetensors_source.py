@@ -46,6 +46,7 @@ def read_header(path: Path, problems: list[str] | None = None) -> dict[str, Tens
         raise CheckpointError(f"{path}: file not found") from None
     data_size = size - 8 - n
     out: dict[str, TensorInfo] = {}
+    short: list[str] = []  # tensors whose bytes lie beyond the data section
     for name, meta in header.items():
         if name == "__metadata__":
             continue
@@ -63,12 +64,16 @@ def read_header(path: Path, problems: list[str] | None = None) -> dict[str, Tens
             raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} declares {end - start} bytes, "
                                   f"expected {numel * width} (corrupt header)")
         if end > data_size:
-            msg = (f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) but the data "
-                   f"section has {data_size} bytes (truncated or corrupt file)")
             if problems is None:
-                raise CheckpointError(msg)
-            problems.append(msg)
+                raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) "
+                                      f"but the data section has {data_size} bytes (truncated or corrupt file)")
+            short.append(name)
         out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start)
+    if short:  # one line per file, however many tensors it cuts off
+        needed = max(info.nbytes + int(header[k]["data_offsets"][0]) for k, info in out.items())
+        problems.append(f"{path}: the header declares {needed} bytes of data but the data section has "
+                        f"{data_size} bytes (truncated or corrupt file): {len(short)} of {len(out)} tensors "
+                        f"cut off, e.g. {short[0]!r}")
     return out
 
 
