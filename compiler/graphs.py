@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .cache import plan_caches
 from .errors import InputError
@@ -56,20 +57,37 @@ def _block_decode(block, h, cache, ctx):
     return block.decode(h, cache, ctx)
 
 
+class _CacheKey(CustomGraphPass):
+    """A no-op post-grad pass whose uuid joins inductor's cache key. Prefill graphs carry the
+    prompt-length range [2, max_seq] of the engine that compiled them; a graph whose inputs do not
+    depend on max_seq (a ring-buffer or recurrent layer) would otherwise be served from the
+    persistent cache to an engine with another range, and the replayed range conflicts with it."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
 class GraphCounter:
     """A torch.compile backend that counts the graphs it is asked to compile (then runs inductor)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, cache_key: str):
         self.name = name
         self.graphs = 0
         self.seconds = 0.0
+        self.config_patches = {"post_grad_custom_post_pass": _CacheKey(cache_key)}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         self.graphs += 1
         t0 = time.perf_counter()
-        out = compile_fx(gm, example_inputs)
+        out = compile_fx(gm, example_inputs, config_patches=self.config_patches)
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -92,7 +110,8 @@ class Engine:
         self.length = 0  # tokens in the cache (all rows advance together)
         self.batch = 0  # rows in use since the last prefill
         self.compiled = compile
-        self.counters = {"prefill": GraphCounter("prefill"), "decode": GraphCounter("decode")}
+        key = f"zoo-max_seq={max_seq}"
+        self.counters = {"prefill": GraphCounter("prefill", key), "decode": GraphCounter("decode", key)}
         if compile:
             self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
                                                         backend=self.counters["prefill"])
@@ -186,6 +205,8 @@ class Engine:
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
         if self.compiled and L >= 2:
+            # one fixed range for every engine: compiled graphs persist in the inductor cache and
+            # are shared by engines of any max_seq, so the range must not depend on it
             torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
             torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq)
             for cos, sin in ctx["rope"].values():

@@ -11,14 +11,16 @@ tokens would only cost time; the decode step cost does not depend on the cached 
 decode step is timed:
 
   step        the whole decode step (embedding, 3 blocks, head)
-  mixers      every layer's mixer.decode on the filled cache (DSA: indexer over T keys + attention
-              over K; MLA: attention over T)
+  mixers      every layer's mixer.decode on the filled cache, called eagerly even with --compile
+              (DSA: indexer over T keys + attention over K; MLA: attention over T)
   indexer     DSA only: the indexers' share (keys, scores over the T cached keys, top-K)
   attention   DSA mixers - indexer: projections, the gather of K latent entries and attention
               over them; flat in T
 Times in ms, best of --repeats.
 
-Runs in this process on the CPU, threads as torch sets them (--threads to pin).
+Runs in this process on the CPU, threads as torch sets them (--threads to pin). With --compile,
+keep batch * (T + 1) * 2 < 32767 and T < 4096: beyond, the compiled prefill graph (built at
+warm-up) hits inductor guards (MoE's argsort indices, CPU sum reductions) for any MoE/MLA model.
 """
 from __future__ import annotations
 
