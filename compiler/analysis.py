@@ -56,8 +56,8 @@ FLOPS_CONVENTION = ("2 per multiply-accumulate of contractions; 2 x active matmu
 
 
 def devices() -> dict[str, dict]:
-    """Device profiles (conf/devices.yaml): peak dense FLOP/s, memory bandwidth, memory."""
-    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "devices.yaml"))
+    """Device profiles (conf/hardware/devices.yaml): peak dense FLOP/s, memory bandwidth, memory."""
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "hardware" / "devices.yaml"))
 
 
 def active_parameters(module: torch.nn.Module, matmul_only: bool = False, skip: frozenset = frozenset()) -> int:

@@ -176,7 +176,8 @@ class Engine:
         self._check_ids(ids, "prefill")
         self.reset()
         self.batch = B
-        ids = self._pad_batch(ids.to(self.device, torch.long))
+        # canonical strides: graphs guard on them, and callers pass views (seq[:, :n])
+        ids = self._pad_batch(ids.to(self.device, torch.long)).clone(memory_format=torch.contiguous_format)
         if L == 1 and not return_mtp:
             return self._decode(ids[:, 0])[:B, None]
         h = self._prefill_states(ids)
@@ -231,15 +232,18 @@ class Engine:
         return self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
 
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:
-        """tok [max_batch] -> logits [max_batch, V]; advances every row by one position."""
+        """tok [max_batch] -> logits [max_batch, V]; advances every row by one position.
+
+        Tokens always go through one static buffer: the graphs see the same tensor layout every
+        step whatever view the caller passed (a strided column would otherwise recompile)."""
+        self._tok_buf.copy_(tok)
         if self.use_cuda_graph:
             if self._graph is None:
                 raise RuntimeError("CUDA graph not captured; call warmup() after building")
-            self._tok_buf.copy_(tok)
             self._graph.replay()
             logits = self._logits_buf.clone()
         else:
-            logits = self._decode_step(tok)
+            logits = self._decode_step(self._tok_buf)
         self.length += 1
         return logits
 
@@ -272,7 +276,7 @@ class Engine:
         if self.use_cuda_graph:
             self._capture()
         else:
-            self._decode_step(dummy[:, 0])
+            self._decode_step(self._tok_buf)
         self.compile_seconds["decode"] = time.perf_counter() - t0
         self.reset()
         return dict(self.compile_seconds)
