@@ -206,13 +206,14 @@ class Engine:
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
         if self.compiled and L >= 2:
-            # one fixed range for every engine: compiled graphs persist in the inductor cache and
-            # are shared by engines of any max_seq, so the range must not depend on it
-            torch._dynamo.mark_dynamic(h, 1, min=2, max=self.max_seq)
-            torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.max_seq)
+            # dynamic, not constrained: when inductor specialises on a size threshold (a CPU
+            # reduction over > 4096 positions, int16 indices under 32767 MoE rows) a longer prompt
+            # compiles one more graph instead of failing a declared range
+            torch._dynamo.maybe_mark_dynamic(h, 1)
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
             for cos, sin in ctx["rope"].values():
-                torch._dynamo.mark_dynamic(cos, 0, min=2, max=self.max_seq)
-                torch._dynamo.mark_dynamic(sin, 0, min=2, max=self.max_seq)
+                torch._dynamo.maybe_mark_dynamic(cos, 0)
+                torch._dynamo.maybe_mark_dynamic(sin, 0)
         return ctx
 
     # ------------------------------------------------------------------ decode

@@ -35,3 +35,13 @@ def test_cached_graphs_shared_across_max_seq():
     eager = zoo.build("qwen3_next_tiny", compile=False, max_seq=40, seed=0)
     ids = torch.randint(0, 256, (1, 37))
     torch.testing.assert_close(large.prefill(ids), eager.prefill(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_long_prompt_past_inductor_thresholds():
+    """Prompts past a size threshold inductor specialises on (CPU reductions over > 4096
+    positions) compile one more graph instead of failing."""
+    m = zoo.build("llama3_8b_tiny", compile=True, max_seq=4200, seed=0)
+    eager = zoo.build("llama3_8b_tiny", compile=False, max_seq=4200, seed=0)
+    ids = torch.randint(0, 256, (1, 4150))
+    torch.testing.assert_close(m.prefill(ids, last_only=True), eager.prefill(ids, last_only=True),
+                               rtol=1e-4, atol=1e-4)
