@@ -293,4 +293,4 @@ def test_too_large_fails_before_allocating(tmp_path):
 
     m = from_pretrained_config(str(tmp_path), dry=True, dtype=torch.bfloat16)
     assert m.info.params == 671_026_419_200 and m.info.cache_bytes_per_token == 70_272
-    assert m.spec.checkpoint.rules == ["fp8_block", "deepseek_mtp", "deepseek_v3"]
+    assert m.spec.checkpoint.rules == ["fp8_block", "fp8_e8m0", "deepseek_mtp", "deepseek_v3"]
