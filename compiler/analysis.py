@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 
 from .cache import plan_caches
 from .config import conf_dir
-from .model import BuildContext, Decoder, build_model, cast, count_parameters
+from .model import BuildContext, Decoder, build_model, cast, count_parameters, parameter_bytes
 from .rope import make_rope
 from .spec import ModelSpec
 
@@ -203,7 +203,7 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
     state_per_seq = sum(k.state_bytes_per_sequence * k.layers for k in kinds.values())
     cache_at_context = sum(f.nbytes for layer in plan_caches(model, 1, context, cdt).layers
                            for f in layer.values() if f.grows)
-    weight_bytes = sum(p.numel() * p.element_size() for p in _unique(model.parameters()))
+    weight_bytes = parameter_bytes(model)
 
     out: dict[str, Any] = {
         "name": spec.name, "source": spec.source, "n_layers": spec.n_layers,
@@ -250,19 +250,11 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
     return out
 
 
-def _unique(params):
-    seen = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
-
-
 def _decode_weight_bytes(model: Decoder, batch: int, size: int) -> float:
     """Weight bytes one decode step reads: all weights but the embedding table (one row per
     token; all of it when tied, as the head), and of each MoE's routed experts the share that
     `batch` tokens are expected to hit (`decode_weight_fraction`)."""
-    total = float(sum(p.numel() * p.element_size() for p in _unique(model.parameters())))
+    total = float(parameter_bytes(model))
     if not model.spec.tie_embeddings:
         total -= model.embed.weight.numel() * model.embed.weight.element_size()
     total += batch * model.embed.weight.shape[1] * size

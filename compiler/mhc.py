@@ -48,23 +48,36 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-class HyperConnection(nn.Module):
-    """One hyper-connection around a sub-layer. Parameters (DeepSeek-V4 layout):
-    fn [(2+N)*N, N*D], base [(2+N)*N], scale [3] (pre, post, comb)."""
+class _StreamProjection(nn.Module):
+    """The perceptron both mHC modules read the streams with: fn [M, N*D], base [M], scale [S];
+    mixes = fn @ rmsnorm(flattened streams), in float32."""
 
     keep_float32 = True
 
-    def __init__(self, n: int, dim: int, iters: int, eps: float, norm_eps: float):
+    def __init__(self, n: int, dim: int, outputs: int, scales: int, eps: float, norm_eps: float):
         super().__init__()
-        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
-        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * dim))
-        self.base = nn.Parameter(torch.empty((2 + n) * n))
-        self.scale = nn.Parameter(torch.empty(3))
+        self.n, self.eps, self.norm_eps = n, eps, norm_eps
+        self.fn = nn.Parameter(torch.empty(outputs, n * dim))
+        self.base = nn.Parameter(torch.empty(outputs))
+        self.scale = nn.Parameter(torch.empty(scales))
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         self.fn.data.normal_(0.0, 0.02, generator=generator)
         nn.init.zeros_(self.base)
         nn.init.ones_(self.scale)
+
+    def mixes(self, h: torch.Tensor) -> torch.Tensor:
+        """streams [..., N, D] -> [..., M] float32."""
+        return F.linear(_unweighted_rmsnorm(h.flatten(-2).float(), self.norm_eps), self.fn.float())
+
+
+class HyperConnection(_StreamProjection):
+    """One hyper-connection around a sub-layer. Parameters (DeepSeek-V4 layout):
+    fn [(2+N)*N, N*D], base [(2+N)*N], scale [3] (pre, post, comb)."""
+
+    def __init__(self, n: int, dim: int, iters: int, eps: float, norm_eps: float):
+        super().__init__(n, dim, (2 + n) * n, 3, eps, norm_eps)
+        self.iters = iters
 
     def token_flops(self) -> int:
         """Per token, beyond 2 x fn's parameters (analysis.py): the pre-weighted sum of the N
@@ -75,8 +88,7 @@ class HyperConnection(nn.Module):
     def weights(self, h: torch.Tensor):
         """h [..., N, D] -> pre [..., N], post [..., N], comb [..., N, N] (float32)."""
         n = self.n
-        mixes = F.linear(_unweighted_rmsnorm(h.flatten(-2).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_w, post_w, comb_w = self.mixes(h).split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
         pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
@@ -96,22 +108,11 @@ class HyperConnection(nn.Module):
         return post.to(h.dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(h.dtype).transpose(-1, -2), h)
 
 
-class HyperHead(nn.Module):
+class HyperHead(_StreamProjection):
     """Collapses the last streams before the final norm. fn [N, N*D], base [N], scale [1]."""
 
-    keep_float32 = True
-
     def __init__(self, n: int, dim: int, eps: float, norm_eps: float):
-        super().__init__()
-        self.n, self.eps, self.norm_eps = n, eps, norm_eps
-        self.fn = nn.Parameter(torch.empty(n, n * dim))
-        self.base = nn.Parameter(torch.empty(n))
-        self.scale = nn.Parameter(torch.empty(1))
-
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        self.fn.data.normal_(0.0, 0.02, generator=generator)
-        nn.init.zeros_(self.base)
-        nn.init.ones_(self.scale)
+        super().__init__(n, dim, n, 1, eps, norm_eps)
 
     def token_flops(self) -> int:
         """Per token, beyond 2 x fn's parameters: the pre-weighted sum of the N streams."""
@@ -123,8 +124,7 @@ class HyperHead(nn.Module):
 
     def collapse(self, h: torch.Tensor) -> torch.Tensor:
         """streams [..., N, D] -> [..., D]."""
-        mixes = F.linear(_unweighted_rmsnorm(h.flatten(-2).float(), self.norm_eps), self.fn.float())
-        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.eps
+        pre = torch.sigmoid(self.mixes(h) * self.scale.float() + self.base.float()) + self.eps
         return (pre.unsqueeze(-1) * h).sum(dim=-2).to(h.dtype)
 
 
