@@ -40,13 +40,59 @@ def compile_cache_dir() -> Path:
     return root / "compile" / f"torch-{torch.__version__}"
 
 
-# inductor reads its cache location from the environment; an explicit user setting wins
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+def _use_compile_cache_dir() -> None:
+    """Point inductor (FX graph, AOTAutograd and kernel caches) at the zoo cache. Inductor reads
+    TORCHINDUCTOR_CACHE_DIR on every lookup but writes its default (/tmp/torchinductor_$USER)
+    back into the environment the first time it runs, so an unset value and that default both
+    mean "not chosen by the user"; anything else is an explicit setting and wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
+_use_compile_cache_dir()
 
 # Every engine compiles the same two functions; distinct models add cache entries to them.
 # Hitting the limit must fail loudly rather than fall back to eager.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _cpu_compile_patches() -> dict:
+    """Inductor config for CPU graphs: skip the per-process vector-ISA probe once it has passed.
+
+    Inductor proves that each SIMD instruction set the CPU reports (avx2, avx512, ...) compiles
+    and loads by building a probe library and dlopen-ing it in a child process, in every process
+    (about 1 s, a third of a warm build). The verdict depends only on the CPU, the C++ compiler
+    and torch, so it is recorded once in the compile cache; when every reported ISA passed,
+    later processes tell inductor so (cpp.vec_isa_ok). Cold and warm processes make the same
+    choice, which matters because the setting is part of inductor's cache key."""
+    import json
+    import platform
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    if inductor_config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return {}  # the user decided, or a platform whose ISA list inductor does not probe
+    reported = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+                if all(flag in cpu_vec_isa.x86_isa_checker() for flag in str(isa).split())]
+    key = json.dumps({"isa": reported, "compiler": get_cpp_compiler(), "python": platform.python_version()})
+    record = compile_cache_dir() / "vec_isa.json"
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # inductor's own probe
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(record)
+    return {"cpp.vec_isa_ok": True} if known[key] == reported else {}
 
 
 def _block_prefill(block, h, cache, ctx):
@@ -76,11 +122,11 @@ class _CacheKey(CustomGraphPass):
 class GraphCounter:
     """A torch.compile backend that counts the graphs it is asked to compile (then runs inductor)."""
 
-    def __init__(self, name: str, cache_key: str):
+    def __init__(self, name: str, cache_key: str, patches: dict):
         self.name = name
         self.graphs = 0
         self.seconds = 0.0
-        self.config_patches = {"post_grad_custom_post_pass": _CacheKey(cache_key)}
+        self.config_patches = {"post_grad_custom_post_pass": _CacheKey(cache_key), **patches}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -111,7 +157,10 @@ class Engine:
         self.batch = 0  # rows in use since the last prefill
         self.compiled = compile
         key = f"zoo-max_seq={max_seq}"
-        self.counters = {"prefill": GraphCounter("prefill", key), "decode": GraphCounter("decode", key)}
+        t0 = time.perf_counter()
+        patches = _cpu_compile_patches() if compile and self.device.type == "cpu" else {}
+        self.compile_seconds = {"setup": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
+        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
         if compile:
             self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
                                                         backend=self.counters["prefill"])
@@ -123,7 +172,6 @@ class Engine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._logits_buf: torch.Tensor | None = None
-        self.compile_seconds = {"prefill": 0.0, "decode": 0.0}
 
     # ------------------------------------------------------------------ state
 
@@ -265,7 +313,8 @@ class Engine:
     def warmup(self) -> dict[str, float]:
         """Compile both graphs (and capture the CUDA graph) on dummy tokens, then reset.
 
-        Returns the wall time spent on each graph's first run (compile + one run).
+        Returns the wall time spent on each graph's first run (compile + one run), and on setting
+        up the compiler ("setup": the CPU ISA probe, on the first compile in a cache only).
         """
         dummy = torch.zeros(self.max_batch, min(2, self.max_seq), dtype=torch.long, device=self.device)
         if self.max_seq >= 2:

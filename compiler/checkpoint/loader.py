@@ -246,12 +246,17 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> 
         for s in {s.name for s in a.node.stored()}:
             uses[s] += 1
     memo: dict[str, torch.Tensor] = {}
+    read_into = getattr(source, "read_into", None)
     for a in plan.assignments:
         stored = a.node.stored()
-        value = _evaluate(a.node, source, memo)
         dest = params[a.param] if a.index is None else params[a.param][a.index]
-        dest.copy_(value)
-        del value
+        # a stored tensor that fills its parameter unchanged is read straight into it: no copy
+        direct = (a.node.op is None and uses[a.node.name] == 1 and read_into is not None
+                  and read_into(a.node.name, dest))
+        if not direct:
+            value = _evaluate(a.node, source, memo)
+            dest.copy_(value)
+            del value
         for name in {s.name for s in stored}:
             uses[name] -= 1
             if uses[name] == 0:

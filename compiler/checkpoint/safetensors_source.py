@@ -1,8 +1,10 @@
 """Safetensors checkpoints: a single file, a directory, or a sharded directory with an index.
 
 Headers are parsed by hand (8-byte little-endian length + JSON) so that a truncated or corrupt
-file is reported with its name before any tensor is read; data is read lazily through
-safetensors' memory map, one file at a time. Pickle checkpoints are refused, never loaded.
+file is reported with its name before any tensor is read. Data is read by offset with plain
+reads, one tensor at a time, straight into its parameter where no rule transforms it: no memory
+map, so a shard's pages never count against the process (peak memory stays near the weights).
+Pickle checkpoints are refused, never loaded.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _MAX_HEADER = 100 * 1024 * 1024
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+           "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+_DTYPE_BYTES = {name: dt.itemsize for name, dt in _DTYPES.items()}
 
 
 def read_header(path: Path, problems: list[str] | None = None) -> dict[str, TensorInfo]:
@@ -68,7 +73,7 @@ def read_header(path: Path, problems: list[str] | None = None) -> dict[str, Tens
                 raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) "
                                       f"but the data section has {data_size} bytes (truncated or corrupt file)")
             short.append(name)
-        out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start)
+        out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start, offset=8 + n + start)
     if short:  # one line per file, however many tensors it cuts off
         needed = max(info.nbytes + int(header[k]["data_offsets"][0]) for k, info in out.items())
         problems.append(f"{path}: the header declares {needed} bytes of data but the data section has "
@@ -130,7 +135,7 @@ class SafetensorsSource:
             if absent:
                 raise CheckpointError(f"{index}: tensors listed but absent from their shards: {absent[:10]}")
         self.description = f"{self.directory} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})"
-        self._open: tuple[str, object] | None = None
+        self._open: tuple[str, object] | None = None  # (path, file object): one file open at a time
 
     def entries(self) -> dict[str, TensorInfo]:
         return self._entries
@@ -139,13 +144,31 @@ class SafetensorsSource:
         return self._order
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        info = self._entries[name]
+        out = torch.empty(info.shape, dtype=_DTYPES[info.dtype])
+        self.read_into(name, out)
+        return out
 
-        file = self._entries[name].file
-        if self._open is None or self._open[0] != file:
-            # one file open at a time: shards are read in order, never all mapped at once
-            self._open = (file, safe_open(file, framework="pt", device="cpu"))
-        return self._open[1].get_tensor(name)
+    def read_into(self, name: str, out: torch.Tensor) -> bool:
+        """Fill `out` (contiguous, CPU, the stored dtype and shape) with the tensor's bytes."""
+        info = self._entries[name]
+        if (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != _DTYPES[info.dtype]
+                or tuple(out.shape) != info.shape):
+            return False
+        if self._open is None or self._open[0] != info.file:
+            self.close()
+            self._open = (info.file, open(info.file, "rb", buffering=0))
+        f = self._open[1]
+        f.seek(info.offset)
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        done = 0
+        while done < info.nbytes:  # readinto may return short counts on large reads
+            n = f.readinto(view[done:])
+            if not n:
+                raise CheckpointError(f"{info.file}: tensor {name!r} is cut short at byte {done} of "
+                                      f"{info.nbytes} (file truncated while loading?)")
+            done += n
+        return True
 
     def config(self) -> dict:
         path = self.directory / "config.json"
@@ -157,4 +180,6 @@ class SafetensorsSource:
             raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
     def close(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
         self._open = None

@@ -21,12 +21,14 @@ class TensorInfo:
     dtype: the stored dtype as a string ("BF16", "F32", "F8_E4M3", "Q4_1", ...).
     file: the shard or file that holds it (for error messages and read grouping).
     nbytes: bytes of stored data.
+    offset: where the data starts in `file` (formats read by offset; 0 otherwise).
     """
 
     shape: tuple[int, ...]
     dtype: str
     file: str
     nbytes: int
+    offset: int = 0
 
 
 class Source(Protocol):
@@ -42,6 +44,9 @@ class Source(Protocol):
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor, as stored (safetensors) or dequantized to float32 (GGUF)."""
+
+    # optional: read_into(name, out) -> bool fills a contiguous CPU tensor of the stored dtype
+    # and shape in place (no temporary copy); False when it cannot
 
     def config(self) -> dict:
         """The Hugging Face style config dict (config.json, or one derived from metadata)."""
