@@ -45,3 +45,56 @@ def test_long_prompt_past_inductor_thresholds():
     ids = torch.randint(0, 256, (1, 4150))
     torch.testing.assert_close(m.prefill(ids, last_only=True), eager.prefill(ids, last_only=True),
                                rtol=1e-4, atol=1e-4)
+
+
+_BUILD_AND_REPORT = """
+import json, torch, zoo
+from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+m = zoo.build("llama3_8b_tiny", compile=True, max_seq=16, seed=0)
+print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"], "compile": m.info.compile_seconds}))
+"""
+
+
+def _build_in_fresh_process(env: dict) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | env
+    proc = subprocess.run([sys.executable, "-c", _BUILD_AND_REPORT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_graphs_persist_in_the_zoo_cache(tmp_path):
+    """A later process reuses the graphs an earlier one compiled, from $ZOO_CACHE_DIR/compile
+    (inductor's own default, /tmp/torchinductor_$USER, must not win: it did before the fix)."""
+    env = {"ZOO_CACHE_DIR": str(tmp_path)}
+    cold = _build_in_fresh_process(env)
+    root = tmp_path / "compile" / f"torch-{torch.__version__}"
+    assert cold["cache_dir"] == str(root)
+    assert cold["misses"] > 0 and (root / "fxgraph").is_dir()
+    warm = _build_in_fresh_process(env)
+    assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
+    if (root / "vec_isa.json").exists():  # x86: the ISA probe ran once, in the cold process
+        assert warm["compile"]["setup"] < 0.5
+
+
+def test_explicit_inductor_cache_dir_wins(tmp_path):
+    from compiler.graphs import _use_compile_cache_dir
+    import os
+
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+        _use_compile_cache_dir()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    finally:
+        if old is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
