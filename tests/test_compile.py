@@ -98,3 +98,19 @@ def test_explicit_inductor_cache_dir_wins(tmp_path):
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def test_cache_command(tmp_path, monkeypatch, capsys):
+    from compiler.graphs import compile_cache_dir
+    from zoo.cli import main
+
+    monkeypatch.setenv("ZOO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    (compile_cache_dir() / "fxgraph").mkdir(parents=True)
+    (compile_cache_dir() / "fxgraph" / "entry").write_bytes(b"x" * 1000)
+    assert main(["cache"]) == 0
+    assert f"{compile_cache_dir()}  (1 files" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert not (tmp_path / "compile").exists()
+    assert main(["cache", "everything"]) == 2
+    assert "at most the word 'clear'" in capsys.readouterr().err

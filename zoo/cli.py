@@ -8,6 +8,7 @@
     zoo import <repo id | dir> [name=NAME] [out=FILE]
     zoo check weights=<dir | repo id> [conf=NAME]
     zoo configs
+    zoo cache [clear]                                  (where compiled graphs persist; clear them)
 
 Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every other key=value (or
 +key=value, ~key) is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
@@ -16,6 +17,7 @@ Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every oth
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from compiler.errors import ZooError
@@ -245,6 +247,34 @@ def cmd_configs(opts: dict, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
+    """Where compiled graphs persist (inductor's FX graph, AOTAutograd and kernel caches under
+    $ZOO_CACHE_DIR/compile/torch-<version>, default ~/.cache/zoo); `clear` deletes them."""
+    import os
+    import shutil
+
+    from compiler.graphs import compile_cache_dir
+
+    if overrides or opts or positional not in ([], ["clear"]):
+        raise ZooError(f"zoo cache takes no options and at most the word 'clear', got "
+                       f"{[*positional, *overrides, *opts]}")
+    here = compile_cache_dir()
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    if positional == ["clear"]:
+        for d in {here.parent, inductor}:  # every torch version's folder, and an explicit one
+            if d.exists():
+                shutil.rmtree(d)
+                print(f"removed {d}")
+        return 0
+    for label, d in (("zoo compile cache", here), ("inductor writes to", inductor)):
+        files = [f for f in d.rglob("*") if f.is_file()] if d.exists() else []
+        size = sum(f.stat().st_size for f in files)
+        print(f"{label:20s} {d}  ({len(files)} files, {size / 2**20:.1f} MiB)")
+        if inductor == here:
+            break
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -253,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
                 "configs": cmd_configs}
-    positional_handlers = {"diff": cmd_diff, "import": cmd_import}
+    positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache}
     if command not in handlers and command not in positional_handlers:
         known = ", ".join([*handlers, *positional_handlers])
         print(f"zoo: unknown command {command!r}; expected one of {known}", file=sys.stderr)
