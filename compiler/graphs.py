@@ -277,7 +277,13 @@ class Engine:
         if self.length >= self.max_seq:
             raise InputError(f"decode: the cache is full (max_seq={self.max_seq} tokens); "
                              f"rebuild with a larger runtime.max_seq")
-        self._check_ids(tok, "decode")
+        if tok.device.type == "cpu":
+            self._check_ids(tok, "decode")
+        else:
+            # tokens sampled on the device: a range check would stall the host every step (it
+            # could no longer queue the next step); an out-of-range id still fails loudly, in
+            # the embedding's device-side bounds check
+            self._check_ids(tok[:0], "decode")
         return self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
 
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:
