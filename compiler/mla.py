@@ -149,8 +149,12 @@ class MLA(nn.Module):
             .split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, H, -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
+        if self.v_dim < k.shape[-1]:
+            # zero-padded to the q/k width: the fused (flash) kernels need one head width; with
+            # two, the compiler falls back to a materialised-scores softmax (10x slower on CPU)
+            v = F.pad(v, (0, k.shape[-1] - self.v_dim))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
-        return o.transpose(1, 2).reshape(B, L, H * self.v_dim)
+        return o[..., : self.v_dim].transpose(1, 2).reshape(B, L, H * self.v_dim)
 
     def attend_absorbed(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
         """W_UK folded into the query, W_UV applied after attending over the latent.
