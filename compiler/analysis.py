@@ -41,11 +41,10 @@ from omegaconf import OmegaConf
 
 from .cache import plan_caches
 from .config import conf_dir
-from .model import BuildContext, Decoder, build_model, cast, count_parameters, parameter_bytes
+from .model import BuildContext, Decoder, build_model, cast, count_parameters, parameter_bytes, torch_dtype
 from .rope import make_rope
 from .spec import ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BIG_SEQ = 1 << 20  # cache plans are exact per token at a length every compression ratio divides
 
 ACTIVE_CONVENTION = ("excludes the input embedding table (a lookup) and the MTP layers; includes the "
@@ -148,8 +147,8 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
         raise ValueError(f"context={context} and batch={batch} must be >= 1")
     params_mtp = mtp_parameters(spec)
     spec = main_model_spec(spec)
-    model: Decoder = cast(build_model(spec), DTYPES[weight_dtype])
-    cdt, wsize = DTYPES[cache_dtype], DTYPES[weight_dtype].itemsize
+    model: Decoder = cast(build_model(spec), torch_dtype(weight_dtype))
+    cdt, wsize = torch_dtype(cache_dtype), torch_dtype(weight_dtype).itemsize
     plan = plan_caches(model, 1, _BIG_SEQ, cdt)
 
     total = count_parameters(model)
@@ -270,6 +269,6 @@ def cache_curve(spec: ModelSpec, contexts, cache_dtype: str = "bfloat16") -> lis
     model = build_model(main_model_spec(spec))
     out = []
     for t in contexts:
-        plan = plan_caches(model, 1, int(t), DTYPES[cache_dtype])
+        plan = plan_caches(model, 1, int(t), torch_dtype(cache_dtype))
         out.append(plan.total_bytes())
     return out

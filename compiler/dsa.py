@@ -43,6 +43,39 @@ from .registry import register
 from .rope import apply_rotary
 
 
+# query rows scored at a time in prefill: the per-head scores of a chunk are
+# [B, chunk, Hi, L] float32 (a 32k prompt with Hi = 32: 1 GiB per 256 rows, not 128 GiB at once)
+PREFILL_CHUNK = 256
+
+
+@torch.library.custom_op("zoo::index_topk", mutates_args=())
+def index_topk(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, scale: float, k: int,
+               chunk: int) -> torch.Tensor:
+    """Prompt positions 0..L-1, float32: q [B, L, Hi, Di], keys [B, L, Di], w [B, L, Hi] ->
+    idx [B, L, k] int64, the top k of score[t, s] = sum_h w[t, h] relu(q[t, h] . keys[s] * scale)
+    over s <= t, best first. Rows t < k - 1 have fewer keys than k: their extra picks point at
+    masked keys or at columns >= L (callers drop both). Query rows are scored `chunk` at a time,
+    so memory is O(B * chunk * Hi * L), not O(B * L * Hi * L); a custom op, so the loop runs
+    as it is whatever the compiler does with L."""
+    B, L, Hi, _ = q.shape
+    out = torch.empty(B, L, k, dtype=torch.int64, device=q.device)
+    cols = torch.arange(L, device=q.device)
+    kt = keys.transpose(1, 2).unsqueeze(1)  # [B, 1, Di, L]
+    for start in range(0, L, chunk):
+        rows = slice(start, min(start + chunk, L))
+        per_head = F.relu(torch.matmul(q[:, rows], kt) * scale)  # [B, c, Hi, L]
+        scores = torch.matmul(w[:, rows].unsqueeze(-2), per_head).squeeze(-2)  # [B, c, L]
+        scores = scores.masked_fill(cols[None, None, :] > cols[rows, None], float("-inf"))
+        # k columns of -inf on the right: k picks exist even while fewer keys are visible
+        out[:, rows] = F.pad(scores, (0, k), value=float("-inf")).topk(k, dim=-1).indices
+    return out
+
+
+@index_topk.register_fake
+def _index_topk_fake(q, keys, w, scale, k, chunk):
+    return q.new_empty(q.shape[0], q.shape[1], k, dtype=torch.int64)
+
+
 class LightningIndexer(nn.Module):
     """Scores every cached token for every query and picks the top Ks (see the module docstring).
 
@@ -72,16 +105,22 @@ class LightningIndexer(nn.Module):
         """x [B, L, D], cos/sin broadcastable to [B, L, R/2] -> ik [B, L, Di] (what the cache holds)."""
         return self._rope(self.k_norm(self.wk(x)), cos, sin)
 
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, D], q_resid [B, L, Cq], cos/sin broadcastable to [B, L, R/2] -> iq [B, L, Hi, Di]
+        and the head weights w [B, L, Hi] (Hi^-0.5 folded in), both float32."""
+        B, L, _ = x.shape
+        q = self.wq_b(q_resid).view(B, L, self.n_heads, self.head_dim)
+        q = self._rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return q.float(), w
+
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
         """x [B, L, D], q_resid [B, L, Cq], keys [B, T, Di], cos/sin broadcastable to [B, L, R/2]
         -> index scores [B, L, T] float32 (not yet masked)."""
-        B, L, _ = x.shape
-        q = self.wq_b(q_resid).view(B, L, self.n_heads, self.head_dim)
-        q = self._rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        per_head = torch.matmul(q.float(), keys.float().transpose(1, 2).unsqueeze(1))  # [B, L, Hi, T]
-        per_head = F.relu(per_head * self.scale)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        q, w = self.queries(x, q_resid, cos, sin)
+        per_head = F.relu(torch.matmul(q, keys.float().transpose(1, 2).unsqueeze(1)) * self.scale)  # [B, L, Hi, T]
         return torch.matmul(w.unsqueeze(-2), per_head).squeeze(-2)
 
     def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
@@ -89,12 +128,12 @@ class LightningIndexer(nn.Module):
         """Prompt positions 0..L-1: x [B, L, D], q_resid [B, L, Cq], keys [B, L, Di], cos/sin
         [L, R/2] -> chosen [B, L, L] bool (query t, key s): the top Ks keys s <= t of each query."""
         L = x.shape[1]
+        q, w = self.queries(x, q_resid, cos, sin)
+        # Ks stays a constant whatever L is (one compiled graph for every prompt length)
+        idx = index_topk(q, keys.float(), w, self.scale, self.topk, PREFILL_CHUNK)  # [B, L, Ks]
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        scores = self.scores(x, q_resid, keys, cos, sin).masked_fill(~causal, float("-inf"))
-        # Ks columns of -inf on the right: topk's k stays the constant Ks whatever L is (one
-        # compiled graph for every prompt length); picks among padding or masked keys are dropped
-        idx = F.pad(scores, (0, self.topk), value=float("-inf")).topk(self.topk, dim=-1).indices
-        chosen = torch.zeros(*scores.shape[:-1], L + self.topk, dtype=torch.bool, device=x.device)
+        chosen = torch.zeros(*idx.shape[:-1], L + self.topk, dtype=torch.bool, device=x.device)
+        # picks among the padding columns (>= L) or masked keys are dropped
         return chosen.scatter_(-1, idx, True)[..., :L] & causal
 
     def select_decode(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,

@@ -19,7 +19,8 @@ from .norm import make_norm
 from .registry import lookup
 from .residual import residual_kind
 from .rope import make_rope
-from .spec import LayerSpec, ModelSpec
+from .errors import ConfigError
+from .spec import DTYPES, LayerSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,13 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A runtime dtype name (one of spec.DTYPES) -> the torch dtype."""
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r}: expected one of {list(DTYPES)}")
+    return getattr(torch, name)
 
 
 def cast(model: Decoder, dtype: torch.dtype) -> Decoder:

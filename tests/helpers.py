@@ -19,6 +19,16 @@ def save_reference(model, path: Path, max_shard_size: str | None = None) -> Path
     return path
 
 
+def build_references(tmp_path_factory, variants: dict, make_reference) -> dict:
+    """{name: (reference model, checkpoint dir, batch)} for variants {name: (config overrides,
+    batch, save kwargs)}, each written by make_reference(path, overrides, save_kwargs)."""
+    out = {}
+    for name, (overrides, batch, save_kwargs) in variants.items():
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (make_reference(path, overrides, save_kwargs), path, batch)
+    return out
+
+
 def populate_hub_cache(src: Path, cache: Path, repo_id: str, revision: str = "main") -> str:
     """Lay out `src`'s files as huggingface_hub's cache does for `repo_id` at `revision`:
     blobs/<sha>, snapshots/<commit>/<file> (symlinks into blobs), refs/<revision>. Returns the commit."""

@@ -17,7 +17,7 @@ import zoo
 from compiler.errors import ConfigError
 from tests.deepseek_v3_fixtures import (VOCAB, YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference,
                                         randomize, tiny_config)
-from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
+from tests.helpers import assert_logits_close, build_references, check_decode_equals_prefill, check_parity, save_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,11 +47,7 @@ def make_reference(path, overrides, save_kwargs, seed=0):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    out = {}
-    for name, (overrides, batch, save_kwargs) in VARIANTS.items():
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (make_reference(path, overrides, save_kwargs), path, batch)
-    return out
+    return build_references(tmp_path_factory, VARIANTS, make_reference)
 
 
 # ----------------------------------------------------------------------------- parity

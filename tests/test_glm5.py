@@ -158,6 +158,35 @@ def test_parity_eager(references, models, variant):
     check_parity(ref, m, ids, steps=STEPS)
 
 
+def test_index_topk_chunks_equal_one_pass():
+    """The prefill indexer scores query rows a chunk at a time (memory O(chunk * L), not O(L^2)
+    per head): the picks are those of one pass over all rows, for chunks that split the prompt
+    unevenly, including rows with fewer visible keys than k."""
+    from compiler.dsa import index_topk
+
+    g = torch.Generator().manual_seed(3)
+    B, L, Hi, Di, k = 2, 23, 4, 16, 8
+    q, keys, w = torch.randn(B, L, Hi, Di, generator=g), torch.randn(B, L, Di, generator=g), torch.randn(B, L, Hi, generator=g)
+    one = index_topk(q, keys, w, Di ** -0.5, k, L)
+    per_head = torch.relu(torch.einsum("blhd,bsd->blhs", q, keys) * Di ** -0.5)
+    scores = torch.einsum("blh,blhs->bls", w, per_head).masked_fill(~causal(L), float("-inf"))
+    expect = torch.nn.functional.pad(scores, (0, k), value=float("-inf")).topk(k, dim=-1).indices
+    visible = expect < torch.arange(L)[None, :, None] + 1  # picks among visible keys (unique scores)
+    assert torch.equal(one[visible], expect[visible])
+    for chunk in (1, 5, 16):
+        assert torch.equal(index_topk(q, keys, w, Di ** -0.5, k, chunk), one)
+
+
+def test_parity_with_small_prefill_chunks(references, monkeypatch):
+    """The whole model with the indexer's prefill split into 4-row chunks (19-token prompts)."""
+    import compiler.dsa
+
+    monkeypatch.setattr(compiler.dsa, "PREFILL_CHUNK", 4)
+    ref, path, ids = references["glm"]
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=ids.shape[0], max_seq=MAX_SEQ)
+    check_parity(ref, m, ids, steps=2)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_selected_indices(references, models, variant):
     """The tokens each query attends to == the reference indexer's top-k, for every prompt

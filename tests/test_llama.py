@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import (check_decode_equals_prefill, check_parity, populate_hub_cache,
+from tests.helpers import (build_references, check_decode_equals_prefill, check_parity, populate_hub_cache,
                            save_reference)
 
 transformers = pytest.importorskip("transformers")
@@ -52,11 +52,7 @@ def make_reference(path, overrides, save_kwargs, seed=0):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    out = {}
-    for name, (overrides, batch, save_kwargs) in VARIANTS.items():
-        path = tmp_path_factory.mktemp(name)
-        out[name] = (make_reference(path, overrides, save_kwargs), path, batch)
-    return out
+    return build_references(tmp_path_factory, VARIANTS, make_reference)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -217,7 +217,7 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
     from compiler.checkpoint.rules import load_stage
     from compiler.config import compose
     from compiler.hf_import import import_config
-    from compiler.model import build_model, cast
+    from compiler.model import build_model, cast, torch_dtype
     from compiler.spec import validate
 
     from .report import print_check
@@ -230,9 +230,8 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
     else:
         cfg, label = import_config(source.config(), source.description, overrides), source.description
     spec = validate(cfg, source=label)
-    from .runtime import DTYPES
 
-    model = cast(build_model(spec), DTYPES[spec.runtime.dtype])
+    model = cast(build_model(spec), torch_dtype(spec.runtime.dtype))
     names = list(getattr(source, "format_stages", lambda: [])()) + list(spec.checkpoint.rules)
     plan = plan_load(model, source, [load_stage(n, spec.config) for n in names], strict=False)
     data = list(getattr(source, "data_problems", None) or [])

@@ -20,13 +20,11 @@ from compiler.config import apply_overrides, compose
 from compiler.errors import InputError, ZooError
 from compiler.graphs import Engine
 from compiler.hf_import import import_config
-from compiler.model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes
+from compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
+                            torch_dtype)
 from compiler.spec import ModelSpec, validate
 
 from .sampling import sample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def available_memory(device: torch.device) -> int:
     """Bytes free for new allocations on `device`."""
@@ -151,7 +149,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     spec = validate(cfg, source=source_desc)
     rt = spec.runtime
     device = torch.device(rt.device)
-    dtype, cache_dtype = DTYPES[rt.dtype], DTYPES[rt.cache_dtype or rt.dtype]
+    dtype, cache_dtype = torch_dtype(rt.dtype), torch_dtype(rt.cache_dtype or rt.dtype)
     meta_model = cast(build_model(spec), dtype)
     params = count_parameters(meta_model)
     param_bytes = parameter_bytes(meta_model)
