@@ -269,9 +269,8 @@ def run_sequence(model, seq: torch.Tensor, prompt: int) -> tuple[torch.Tensor, t
 def build_random_on_device(conf: str, device: torch.device, dtype: torch.dtype):
     """The spec and module of `conf` with random weights drawn on `device` itself.
 
-    zoo.build draws random weights on the CPU (the same numbers on every device) and copies them:
-    for 8B parameters that is a 16 GB CPU tensor set filled by one thread. Here the meta model is
-    materialized on the device and init_weights draws from a device generator instead."""
+    As zoo.build does (a device generator, no host copy of 8B parameters), but the bare module:
+    the decode and prefill sections put two engines of their own on the one set of weights."""
     from compiler.config import load_config
     from compiler.model import build_model, materialize
 

@@ -182,24 +182,15 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if source is not None:
         info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress))
     else:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        _init_on(module, gen)
+        # drawn where the weights live: an 8B model on a GPU never passes through host memory
+        # (the numbers depend on the device's generator; the same seed repeats on one device)
+        module.init_weights(torch.Generator(device=module.embed.weight.device).manual_seed(seed))
     info.load_seconds = time.perf_counter() - t0
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
                     compile=rt.compile, cuda_graph=rt.cuda_graph)
     if rt.compile or engine.use_cuda_graph:
         info.compile_seconds = engine.warmup()
     return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)
-
-
-def _init_on(module: Decoder, gen: torch.Generator) -> None:
-    """Random init drawn on the CPU (same numbers on every device), then copied."""
-    if module.embed.weight.device.type == "cpu":
-        module.init_weights(gen)
-        return
-    cpu = materialize(build_model(module.spec), "cpu", module.embed.weight.dtype)
-    cpu.init_weights(gen)
-    module.load_state_dict(cpu.state_dict())
 
 
 def _dry_model(spec: ModelSpec, meta_model: Decoder, info: BuildInfo, cache_dtype) -> Model:
