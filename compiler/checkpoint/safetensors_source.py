@@ -160,7 +160,7 @@ class SafetensorsSource:
             self._open = (info.file, open(info.file, "rb", buffering=0))
         f = self._open[1]
         f.seek(info.offset)
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        view = memoryview(out.detach().view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         done = 0
         while done < info.nbytes:  # readinto may return short counts on large reads
             n = f.readinto(view[done:])
