@@ -78,8 +78,9 @@ def _cpu_compile_patches() -> dict:
 
     if inductor_config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
         return {}  # the user decided, or a platform whose ISA list inductor does not probe
+    flags = cpu_vec_isa.x86_isa_checker()  # what the CPU reports (cpuid), without probing
     reported = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
-                if all(flag in cpu_vec_isa.x86_isa_checker() for flag in str(isa).split())]
+                if all(flag in flags for flag in str(isa).split())]
     key = json.dumps({"isa": reported, "compiler": get_cpp_compiler(), "python": platform.python_version()})
     record = compile_cache_dir() / "vec_isa.json"
     try:
