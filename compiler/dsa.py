@@ -12,8 +12,11 @@ cached tokens that a lightning indexer picks for each of them.
         chosen(t)   = the Ks keys of highest score (every s <= t while t < Ks)
     MLA attention of query t over exactly the latent cache entries chosen(t).
 
-    prefill: scores [B, L, L] over the prompt; the choice becomes a mask on MLA's expanded
-             attention (a compute-bound step: a mask costs nothing extra).
+    prefill: the indexer scores the prompt a chunk of query rows at a time and keeps each
+             query's top Ks slots [B, L, Ks] (`zoo::index_topk`). Long prompts (past
+             `gather_from`, where it costs fewer FLOPs) attend over each query's own Ks gathered
+             latents in MLA's absorbed form (`zoo::selected_attention`): O(L * Ks), no [L, L]
+             matrix. Shorter ones apply the choice as a mask on the fused expanded kernel.
     decode:  the new query's scores against the indexer key cache [B, S] (Hi * Di per key, far
              cheaper than MLA's H * (2C + R)); the top Ks slots are gathered from the latent cache
              [B, 1, Ks, C + R] and MLA's absorbed attention runs over those only, so the attention
@@ -37,7 +40,7 @@ from torch import nn
 
 from .attention import write_decode, write_prefill
 from .cache import CacheField
-from .mla import MLA
+from .mla import MLA, absorb_query, expand_values, expanded_attention
 from .norm import LayerNorm
 from .registry import register
 from .rope import apply_rotary
@@ -74,6 +77,50 @@ def index_topk(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, scale: floa
 @index_topk.register_fake
 def _index_topk_fake(q, keys, w, scale, k, chunk):
     return q.new_empty(q.shape[0], q.shape[1], k, dtype=torch.int64)
+
+
+# query rows attended at a time by the gathered prefill: the gathered latents of a chunk are
+# [B, chunk, Ks, C + R] (GLM-5, bf16: 150 MiB per 64 rows)
+ATTENTION_CHUNK = 64
+
+
+@torch.library.custom_op("zoo::selected_attention", mutates_args=())
+def selected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, wkv_b: torch.Tensor,
+                       slots: torch.Tensor, scale: float, gather_from: int, chunk: int) -> torch.Tensor:
+    """Prompt positions 0..L-1, each query attending over the latents it chose only:
+    q_nope [B, H, L, Dn], q_rope [B, H, L, R], kv [B, L, C + R] (one latent head shared by all),
+    wkv_b [H * (Dn + Dv), C], slots [B, L, k] (each query's chosen keys; slots > t, masked or
+    padding picks, are ignored) -> [B, L, H * Dv].
+
+    Past `gather_from` tokens: the latents of `chunk` query rows at a time are gathered and
+    attended in the absorbed form (softmax in float32): O(L * k) work, O(chunk * k) memory.
+    Below it: the choice as an [L, L] mask on the fused expanded kernel, cheaper there. A
+    custom op, so that one compiled graph serves every prompt length on either side."""
+    B, H, L, nope = q_nope.shape
+    t = torch.arange(L, device=q_nope.device)
+    if L <= gather_from:
+        mask = torch.zeros(B, L, L + slots.shape[-1], dtype=torch.bool, device=kv.device)
+        mask = mask.scatter_(-1, slots, True)[..., :L] & (t[None, :] <= t[:, None])
+        return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale, mask=mask[:, None])
+    q = absorb_query(q_nope, q_rope, wkv_b)  # [B, H, L, C + R]
+    C = wkv_b.shape[1]
+    o_lat = q.new_empty(B, H, L, C)
+    batch = torch.arange(B, device=q.device)[:, None, None]
+    for start in range(0, L, chunk):
+        rows = slice(start, min(start + chunk, L))
+        picked = slots[:, rows]  # [B, c, k]
+        valid = picked <= t[rows, None]
+        keys = kv[batch, picked.clamp(max=L - 1)]  # [B, c, k, C + R]
+        scores = torch.einsum("bhcd,bckd->bhck", q[:, :, rows].float(), keys.float()) * scale
+        probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+        o_lat[:, :, rows] = torch.einsum("bhck,bckd->bhcd", probs, keys[..., :C].float()).to(o_lat.dtype)
+    return expand_values(o_lat, wkv_b, nope)
+
+
+@selected_attention.register_fake
+def _selected_attention_fake(q_nope, q_rope, kv, wkv_b, slots, scale, gather_from, chunk):
+    B, H, L, nope = q_nope.shape
+    return q_nope.new_empty(B, L, wkv_b.shape[0] - H * nope)
 
 
 class LightningIndexer(nn.Module):
@@ -123,14 +170,20 @@ class LightningIndexer(nn.Module):
         per_head = F.relu(torch.matmul(q, keys.float().transpose(1, 2).unsqueeze(1)) * self.scale)  # [B, L, Hi, T]
         return torch.matmul(w.unsqueeze(-2), per_head).squeeze(-2)
 
-    def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
+    def select_prefill_slots(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Prompt positions 0..L-1: x [B, L, D], q_resid [B, L, Cq], keys [B, L, Di], cos/sin
-        [L, R/2] -> chosen [B, L, L] bool (query t, key s): the top Ks keys s <= t of each query."""
-        L = x.shape[1]
+        [L, R/2] -> slots [B, L, Ks], each query's top Ks keys s <= t, best first; while t < Ks - 1
+        the extra slots are > t (masked keys or padding), to be ignored."""
         q, w = self.queries(x, q_resid, cos, sin)
         # Ks stays a constant whatever L is (one compiled graph for every prompt length)
-        idx = index_topk(q, keys.float(), w, self.scale, self.topk, PREFILL_CHUNK)  # [B, L, Ks]
+        return index_topk(q, keys.float(), w, self.scale, self.topk, PREFILL_CHUNK)
+
+    def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+        """The same choice as a mask: chosen [B, L, L] bool (query t, key s)."""
+        L = x.shape[1]
+        idx = self.select_prefill_slots(x, q_resid, keys, cos, sin)  # [B, L, Ks]
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
         chosen = torch.zeros(*idx.shape[:-1], L + self.topk, dtype=torch.bool, device=x.device)
         # picks among the padding columns (>= L) or masked keys are dropped
@@ -181,6 +234,11 @@ class DSA(MLA):
     def __init__(self, spec: "DSA.Spec", model):
         super().__init__(spec, model)
         self.indexer = LightningIndexer(spec, model.dim)
+        # prompts longer than this attend over gathered latents: per query Ks keys of the absorbed
+        # form (2C + R each) against, masked and dense, t keys of the expanded one (Dn + R + Dv,
+        # t / 2 on average); GLM-5: 8704 tokens. Shorter prompts take the fused dense kernel.
+        self.gather_from = -(-2 * self.spec.index_topk * (2 * self.rank + self.rot) //
+                             (self.nope + self.rot + self.v_dim))
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """MLA's latent kv [B, 1, S, C + R] and the indexer keys index_k [B, S, Di]."""
@@ -195,11 +253,10 @@ class DSA(MLA):
             self.indexer.flops_per_key() * context
 
     def prefill_attention_flops(self, context):
-        """The same for a prompt token with `context` visible tokens, MLA's expanded form over the
-        Ks chosen (the cost of a sparse kernel; the zoo's CPU prefill applies the choice as a mask)."""
-        context = np.asarray(context)
-        return super().prefill_attention_flops(np.minimum(context, self.spec.index_topk)) + \
-            self.indexer.flops_per_key() * context
+        """The same for a prompt token, at the sparse cost: the Ks gathered latents in the absorbed
+        form, what prompts past `gather_from` run (shorter ones run a masked dense kernel, which
+        costs fewer FLOPs there); W_UK / W_UV are per-token matmuls, counted with the parameters."""
+        return self.attention_flops(context)
 
     def decode_cache_bytes(self, context: int, dtype: torch.dtype) -> int:
         """Cache bytes one decode step reads per sequence at `context` tokens: every indexer key,
@@ -210,16 +267,17 @@ class DSA(MLA):
     # ------------------------------------------------------------------ entry points
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills slots 0..L-1 of both caches. MLA's
-        expanded attention under the indexer's choice as a mask."""
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills slots 0..L-1 of both caches. Each
+        query attends over the Ks latents the indexer chose for it (see selected_attention)."""
         cos, sin = ctx["rope"][self.rope]  # [L, R/2]
         q_resid = self.query_residual(x)
         q_nope, q_rope, kv = self.project(x, cos, sin, q_resid=q_resid)
         keys = self.indexer.keys(x, cos, sin)
         write_prefill(cache["kv"], kv)
         write_prefill(cache["index_k"][:, None], keys[:, None])  # [B, S, Di] viewed as one head
-        chosen = self.indexer.select_prefill(x, q_resid, keys, cos, sin)  # [B, L, L]
-        return self.wo(self.attend_expanded(q_nope, q_rope, kv, mask=chosen[:, None]))
+        slots = self.indexer.select_prefill_slots(x, q_resid, keys, cos, sin)  # [B, L, Ks]
+        return self.wo(selected_attention(q_nope, q_rope, kv[:, 0], self.wkv_b.weight, slots, self.scale,
+                                          self.gather_from, ATTENTION_CHUNK))
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; one slot per row in both caches.

@@ -37,6 +37,46 @@ from .registry import register
 from .rope import apply_rotary, rope_key
 
 
+def _split_wkv_b(wkv_b: torch.Tensor, n_heads: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """wkv_b [H * (Dn + Dv), C] (rows per head [k_nope | v]) -> W_UK [H, Dn, C], W_UV [H, Dv, C]."""
+    w = wkv_b.view(n_heads, -1, wkv_b.shape[1])
+    return w[:, :nope], w[:, nope:]
+
+
+def expanded_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, wkv_b: torch.Tensor,
+                       scale: float, mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
+    """Per-head K/V expanded from the latent (the prefill form). q_nope [B, H, L, Dn], q_rope
+    [B, H, L, R], kv [B, 1, S, C + R], wkv_b [H * (Dn + Dv), C] -> [B, L, H * Dv]."""
+    B, H, L, nope = q_nope.shape
+    C = wkv_b.shape[1]
+    latent, k_rope = kv.split([C, kv.shape[-1] - C], dim=-1)
+    k_nope, v = F.linear(latent[:, 0], wkv_b).view(B, -1, H, wkv_b.shape[0] // H).transpose(1, 2) \
+        .split([nope, wkv_b.shape[0] // H - nope], dim=-1)
+    v_dim = v.shape[-1]
+    k = torch.cat((k_nope, k_rope.expand(-1, H, -1, -1)), dim=-1)
+    q = torch.cat((q_nope, q_rope), dim=-1)
+    if v_dim < k.shape[-1]:
+        # zero-padded to the q/k width: the fused (flash) kernels need one head width; with
+        # two, the compiler falls back to a materialised-scores softmax (10x slower on CPU)
+        v = F.pad(v, (0, k.shape[-1] - v_dim))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return o[..., :v_dim].transpose(1, 2).reshape(B, L, H * v_dim)
+
+
+def absorb_query(q_nope: torch.Tensor, q_rope: torch.Tensor, wkv_b: torch.Tensor) -> torch.Tensor:
+    """W_UK folded into the query: q_nope [B, H, L, Dn], q_rope [B, H, L, R] -> [B, H, L, C + R],
+    to be scored against the latent cache entries [C | k_rope] directly (the decode form)."""
+    w_uk, _ = _split_wkv_b(wkv_b, q_nope.shape[1], q_nope.shape[-1])
+    return torch.cat((torch.einsum("bhln,hnc->bhlc", q_nope, w_uk), q_rope), dim=-1)
+
+
+def expand_values(o_lat: torch.Tensor, wkv_b: torch.Tensor, nope: int) -> torch.Tensor:
+    """W_UV after attending over latents: o_lat [B, H, L, C] -> [B, L, H * Dv]."""
+    B, H, L, _ = o_lat.shape
+    _, w_uv = _split_wkv_b(wkv_b, H, nope)
+    return torch.einsum("bhlc,hvc->blhv", o_lat, w_uv).reshape(B, L, -1)
+
+
 @register("mixer", "mla")
 class MLA(nn.Module):
     @dataclass
@@ -136,37 +176,25 @@ class MLA(nn.Module):
         kv = torch.cat((self.kv_norm(latent)[:, None], k_rope), dim=-1)
         return q_nope, q_rope, kv
 
-    def _wkv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, Dn, C] and W_UV [H, Dv, C] (views of wkv_b, rows per head [k_nope | v])."""
-        w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
-        return w[:, : self.nope], w[:, self.nope:]
-
     def attend_expanded(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
         """Per-head K/V from the latent. q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
-        B, H, L, _ = q_nope.shape
-        latent, k_rope = kv.split([self.rank, self.rot], dim=-1)
-        k_nope, v = self.wkv_b(latent[:, 0]).view(B, -1, H, self.nope + self.v_dim).transpose(1, 2) \
-            .split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, H, -1, -1)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        if self.v_dim < k.shape[-1]:
-            # zero-padded to the q/k width: the fused (flash) kernels need one head width; with
-            # two, the compiler falls back to a materialised-scores softmax (10x slower on CPU)
-            v = F.pad(v, (0, k.shape[-1] - self.v_dim))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
-        return o[..., : self.v_dim].transpose(1, 2).reshape(B, L, H * self.v_dim)
+        return expanded_attention(q_nope, q_rope, kv, self.wkv_b.weight, self.scale, mask, causal)
+
+    def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """W_UK folded into the query (see absorb_query below): -> [B, H, L, C + R]."""
+        return absorb_query(q_nope, q_rope, self.wkv_b.weight)
+
+    def expand_values(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """W_UV after attending over latents: o_lat [B, H, L, C] -> [B, L, H * Dv]."""
+        return expand_values(o_lat, self.wkv_b.weight, self.nope)
 
     def attend_absorbed(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
         """W_UK folded into the query, W_UV applied after attending over the latent.
         q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
-        B, H, L, _ = q_nope.shape
-        w_uk, w_uv = self._wkv_b()
-        q_lat = torch.einsum("bhln,hnc->bhlc", q_nope, w_uk)
-        q = torch.cat((q_lat, q_rope), dim=-1)  # [B, H, L, C + R]
-        o_lat = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, is_causal=causal,
-                                               scale=self.scale, enable_gqa=True)  # [B, H, L, C]
-        o = torch.einsum("bhlc,hvc->blhv", o_lat, w_uv)
-        return o.reshape(B, L, H * self.v_dim)
+        o_lat = F.scaled_dot_product_attention(self.absorb_query(q_nope, q_rope), kv, kv[..., : self.rank],
+                                               attn_mask=mask, is_causal=causal, scale=self.scale,
+                                               enable_gqa=True)  # [B, H, L, C]
+        return self.expand_values(o_lat)
 
     # ------------------------------------------------------------------ entry points
 

@@ -314,13 +314,14 @@ def test_dsa_flat_beyond_top_k(reports):
     spec = load_config("glm5")
     at = {t: analyze(spec, context=t) for t in (1024, 2048, 8192)}
     at[4096] = reports["glm5"]
-    indexer, absorbed, expanded = 2 * 32 * (128 + 1), 2 * 64 * (2 * 512 + 64), 2 * 64 * (192 + 64 + 256)
+    indexer, absorbed = 2 * 32 * (128 + 1), 2 * 64 * (2 * 512 + 64)
     d = {t: r["decode_flops_per_token"] for t, r in at.items()}
     assert d[2048] - d[1024] == 78 * (indexer + absorbed) * 1024
     assert d[8192] - d[4096] == 78 * indexer * 4096  # attention flat beyond top-k
     p = {t: r["prefill_flops_per_token"] for t, r in at.items()}
-    # prefill of T: the mean over positions t of indexer * t + expanded * min(t, 2048)
-    mean = lambda T: (indexer * (T + 1) / 2 + expanded * np.minimum(np.arange(1, T + 1), 2048).mean())  # noqa: E731
+    # prefill of T: the mean over positions t of indexer * t + absorbed * min(t, 2048) (each query
+    # attends over its own gathered latents in the absorbed form, as in decode)
+    mean = lambda T: (indexer * (T + 1) / 2 + absorbed * np.minimum(np.arange(1, T + 1), 2048).mean())  # noqa: E731
     assert p[8192] - p[1024] == pytest.approx(78 * (mean(8192) - mean(1024)), abs=2)
     assert at[8192]["decode_cache_bytes_read_per_sequence"] == 78 * (8192 * 128 + 2048 * 576) * 2
     assert at[1024]["decode_cache_bytes_read_per_sequence"] == 78 * 1024 * (128 + 576) * 2

@@ -139,7 +139,8 @@ def test_absorbed_equals_expanded(references):
     assert_logits_close(absorbed, expanded, 1e-5, "absorbed vs expanded")
     assert (expanded - mla.attend_expanded(q_nope, q_rope, kv, causal=True)).abs().max() < 1e-6
     # and they are not trivially equal: a wrong fold (W_UV for W_UK) is far off
-    w_uk, w_uv = mla._wkv_b()
+    w = mla.wkv_b.weight.view(mla.n_heads, mla.nope + mla.v_dim, mla.rank)
+    w_uk, w_uv = w[:, : mla.nope], w[:, mla.nope:]
     wrong = torch.einsum("bhln,hnc->bhlc", q_nope, w_uv)
     assert not torch.allclose(wrong, torch.einsum("bhln,hnc->bhlc", q_nope, w_uk), atol=1e-3)
 

@@ -177,14 +177,29 @@ def test_index_topk_chunks_equal_one_pass():
         assert torch.equal(index_topk(q, keys, w, Di ** -0.5, k, chunk), one)
 
 
-def test_parity_with_small_prefill_chunks(references, monkeypatch):
-    """The whole model with the indexer's prefill split into 4-row chunks (19-token prompts)."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_gathered_prefill(references, monkeypatch, variant):
+    """Prefill through the long-prompt path (each query attends over its gathered top-k latents,
+    absorbed form) on the 19-token prompts, with the indexer and the attention split into
+    4- and 3-row chunks; and the same logits as the masked dense path."""
     import compiler.dsa
 
-    monkeypatch.setattr(compiler.dsa, "PREFILL_CHUNK", 4)
-    ref, path, ids = references["glm"]
+    ref, path, ids = references[variant]
     m = zoo.from_pretrained(str(path), compile=False, max_batch=ids.shape[0], max_seq=MAX_SEQ)
+    dense = m.prefill(ids)
+    monkeypatch.setattr(compiler.dsa, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(compiler.dsa, "ATTENTION_CHUNK", 3)
+    for layer in m.module.layers:
+        layer.mixer.gather_from = 0
     check_parity(ref, m, ids, steps=2)
+    assert_logits_close(m.prefill(ids), dense, 1e-5, "gathered vs masked dense prefill")
+
+
+def test_gather_threshold():
+    """GLM-5's prompts switch to gathered attention where it needs fewer FLOPs than the dense
+    masked one: 2 * Ks * (2C + R) / (Dn + R + Dv) tokens."""
+    m = zoo.build("glm5", dry=True)
+    assert m.module.layers[0].mixer.gather_from == 2 * 2048 * (2 * 512 + 64) // (192 + 64 + 256) == 8704
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
