@@ -79,6 +79,15 @@ def _index_topk_fake(q, keys, w, scale, k, chunk):
     return q.new_empty(q.shape[0], q.shape[1], k, dtype=torch.int64)
 
 
+def choice_mask(slots: torch.Tensor) -> torch.Tensor:
+    """slots [B, L, k] (prompt queries' chosen keys) -> [B, L, L] bool (query t, key s); picks
+    among padding columns (>= L) or masked keys (> t) are dropped."""
+    B, L, k = slots.shape
+    t = torch.arange(L, device=slots.device)
+    chosen = torch.zeros(B, L, L + k, dtype=torch.bool, device=slots.device).scatter_(-1, slots, True)
+    return chosen[..., :L] & (t[None, :] <= t[:, None])
+
+
 # query rows attended at a time by the gathered prefill: the gathered latents of a chunk are
 # [B, chunk, Ks, C + R] (GLM-5, bf16: 150 MiB per 64 rows)
 ATTENTION_CHUNK = 64
@@ -99,9 +108,7 @@ def selected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
     B, H, L, nope = q_nope.shape
     t = torch.arange(L, device=q_nope.device)
     if L <= gather_from:
-        mask = torch.zeros(B, L, L + slots.shape[-1], dtype=torch.bool, device=kv.device)
-        mask = mask.scatter_(-1, slots, True)[..., :L] & (t[None, :] <= t[:, None])
-        return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale, mask=mask[:, None])
+        return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale, mask=choice_mask(slots)[:, None])
     q = absorb_query(q_nope, q_rope, wkv_b)  # [B, H, L, C + R]
     C = wkv_b.shape[1]
     o_lat = q.new_empty(B, H, L, C)
@@ -182,12 +189,7 @@ class LightningIndexer(nn.Module):
     def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor) -> torch.Tensor:
         """The same choice as a mask: chosen [B, L, L] bool (query t, key s)."""
-        L = x.shape[1]
-        idx = self.select_prefill_slots(x, q_resid, keys, cos, sin)  # [B, L, Ks]
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        chosen = torch.zeros(*idx.shape[:-1], L + self.topk, dtype=torch.bool, device=x.device)
-        # picks among the padding columns (>= L) or masked keys are dropped
-        return chosen.scatter_(-1, idx, True)[..., :L] & causal
+        return choice_mask(self.select_prefill_slots(x, q_resid, keys, cos, sin))
 
     def select_decode(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
