@@ -106,9 +106,9 @@ def selected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
     Below it: the choice as an [L, L] mask on the fused expanded kernel, cheaper there. A
     custom op, so that one compiled graph serves every prompt length on either side."""
     B, H, L, nope = q_nope.shape
-    t = torch.arange(L, device=q_nope.device)
     if L <= gather_from:
         return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale, mask=choice_mask(slots)[:, None])
+    t = torch.arange(L, device=q_nope.device)
     q = absorb_query(q_nope, q_rope, wkv_b)  # [B, H, L, C + R]
     C = wkv_b.shape[1]
     o_lat = q.new_empty(B, H, L, C)

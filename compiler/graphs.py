@@ -188,10 +188,10 @@ class Engine:
 
     # ------------------------------------------------------------------ checks
 
-    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+    def _check_ids(self, ids: torch.Tensor, what: str, check_range: bool = True) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
             raise InputError(f"{what}: token ids must be int64 or int32, got {ids.dtype}")
-        if self.device.type == "meta":
+        if self.device.type == "meta" or not check_range:
             return
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
@@ -278,13 +278,10 @@ class Engine:
         if self.length >= self.max_seq:
             raise InputError(f"decode: the cache is full (max_seq={self.max_seq} tokens); "
                              f"rebuild with a larger runtime.max_seq")
-        if tok.device.type == "cpu":
-            self._check_ids(tok, "decode")
-        else:
-            # tokens sampled on the device: a range check would stall the host every step (it
-            # could no longer queue the next step); an out-of-range id still fails loudly, in
-            # the embedding's device-side bounds check
-            self._check_ids(tok[:0], "decode")
+        # no range check of tokens sampled on the device: it would stall the host every step (it
+        # could no longer queue the next one); an out-of-range id still fails loudly, in the
+        # embedding's device-side bounds check
+        self._check_ids(tok, "decode", check_range=tok.device.type == "cpu")
         return self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
 
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:

@@ -180,21 +180,13 @@ class MLA(nn.Module):
         """Per-head K/V from the latent. q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
         return expanded_attention(q_nope, q_rope, kv, self.wkv_b.weight, self.scale, mask, causal)
 
-    def absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
-        """W_UK folded into the query (see absorb_query below): -> [B, H, L, C + R]."""
-        return absorb_query(q_nope, q_rope, self.wkv_b.weight)
-
-    def expand_values(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """W_UV after attending over latents: o_lat [B, H, L, C] -> [B, L, H * Dv]."""
-        return expand_values(o_lat, self.wkv_b.weight, self.nope)
-
     def attend_absorbed(self, q_nope, q_rope, kv, mask=None, causal=False) -> torch.Tensor:
         """W_UK folded into the query, W_UV applied after attending over the latent.
         q_* [B, H, L, *], kv [B, 1, S, C + R] -> [B, L, H * Dv]."""
-        o_lat = F.scaled_dot_product_attention(self.absorb_query(q_nope, q_rope), kv, kv[..., : self.rank],
-                                               attn_mask=mask, is_causal=causal, scale=self.scale,
-                                               enable_gqa=True)  # [B, H, L, C]
-        return self.expand_values(o_lat)
+        q = absorb_query(q_nope, q_rope, self.wkv_b.weight)  # [B, H, L, C + R]
+        o_lat = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)  # [B, H, L, C]
+        return expand_values(o_lat, self.wkv_b.weight, self.nope)
 
     # ------------------------------------------------------------------ entry points
 

@@ -38,13 +38,16 @@ if str(ROOT) not in sys.path:
 
 # ----------------------------------------------------------------------------- cases
 
-def _llama_reference(path: Path, **dims) -> None:
+def _llama_reference(path: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                     **dims) -> None:
+    """A random Llama-3-style checkpoint of `dims`, saved by transformers (sharded if asked)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**dims, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                       max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    LlamaForCausalLM(cfg).to(dtype).save_pretrained(path, **kwargs)
 
 
 def _deepseek_v3_reference(path: Path, **dims) -> None:
@@ -187,7 +190,7 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
         return time.perf_counter() - t0
 
     decode_s = min(decode_all() for _ in range(2))
-    weights = sum(p.numel() * p.element_size() for p in m.module.parameters())
+    weights = m.info.param_bytes  # distinct parameters (a tied head counted once)
     embed = m.module.embed.weight
     cache_bytes = m.engine.plan.total_bytes()
     # what the same attention would cache with per-head K/V (MLA reports it; others cache K/V)
@@ -198,7 +201,8 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
     # a decode step of one sequence reads top_k of a MoE layer's routed experts
     inactive = sum((b.ffn.n_experts - b.ffn.top_k) * (b.ffn.w13[0].nbytes + b.ffn.w2[0].nbytes)
                    for b in m.module.layers if hasattr(b.ffn, "n_experts"))
-    return {"expanded_cache_bytes": expanded, "inactive_expert_bytes": inactive,"load_s": m.info.load_seconds, "build_total_s": total, "compile_s": compile_s,
+    return {"expanded_cache_bytes": expanded, "inactive_expert_bytes": inactive, "load_s": m.info.load_seconds,
+            "build_total_s": total, "compile_s": compile_s,
             "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
             "peak_rss": peak_rss_bytes(), "graphs": m.engine.graph_counts(),
             "weight_bytes": weights, "embed_bytes": embed.numel() * embed.element_size(),

@@ -24,19 +24,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.bench import _llama_reference  # noqa: E402  (the bench model writer, any size)
 
 LLAMA_335M = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=4)
-
-
-def write_checkpoint(path: Path, shard: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**LLAMA_335M, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                      max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path, max_shard_size=shard)
 
 
 def _status(field: str) -> int:
@@ -99,7 +93,7 @@ def main(argv=None) -> int:
                      "stored": "bfloat16", "dtype": args.dtype, "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
-        write_checkpoint(path, args.shard)
+        _llama_reference(path, dtype=torch.bfloat16, max_shard_size=args.shard, **LLAMA_335M)
         shards = sorted(path.glob("*.safetensors"))
         results["shards"] = len(shards)
         results["checkpoint_bytes"] = sum(f.stat().st_size for f in shards)

@@ -267,17 +267,14 @@ def run_sequence(model, seq: torch.Tensor, prompt: int) -> tuple[torch.Tensor, t
 
 
 def build_random_on_device(conf: str, device: torch.device, dtype: torch.dtype):
-    """The spec and module of `conf` with random weights drawn on `device` itself.
+    """The spec and module of `conf` with random weights drawn on `device` itself (zoo.build draws
+    them there: no host copy of 8B parameters). Only the module is kept: the decode and prefill
+    sections put two engines of their own on the one set of weights."""
+    import zoo
 
-    As zoo.build does (a device generator, no host copy of 8B parameters), but the bare module:
-    the decode and prefill sections put two engines of their own on the one set of weights."""
-    from compiler.config import load_config
-    from compiler.model import build_model, materialize
-
-    spec = load_config(conf)
-    module = materialize(build_model(spec), device, dtype)
-    module.init_weights(torch.Generator(device=device).manual_seed(0))
-    return spec, module
+    m = zoo.build(conf, ["runtime.cuda_graph=false"], device=device, dtype=dtype, compile=False, max_batch=1,
+                  max_seq=2)
+    return m.spec, m.module
 
 
 # ----------------------------------------------------------------------------- sections

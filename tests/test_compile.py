@@ -2,6 +2,11 @@
 family, and compiled graphs from the persistent cache are safe across engines of any max_seq."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -58,11 +63,6 @@ print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgrap
 
 
 def _build_in_fresh_process(env: dict) -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | env
     proc = subprocess.run([sys.executable, "-c", _BUILD_AND_REPORT], capture_output=True, text=True, env=env,
                           timeout=600)
@@ -86,7 +86,6 @@ def test_compiled_graphs_persist_in_the_zoo_cache(tmp_path):
 
 def test_explicit_inductor_cache_dir_wins(tmp_path):
     from compiler.graphs import _use_compile_cache_dir
-    import os
 
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:

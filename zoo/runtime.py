@@ -184,7 +184,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     else:
         # drawn where the weights live: an 8B model on a GPU never passes through host memory
         # (the numbers depend on the device's generator; the same seed repeats on one device)
-        module.init_weights(torch.Generator(device=module.embed.weight.device).manual_seed(seed))
+        module.init_weights(torch.Generator(device=device).manual_seed(seed))
     info.load_seconds = time.perf_counter() - t0
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
                     compile=rt.compile, cuda_graph=rt.cuda_graph)
