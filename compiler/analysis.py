@@ -25,9 +25,10 @@ Conventions (stated in every report):
                  each sequence's cache reads at context T (`decode_cache_bytes`: DSA reads every
                  indexer key but only top-k latents).
 
-Module hooks (all optional): `active_parameters(matmul_only)` (MoE), `attention_flops(context)`,
-`prefill_attention_flops(context)`, `decode_cache_bytes(context, dtype)` (mixers; context an int or
-a numpy array of ints), `token_flops()`, `decode_weight_fraction(batch)` + `routed_parameters()` (MoE).
+The hooks these figures read are the contracts' (contracts.py): every mixer's `attention_flops`,
+`prefill_attention_flops` and `decode_cache_bytes`, every FFN's `routed_parameters` and
+`decode_weight_fraction`, and the module protocols `RefinesActiveParameters` (MoE, hash tables)
+and `ExtraTokenFlops` (mHC, compressors).
 """
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from .cache import plan_caches
+from .contracts import ExtraTokenFlops, RefinesActiveParameters
+from .engine.cache import plan_caches
 from .config import conf_dir
 from .model import BuildContext, Decoder, build_model, cast, count_parameters, parameter_bytes, torch_dtype
-from .rope import make_rope
+from .position.rope import make_rope
+from .residual.prenorm import residual_kind
 from .spec import ModelSpec
 
 _BIG_SEQ = 1 << 20  # cache plans are exact per token at a length every compression ratio divides
@@ -65,13 +68,12 @@ def active_parameters(module: torch.nn.Module, matmul_only: bool = False, skip: 
     seen: set[int] = set(skip)
 
     def walk(m: torch.nn.Module) -> int:
-        fn = getattr(m, "active_parameters", None)
-        if fn is not None:
+        if isinstance(m, RefinesActiveParameters):
             ps = list(m.parameters())
             if any(id(p) in seen for p in ps):
                 raise ValueError(f"{type(m).__name__} shares parameters; cannot refine its active count")
             seen.update(id(p) for p in ps)
-            return fn(matmul_only=matmul_only)
+            return m.active_parameters(matmul_only=matmul_only)
         n = 0
         for p in m.parameters(recurse=False):
             if id(p) not in seen and (p.dim() >= 2 or not matmul_only):
@@ -84,27 +86,7 @@ def active_parameters(module: torch.nn.Module, matmul_only: bool = False, skip: 
 
 def token_flops(module: torch.nn.Module) -> int:
     """Context-independent FLOPs per token below `module` that its parameters do not show."""
-    return sum(m.token_flops() for m in module.modules() if hasattr(m, "token_flops"))
-
-
-def decode_attention_flops(mixer, context):
-    """A mixer's context-dependent FLOPs per decoded token at `context` cached tokens (int or array)."""
-    fn = getattr(mixer, "attention_flops", None)
-    return fn(context) if fn is not None else 0 * np.asarray(context)
-
-
-def prefill_attention_flops(mixer, context):
-    """The same for a prompt token that sees `context` tokens, under the prefill algorithm."""
-    fn = getattr(mixer, "prefill_attention_flops", None)
-    return fn(context) if fn is not None else decode_attention_flops(mixer, context)
-
-
-def decode_cache_bytes(mixer, context: int, dtype: torch.dtype) -> int:
-    """Cache bytes one decode step reads per sequence at `context` tokens (default: all of it)."""
-    fn = getattr(mixer, "decode_cache_bytes", None)
-    if fn is not None:
-        return int(fn(context, dtype))
-    return sum(f.nbytes for f in mixer.cache_fields(1, context, dtype).values())
+    return sum(m.token_flops() for m in module.modules() if isinstance(m, ExtraTokenFlops))
 
 
 @dataclass
@@ -132,7 +114,7 @@ def mtp_parameters(spec: ModelSpec) -> int:
     """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none."""
     if not spec.mtp_layers:
         return 0
-    from .mtp import mtp_layers
+    from .engine.mtp import mtp_layers
 
     on = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=True))
     with torch.device("meta"):
@@ -169,13 +151,13 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
     for i, block in enumerate(model.layers):
         layer = spec.layers[i]
         name = f"{layer.mixer_name}+{layer.ffn_name}"
-        d_attn = int(decode_attention_flops(block.mixer, decode_ctx))
-        p_attn = float(np.mean(prefill_attention_flops(block.mixer, prefill_ctx)))
+        d_attn = int(block.mixer.attention_flops(decode_ctx))
+        p_attn = float(np.mean(block.mixer.prefill_attention_flops(prefill_ctx)))
         decode_attn += d_attn
         prefill_attn += p_attn
         block_active = active_parameters(block)
         layers_active += block_active
-        cache_read += decode_cache_bytes(block.mixer, context, cdt)
+        cache_read += int(block.mixer.decode_cache_bytes(context, cdt))
         for field, f in plan.layers[i].items():
             row = fields.setdefault(f"{layer.mixer_name}.{field}", {
                 "field": f"{layer.mixer_name}.{field}", "mixer": layer.mixer.kind, "layers": 0,
@@ -213,7 +195,7 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
         "params_embedding": embed_params,
         "params_head": model.head.weight.numel(),
         "params_mtp": params_mtp,
-        "residual_streams": getattr(spec.residual, "streams", 1),
+        "residual_streams": residual_kind(spec.residual).n_streams(spec.residual),
         "kinds": [k.__dict__ for k in kinds.values()],
         "cache_dtype": cache_dtype, "weight_dtype": weight_dtype,
         "cache_bytes_per_token": int(round(cache_per_token)),
@@ -258,9 +240,7 @@ def _decode_weight_bytes(model: Decoder, batch: int, size: int) -> float:
         total -= model.embed.weight.numel() * model.embed.weight.element_size()
     total += batch * model.embed.weight.shape[1] * size
     for block in model.layers:
-        fn = getattr(block.ffn, "decode_weight_fraction", None)
-        if fn is not None:
-            total -= block.ffn.routed_parameters() * size * (1 - fn(batch))
+        total -= block.ffn.routed_parameters() * size * (1 - block.ffn.decode_weight_fraction(batch))
     return total
 
 

@@ -19,8 +19,13 @@ from .spec import ModelSpec, validate
 
 
 def conf_dir() -> Path:
-    """The conf/ tree shipped with the project."""
-    return Path(str(resources.files("conf")))
+    """The conf/ tree shipped with the project (installed as the package zoo.conf)."""
+    return Path(str(resources.files("zoo.conf")))
+
+
+def rules_dir() -> Path:
+    """Checkpoint rule files (conf/rules/NAME.yaml)."""
+    return conf_dir() / "rules"
 
 
 def user_conf_dir() -> Path:

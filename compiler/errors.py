@@ -15,3 +15,8 @@ class CheckpointError(ZooError):
 
 class InputError(ZooError):
     """Runtime input that the built model cannot take: prompt too long, batch too large, bad id."""
+
+
+class ContractError(TypeError):
+    """A kind class that does not meet its slot's contract (contracts.py): a bug in that kind's
+    module, reported when the module is imported."""

@@ -16,7 +16,7 @@ Config fields and shape letters mean the same thing everywhere:
     R   rot_dim               channels of a head that RoPE rotates (<= head_dim)
     C   kv_lora_rank          MLA latent width cached per token
     N   n_streams             residual streams of mHC
-    T   context               tokens already in the cache (reports)
+    T   context               tokens already in the cache (reports; a prompt's length is L)
     Hk  n_k_heads             query/key heads of a Gated DeltaNet mixer
     Hv  n_v_heads             its value heads (Hv % Hk == 0; state per value head [Dk, Dv])
     Dk  k_head_dim            width of one DeltaNet query/key head
@@ -33,6 +33,10 @@ Config fields and shape letters mean the same thing everywhere:
     Hi  index_n_heads         heads of a DSA lightning indexer
     Di  index_head_dim        width of one indexer head, and of the one indexer key per token
     Ks  index_topk            cached tokens a DSA query attends to (chosen by the indexer)
+    m   compress_ratio        tokens pooled into one compressed-attention entry
+    Dc  (compressor out_dim)  width of one compressed entry (the attention head width it is read at)
+    Wc  (compressor width)    channels a compressor projects per token: Dc, or 2 Dc with overlap
+    Ne  (entries)             compressed-entry slots per sequence: max_seq // m (at least one)
 
 Module paths are fixed whatever the layer kind, so checkpoint rules and reports address
 parameters uniformly:
@@ -79,4 +83,8 @@ DIMENSIONS = {
     "Hi": "index_n_heads",
     "Di": "index_head_dim",
     "Ks": "index_topk",
+    "m": "compress_ratio",
+    "Dc": "compressed entry width",
+    "Wc": "compressor width",
+    "Ne": "compressed entries",
 }

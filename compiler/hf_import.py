@@ -142,15 +142,34 @@ def compress_layout(kinds: list[dict]) -> list[dict]:
     return runs
 
 
-def rope_from_hf(config: dict, where: str) -> dict:
+def _present(d: dict, *keys: str) -> Any:
+    """The value of the first of `keys` that `d` has and is not None (0 and False count), else _ABSENT."""
+    for key in keys:
+        if d.get(key) is not None:
+            return d[key]
+    return _ABSENT
+
+
+def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: str = "the import map") -> dict:
     """The zoo rope spec of a config.json: `rope_parameters` (transformers 5) or the older
-    `rope_theta` + `rope_scaling`."""
+    `rope_theta` + `rope_scaling`. A config.json without rope_theta takes `theta_default` (the
+    import map's `rope.theta_default`, the family's transformers default) or is an error.
+    Optional YaRN keys config.json leaves out keep the rope kind's own defaults (YarnRope.Spec)."""
     params = config.get("rope_parameters")
-    if not params:
-        scaling = config.get("rope_scaling") or {}
-        params = {**scaling, "rope_theta": config.get("rope_theta", scaling.get("rope_theta", 10000.0))}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if params is None:
+        scaling = config.get("rope_scaling")
+        params = dict(scaling) if scaling is not None else {}
+    rope_type = _present(params, "rope_type", "type")
+    rope_type = "default" if rope_type is _ABSENT else rope_type
+    theta = _present(params, "rope_theta")
+    if theta is _ABSENT:
+        theta = _present(config, "rope_theta")
+    if theta is _ABSENT:
+        theta = theta_default
+    if theta is _ABSENT:
+        raise ConfigError(f"{where}: config.json has no rope_theta (in rope_parameters or at the top level) and "
+                          f"{file} gives no rope.theta_default")
+    theta = float(theta)
     if rope_type == "default":
         return {"kind": "default", "theta": theta}
     if rope_type == "linear":
@@ -161,18 +180,22 @@ def rope_from_hf(config: dict, where: str) -> dict:
                 "high_freq_factor": float(params["high_freq_factor"]),
                 "original_max_position": int(params["original_max_position_embeddings"])}
     if rope_type == "yarn":
-        original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+        original = _present(params, "original_max_position_embeddings")
+        if original is _ABSENT:
+            original = _present(config, "max_position_embeddings")
+        if original is _ABSENT:
+            raise ConfigError(f"{where}: yarn rope without original_max_position_embeddings or "
+                              f"max_position_embeddings in config.json")
         spec = {"kind": "yarn", "theta": theta, "factor": float(params["factor"]),
                 "original_max_position": int(original),
-                "beta_fast": float(params.get("beta_fast") or 32.0),
-                "beta_slow": float(params.get("beta_slow") or 1.0),
                 # absent mscale: transformers scales cos/sin by mscale(factor) alone, which the
                 # zoo spec expresses as mscale 0 (see YarnRope.cos_sin_scale)
-                "mscale": float(params.get("mscale") or 0.0),
-                "mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
-                "truncate": bool(params.get("truncate", True))}
-        if params.get("attention_factor") is not None:
-            spec["attention_factor"] = float(params["attention_factor"])
+                "mscale": 0.0, "mscale_all_dim": 0.0}
+        for hf_key, zoo_key, cast in (("beta_fast", "beta_fast", float), ("beta_slow", "beta_slow", float),
+                                      ("mscale", "mscale", float), ("mscale_all_dim", "mscale_all_dim", float),
+                                      ("truncate", "truncate", bool), ("attention_factor", "attention_factor", float)):
+            if (value := _present(params, hf_key)) is not _ABSENT:
+                spec[zoo_key] = cast(value)
         return spec
     raise ConfigError(f"{where}: unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)")
 
@@ -202,7 +225,11 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     for zoo_key, value in (spec.get("set") or {}).items():
         OmegaConf.update(cfg, zoo_key, value, merge=False)
     if spec.get("rope"):
-        OmegaConf.update(cfg, spec["rope"], rope_from_hf(config, where), merge=False)
+        # `rope: KEY` or `rope: {to: KEY, theta_default: X}` (the value a config.json without
+        # rope_theta means, as the family's transformers config class defaults it)
+        rope = spec["rope"] if isinstance(spec["rope"], dict) else {"to": spec["rope"]}
+        OmegaConf.update(cfg, rope["to"], rope_from_hf(config, where, rope.get("theta_default", _ABSENT),
+                                                       spec["file"]), merge=False)
     if spec.get("layout_from"):
         layout = layout_from_hf(config, spec["layout_from"], int(cfg.n_layers), where, spec["file"])
         OmegaConf.update(cfg, "layout", layout, merge=False)

@@ -1,65 +1,22 @@
 """The decoder stack, assembled from a ModelSpec. Built on the meta device, materialized once.
 
     ids [B, L] -> embed -> streams.expand -> layers[0..n) -> streams.collapse -> norm -> head
-    Block:  h -> mixer_residual(mixer_norm -> mixer) -> ffn_residual(ffn_norm -> ffn) -> h
 
-Every block has the same attribute names whatever its kinds (see glossary.py). Blocks have two
-entry points, `prefill` and `decode`, which call the same-named entry points of their mixer and
-FFN: the entry point decides the algorithm, never the sequence length.
+Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in engine/mtp.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from .norm import make_norm
-from .registry import lookup
-from .residual import residual_kind
-from .rope import make_rope
+from .block import Block, BuildContext
+from .contracts import OwnInit
+from .engine.mtp import mtp_layers
 from .errors import ConfigError
-from .spec import DTYPES, LayerSpec, ModelSpec
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What a module may read from the model while it is built."""
-
-    spec: ModelSpec
-    rope_impl: Any
-
-    @property
-    def dim(self) -> int:
-        return self.spec.dim
-
-
-class Block(nn.Module):
-    def __init__(self, layer: LayerSpec, ctx: BuildContext):
-        super().__init__()
-        spec = ctx.spec
-        res = residual_kind(spec.residual)
-        self.mixer_norm = make_norm(spec.norm, spec.dim)
-        self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
-        self.ffn_norm = make_norm(spec.norm, spec.dim)
-        self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
-        self.mixer_residual = res.connection(spec.residual, ctx)
-        self.ffn_residual = res.connection(spec.residual, ctx)
-
-    def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """h: residual state [B, L, ...D] -> same shape."""
-        x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self.mixer.prefill(self.mixer_norm(x), cache, ctx), aux)
-        x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.prefill(self.ffn_norm(x), ctx), aux)
-
-    def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """h: residual state [B, 1, ...D] -> same shape."""
-        x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self.mixer.decode(self.mixer_norm(x), cache, ctx), aux)
-        x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.decode(self.ffn_norm(x), ctx), aux)
+from .norm.norms import make_norm
+from .position.rope import make_rope
+from .residual.prenorm import residual_kind
+from .spec import DTYPES, ModelSpec
 
 
 class Decoder(nn.Module):
@@ -75,8 +32,6 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
-        from .mtp import mtp_layers  # mtp.py builds on Block
-
         self.mtp = mtp_layers(ctx)  # multi-token-prediction blocks; empty unless enabled
         self.tie_weights()
 
@@ -84,21 +39,17 @@ class Decoder(nn.Module):
         if self.spec.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def rope_dims(self) -> list[int]:
-        """Distinct rotary widths the layers need cos/sin tables for."""
-        return sorted({r for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
-
     def rope_slots(self) -> list[tuple[str, int]]:
         """(rope slot, rotary width) pairs the layers need cos/sin tables for; a mixer reads the
-        slot named by its `rope_slot` attribute (default `rope`)."""
-        return sorted({(getattr(block.mixer, "rope_slot", "rope"), r)
+        slot named by its `rope_slot` (contracts.Mixer)."""
+        return sorted({(block.mixer.rope_slot, r)
                        for block in (*self.layers, *self.mtp) for r in block.mixer.rope_dims()})
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
         """Random weights for configs built without a checkpoint, drawn from `generator` (modules
         with their own `init_weights(generator)` — norms, hyper-connections, ... — use theirs)."""
         for module in self.modules():
-            if module is not self and hasattr(module, "init_weights"):
+            if module is not self and isinstance(module, OwnInit):
                 module.init_weights(generator)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.data.normal_(0.0, std, generator=generator)

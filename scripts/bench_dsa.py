@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 def build(kind: str, topk: int, batch: int, max_seq: int, compile: bool):
     from omegaconf import OmegaConf
 
-    from compiler.config import compose
+    from zoo.compiler.config import compose
     from zoo.runtime import _runtime_overrides, build_from_config
 
     cfg = compose("glm5_tiny", [f"mixers.attn.index_topk={topk}"])

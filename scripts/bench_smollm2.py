@@ -37,7 +37,7 @@ def write_checkpoint(path: Path) -> None:
     """The GGUF file's weights, dequantized to float32, as a Hugging Face safetensors directory."""
     from transformers import AutoModelForCausalLM
 
-    from compiler.checkpoint.hub import resolve_local
+    from zoo.compiler.checkpoint.hub import resolve_local
 
     gguf = resolve_local(GGUF)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

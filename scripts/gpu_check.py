@@ -23,7 +23,7 @@ Sections (each writes its numbers into the result; a crash in one is recorded an
    replaying the same graph object with no decode recompile, and still matching the reference.
 3. Decode tok/s, batch 1, of a Llama-3-8B-shaped model (conf llama3_8b, random weights drawn on the
    device, bf16, compile=True, CUDA graph), 512-token prompt, 128 new tokens, warmed up first, timed
-   with CUDA events. Roofline: bytes a decode step must read = compiler.analysis' decode step bytes
+   with CUDA events. Roofline: bytes a decode step must read = zoo.compiler.analysis' decode step bytes
    (every weight but the untied embedding table, one embedding row, the KV cache attended at the
    mean context of the timed steps) / bandwidth, for the nominal bandwidth of conf/hardware/
    devices.yaml and a measured device-to-device copy bandwidth (read + write bytes / time). Target
@@ -31,7 +31,7 @@ Sections (each writes its numbers into the result; a crash in one is recorded an
    (its attention reads the whole static cache, max_seq = prompt + new tokens) and the time of bare
    graph replays (no Python between steps).
 4. Prefill throughput of the same model, batch 1, prompts 2048 and 4096: tokens/s and TFLOP/s
-   (compiler.analysis' prefill FLOPs: 2 x active matmul parameters per token + causal attention;
+   (zoo.compiler.analysis' prefill FLOPs: 2 x active matmul parameters per token + causal attention;
    logits of the last position only, as generation computes them, so the head counts once) as a
    fraction of the nominal bf16 peak (devices.yaml) and of a measured 8192^3 bf16 matmul.
 
@@ -397,9 +397,9 @@ def perf_model(perf: dict, sizes: Sizes, device: torch.device):
 
 def section_decode(report: Report, args, sizes: Sizes, device: torch.device, probes: dict, profile: dict | None,
                    perf: dict) -> None:
-    from compiler.analysis import analyze
-    from compiler.graphs import Engine
-    from compiler.model import parameter_bytes
+    from zoo.compiler.analysis import analyze
+    from zoo.compiler.engine.graphs import Engine
+    from zoo.compiler.model import parameter_bytes
 
     dtype = torch.bfloat16
     P, N = sizes.prompt, sizes.new_tokens
@@ -443,7 +443,7 @@ def section_decode(report: Report, args, sizes: Sizes, device: torch.device, pro
     finite = bool(torch.isfinite(engine.prefill(ids, last_only=True)).all())
     report.check(S3, f"{sizes.perf_conf} prefill logits are finite (random init sane)", finite)
 
-    # bytes a step must read: compiler.analysis' convention at the mean attended context
+    # bytes a step must read: zoo.compiler.analysis' convention at the mean attended context
     mean_ctx = P + (N + 1) / 2
     a = analyze(spec, context=round(mean_ctx), batch=1, cache_dtype="bfloat16", weight_dtype="bfloat16")
     need = a["decode_bytes_per_step"]
@@ -489,8 +489,8 @@ def section_decode(report: Report, args, sizes: Sizes, device: torch.device, pro
 
 def section_prefill(report: Report, args, sizes: Sizes, device: torch.device, probes: dict, profile: dict | None,
                     perf: dict) -> None:
-    from compiler.analysis import analyze
-    from compiler.graphs import Engine
+    from zoo.compiler.analysis import analyze
+    from zoo.compiler.engine.graphs import Engine
 
     dtype = torch.bfloat16
     spec, module, _ = perf_model(perf, sizes, device)
@@ -571,7 +571,7 @@ def _git_commit() -> str:
 
 
 def pick_profile(name: str | None, device: torch.device, device_name: str, smoke: bool) -> tuple[str | None, dict | None]:
-    from compiler.analysis import devices
+    from zoo.compiler.analysis import devices
 
     profiles = devices()
     if name is not None:

@@ -27,8 +27,9 @@ def test_no_recompiles_over_lengths_and_steps(conf):
     for _ in range(MAX_SEQ - 1):  # every decode step up to a full cache
         tok = m.decode(tok).argmax(-1)
     assert m.engine.graph_counts() == after_warmup
+    # warmup compiled exactly one graph per distinct layer kind for each entry point
     kinds = len({(layer.mixer_name, layer.ffn_name) for layer in m.spec.layers})
-    assert after_warmup["prefill"] <= kinds and after_warmup["decode"] <= kinds
+    assert after_warmup == {"prefill": kinds, "decode": kinds}
 
 
 def test_cached_graphs_shared_across_max_seq():
@@ -85,7 +86,7 @@ def test_compiled_graphs_persist_in_the_zoo_cache(tmp_path):
 
 
 def test_explicit_inductor_cache_dir_wins(tmp_path):
-    from compiler.graphs import _use_compile_cache_dir
+    from zoo.compiler.engine.compiling import _use_compile_cache_dir
 
     old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:
@@ -100,7 +101,7 @@ def test_explicit_inductor_cache_dir_wins(tmp_path):
 
 
 def test_cache_command(tmp_path, monkeypatch, capsys):
-    from compiler.graphs import compile_cache_dir
+    from zoo.compiler.engine.compiling import compile_cache_dir
     from zoo.cli import main
 
     monkeypatch.setenv("ZOO_CACHE_DIR", str(tmp_path))

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import zoo
-from compiler.errors import ConfigError
+from zoo.compiler.errors import ConfigError
 from tests.deepseek_v3_fixtures import (VOCAB, YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference,
                                         randomize, tiny_config)
 from tests.helpers import assert_logits_close, build_references, check_decode_equals_prefill, check_parity, save_reference
@@ -189,8 +189,8 @@ def block_ctx(x: torch.Tensor) -> dict:
 
 
 def _moe(**spec):
-    from compiler.model import BuildContext
-    from compiler.moe import MoE
+    from zoo.compiler.model import BuildContext
+    from zoo.compiler.ffn.moe import MoE
 
     s = MoE.Spec(**{"n_experts": 8, "top_k": 2, "ffn_dim": 32, **spec}).resolve({})
     assert s.check({}) is None

@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 import zoo
-from compiler.analysis import analyze
-from compiler.checkpoint.ops import get_op
-from compiler.config import load_config
-from compiler.model import build_model, count_parameters
+from zoo.compiler.analysis import analyze
+from zoo.compiler.checkpoint.ops import get_op
+from zoo.compiler.config import load_config
+from zoo.compiler.model import build_model, count_parameters
 from tests.helpers import check_decode_equals_prefill, check_parity
 from tests.test_deepseek_v4_swa import hub_tensors, mtp_tensors, randomize, tiny_config
 
@@ -358,7 +358,7 @@ def test_unknown_quant_variant_fails_clearly(reference, tmp_path):
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}
 
     path = save_checkpoint(ref, tmp_path, config_edit=quant)
-    from compiler.errors import ConfigError
+    from zoo.compiler.errors import ConfigError
     with pytest.raises(ConfigError, match="quantization_config.fmt='e5m2' is not supported"):
         zoo.from_pretrained(str(path), compile=False)
 

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 import zoo
-from compiler.analysis import analyze
-from compiler.config import load_config
-from compiler.errors import ConfigError
-from compiler.model import build_model, count_parameters
-from compiler.sink_attention import softmax_with_sink
+from zoo.compiler.analysis import analyze
+from zoo.compiler.config import load_config
+from zoo.compiler.errors import ConfigError
+from zoo.compiler.model import build_model, count_parameters
+from zoo.compiler.mixers.sink_attention import softmax_with_sink
 from tests.helpers import check_decode_equals_prefill, check_parity
 
 transformers = pytest.importorskip("transformers")
@@ -241,7 +241,7 @@ def test_import_round_trip_and_check(references, tmp_path, monkeypatch, capsys):
 ])
 def test_compressed_schedules_import(references, schedule):
     """Both schedule spellings give the compressed kinds (built and tested in test_deepseek_v4.py)."""
-    from compiler.hf_import import import_config
+    from zoo.compiler.hf_import import import_config
 
     _, path, _ = references[3]
     cfg = json.loads((path / "config.json").read_text())

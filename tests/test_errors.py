@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-from compiler.config import load_config
+from zoo.compiler.config import load_config
 from tests.test_llama import make_reference
 
 

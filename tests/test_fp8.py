@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import zoo
-from compiler.errors import CheckpointError, ConfigError, ZooError
+from zoo.compiler.errors import CheckpointError, ConfigError, ZooError
 from tests.deepseek_v3_fixtures import hub_tensors, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
 from tests.helpers import assert_logits_close, check_parity
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from compiler.config import load_config
-from compiler.errors import ConfigError
-from compiler.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_step
+from zoo.compiler.config import load_config
+from zoo.compiler.errors import ConfigError
+from zoo.compiler.mixers.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_step
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, state):

@@ -18,9 +18,9 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from compiler.checkpoint.gguf import GGUFSource  # noqa: E402
-from compiler.checkpoint.hub import _install_hint, resolve_local  # noqa: E402
-from compiler.errors import CheckpointError  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
+from zoo.compiler.checkpoint.hub import _install_hint, resolve_local  # noqa: E402
+from zoo.compiler.errors import CheckpointError  # noqa: E402
 from tests.helpers import check_decode_equals_prefill, check_parity  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -164,9 +164,9 @@ def test_named_weights_from_a_missing_package():
     dry = zoo.build("llama3_8b_tiny", [f"checkpoint.weights={missing}"], dry=True)
     assert dry.info.dry
     with pytest.raises(CheckpointError, match="no file 'no/such.gguf'"):
-        resolve_local("pkg://compiler/no/such.gguf")
+        resolve_local("pkg://zoo/no/such.gguf")
     with pytest.raises(CheckpointError, match="expected pkg://PACKAGE/FILE"):
-        resolve_local("pkg://compiler")
+        resolve_local("pkg://zoo")
 
 
 def test_install_hint_names_the_extra():
@@ -220,8 +220,8 @@ def test_unsupported_quant_type_through_from_pretrained(tmp_path, random_llama):
 
 def test_rename_stage_head_counts():
     """attn_k un-permutes with the key/value heads, which default to the query heads (MHA)."""
-    from compiler.checkpoint.rules import load_stage
-    from compiler.config import compose
+    from zoo.compiler.checkpoint.rules import load_stage
+    from zoo.compiler.config import compose
 
     def stage(overrides):
         return load_stage("gguf_llama", compose("llama3_8b_tiny", overrides))

@@ -18,8 +18,9 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q, GGUFValueType as V  # noqa: E402
 
-from compiler.checkpoint.gguf import GGUFSource, _dequantize, unpermute_llama_cpp_rope  # noqa: E402
-from compiler.errors import CheckpointError, ZooError  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource, _dequantize  # noqa: E402
+from zoo.compiler.checkpoint.ops import unpermute_llama_cpp_rope  # noqa: E402
+from zoo.compiler.errors import CheckpointError, ZooError  # noqa: E402
 from zoo.tokenizer import Tokenizer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

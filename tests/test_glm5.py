@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zoo
-from compiler.dsa import DSA
-from compiler.errors import ConfigError
-from compiler.mla import MLA
+from zoo.compiler.mixers import dsa
+from zoo.compiler.mixers.dsa import DSA, choice_mask
+from zoo.compiler.errors import ConfigError
+from zoo.compiler.mixers.mla import MLA
 from tests.deepseek_v3_fixtures import YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
 from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
 from tests.test_fp8 import QUANT, is_fp8, quantize, stored_values
@@ -121,7 +122,7 @@ def zoo_selection(model, i: int, x: torch.Tensor):
     q_resid = mixer.query_residual(x)
     keys = mixer.indexer.keys(x, cos, sin)
     scores = mixer.indexer.scores(x, q_resid, keys, cos, sin).masked_fill(~causal(x.shape[1]), float("-inf"))
-    return scores, mixer.indexer.select_prefill(x, q_resid, keys, cos, sin)
+    return scores, choice_mask(mixer.indexer.select_prefill_slots(x, q_resid, keys, cos, sin))
 
 
 def tie_free(model, ref, seq: torch.Tensor, rel_gap: float = 1e-5) -> None:
@@ -162,7 +163,7 @@ def test_index_topk_chunks_equal_one_pass():
     """The prefill indexer scores query rows a chunk at a time (memory O(chunk * L), not O(L^2)
     per head): the picks are those of one pass over all rows, for chunks that split the prompt
     unevenly, including rows with fewer visible keys than k."""
-    from compiler.dsa import index_topk
+    from zoo.compiler.mixers.dsa import index_topk
 
     g = torch.Generator().manual_seed(3)
     B, L, Hi, Di, k = 2, 23, 4, 16, 8
@@ -182,24 +183,48 @@ def test_parity_gathered_prefill(references, monkeypatch, variant):
     """Prefill through the long-prompt path (each query attends over its gathered top-k latents,
     absorbed form) on the 19-token prompts, with the indexer and the attention split into
     4- and 3-row chunks; and the same logits as the masked dense path."""
-    import compiler.dsa
+    import zoo.compiler.mixers.dsa
 
     ref, path, ids = references[variant]
     m = zoo.from_pretrained(str(path), compile=False, max_batch=ids.shape[0], max_seq=MAX_SEQ)
     dense = m.prefill(ids)
-    monkeypatch.setattr(compiler.dsa, "PREFILL_CHUNK", 4)
-    monkeypatch.setattr(compiler.dsa, "ATTENTION_CHUNK", 3)
+    monkeypatch.setattr(zoo.compiler.mixers.dsa, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(zoo.compiler.mixers.dsa, "ATTENTION_CHUNK", 3)
     for layer in m.module.layers:
         layer.mixer.gather_from = 0
     check_parity(ref, m, ids, steps=2)
     assert_logits_close(m.prefill(ids), dense, 1e-5, "gathered vs masked dense prefill")
 
 
-def test_gather_threshold():
-    """GLM-5's prompts switch to gathered attention where it needs fewer FLOPs than the dense
-    masked one: 2 * Ks * (2C + R) / (Dn + R + Dv) tokens."""
-    m = zoo.build("glm5", dry=True)
-    assert m.module.layers[0].mixer.gather_from == 2 * 2048 * (2 * 512 + 64) // (192 + 64 + 256) == 8704
+def test_gather_threshold_switches_path(monkeypatch):
+    """Prompts up to `gather_from` tokens run the masked dense kernel, longer ones attend over
+    gathered latents; on the same prompt each path gives the other's logits, and one compiled
+    prefill graph serves both sides of the threshold."""
+    m = zoo.build("glm5_tiny", compile=True, max_seq=64, seed=0)
+    eager = zoo.build("glm5_tiny", compile=False, max_seq=64, seed=0)
+    n = m.module.layers[0].mixer.gather_from
+    assert 2 < n < 63 and {layer.mixer.gather_from for layer in m.module.layers} == {n}
+    calls = []
+    dense, absorb = dsa.expanded_attention, dsa.absorb_query
+    monkeypatch.setattr(dsa, "expanded_attention", lambda *a, **k: calls.append("dense") or dense(*a, **k))
+    monkeypatch.setattr(dsa, "absorb_query", lambda *a, **k: calls.append("gathered") or absorb(*a, **k))
+    graphs = m.engine.graph_counts()
+    ids = torch.randint(0, m.spec.vocab_size, (1, n + 1), generator=torch.Generator().manual_seed(2))
+    for length, path, forced in ((n, "dense", 0), (n + 1, "gathered", 10**6)):
+        for model in (m, eager):
+            calls.clear()
+            model.prefill(ids[:, :length])
+            assert calls and set(calls) == {path}, f"{length} tokens ran {set(calls)}, expected {path}"
+        want = eager.prefill(ids[:, :length])
+        for layer in eager.module.layers:  # the other path, same model and prompt
+            layer.mixer.gather_from = forced
+        calls.clear()
+        other = eager.prefill(ids[:, :length])
+        assert calls and path not in calls
+        assert_logits_close(other, want, 1e-5, f"{path} vs the other path at {length} tokens")
+        for layer in eager.module.layers:
+            layer.mixer.gather_from = n
+    assert m.engine.graph_counts() == graphs
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -392,7 +417,7 @@ def test_preset_counts_cache_and_flops():
     assert with_mtp.info.params == main + mtp  # no embedding / head copies: tied to the main ones
 
     # report FLOPs: the indexer scans the whole context, MLA attends over at most 2048 tokens
-    from compiler.analysis import analyze
+    from zoo.compiler.analysis import analyze
 
     flops = {t: analyze(m.spec, context=t)["decode_flops_per_token"] for t in (1024, 2048, 4096, 8192)}
     indexer_per_key = 2 * 32 * (128 + 1)

@@ -189,4 +189,5 @@ def test_prefill_last_only(references):
     full = m.prefill(ids)
     last = m.prefill(ids, last_only=True)
     assert last.shape == (batch, 1, 320)
-    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=0)
+    # the head as a matrix-vector vs a matrix-matrix product: two kernels, equal within rounding
+    assert_logits_close(last, full[:, -1:], 1e-6, "last_only vs the full prefill's last row")

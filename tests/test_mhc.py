@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zoo
-from compiler.config import load_config
-from compiler.mhc import HyperConnection, HyperHead, sinkhorn
+from zoo.compiler.config import load_config
+from zoo.compiler.residual.mhc import HyperConnection, HyperHead, sinkhorn
 from tests.helpers import check_decode_equals_prefill
 
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")

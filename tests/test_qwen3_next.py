@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 import zoo
-from compiler.config import load_config
-from compiler.errors import CheckpointError, ConfigError
-from compiler.gated_deltanet import GatedDeltaNet
-from compiler.attention import Attention
-from compiler.hf_import import compress_layout, import_config
-from compiler.model import build_model, count_parameters
-from compiler.moe import MoE
-from compiler.spec import validate
+from zoo.compiler.config import load_config
+from zoo.compiler.errors import CheckpointError, ConfigError
+from zoo.compiler.mixers.gated_deltanet import GatedDeltaNet
+from zoo.compiler.mixers.attention import Attention
+from zoo.compiler.hf_import import compress_layout, import_config
+from zoo.compiler.model import build_model, count_parameters
+from zoo.compiler.ffn.moe import MoE
+from zoo.compiler.spec import validate
 from tests.deepseek_v3_fixtures import add_shard, hub_tensors
 from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
 from tests.test_gated_deltanet import peak_cpu_bytes
@@ -293,7 +293,7 @@ def test_rule_regroups_in_proj(reference, eager):
 def real_checkpoint_headers(mtp: bool = True) -> dict:
     """Names, shapes and dtypes of the real Qwen3-Next-80B-A3B checkpoint (checkpoints.md): 48
     layers (every 4th full attention), 512 experts each, and the MTP tensors."""
-    from compiler.checkpoint.source import TensorInfo
+    from zoo.compiler.checkpoint.source import TensorInfo
 
     D, E = 2048, 512
     shapes = {"model.embed_tokens.weight": (151936, D), "lm_head.weight": (151936, D), "model.norm.weight": (D,)}
@@ -344,8 +344,8 @@ class HeaderSource:
 def test_rules_plan_the_real_checkpoint(mtp):
     """The rule stages account for every tensor of the real checkpoint's layout (shapes checked
     from headers): mtp.* skipped by a reported rule, or loaded into the MTP layer."""
-    from compiler.checkpoint.loader import plan_load
-    from compiler.checkpoint.rules import load_stage
+    from zoo.compiler.checkpoint.loader import plan_load
+    from zoo.compiler.checkpoint.rules import load_stage
 
     spec = load_config("qwen3_next", [f"checkpoint.mtp={str(mtp).lower()}"])
     entries = real_checkpoint_headers()

@@ -18,10 +18,10 @@ from omegaconf import OmegaConf
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from compiler.checkpoint.gguf import GGUFSource  # noqa: E402
-from compiler.checkpoint.hub import resolve_local  # noqa: E402
-from compiler.config import compose  # noqa: E402
-from compiler.hf_import import import_config  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
+from zoo.compiler.checkpoint.hub import resolve_local  # noqa: E402
+from zoo.compiler.config import compose  # noqa: E402
+from zoo.compiler.hf_import import import_config  # noqa: E402
 from tests.helpers import assert_logits_close  # noqa: E402
 from zoo.cli import main as zoo_main  # noqa: E402
 

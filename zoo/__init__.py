@@ -6,7 +6,7 @@
     logits = m.decode(next_tokens)   # [B]    -> [B, V]
     out = m.generate(ids, max_new_tokens=32)
 """
-from compiler.errors import CheckpointError, ConfigError, InputError, ZooError
+from .compiler.errors import CheckpointError, ConfigError, InputError, ZooError
 
 from .runtime import Model, build, from_pretrained
 

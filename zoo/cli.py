@@ -20,14 +20,13 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from compiler.errors import ZooError
+from .compiler.errors import ZooError
 
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
             "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
-COMMANDS = ("build", "generate", "configs")
 
 
 def _usage() -> str:
@@ -122,9 +121,9 @@ def resolve_target(text: str, revision=None):
     """'NAME [overrides]' (a conf), or 'DIR|REPO [overrides]' (a checkpoint) -> (DictConfig, label)."""
     import shlex
 
-    from compiler.checkpoint.hub import open_source
-    from compiler.config import available_configs, compose
-    from compiler.hf_import import import_config
+    from .compiler.checkpoint.hub import open_source
+    from .compiler.config import available_configs, compose
+    from .compiler.hf_import import import_config
 
     head, *rest = shlex.split(text)
     if head in available_configs():
@@ -134,8 +133,8 @@ def resolve_target(text: str, revision=None):
 
 
 def cmd_report(opts: dict, overrides: list[str]) -> int:
-    from compiler.analysis import analyze
-    from compiler.spec import validate
+    from .compiler.analysis import analyze
+    from .compiler.spec import validate
 
     from .report import plot_cache, print_analysis
 
@@ -164,8 +163,8 @@ def cmd_report(opts: dict, overrides: list[str]) -> int:
 
 
 def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
-    from compiler.analysis import analyze
-    from compiler.spec import validate
+    from .compiler.analysis import analyze
+    from .compiler.spec import validate
 
     from .report import config_diff, print_diff
 
@@ -191,10 +190,10 @@ def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
 def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
     from pathlib import Path
 
-    from compiler.checkpoint.hub import open_source
-    from compiler.config import user_conf_dir
-    from compiler.hf_import import conf_yaml, import_config
-    from compiler.spec import validate
+    from .compiler.checkpoint.hub import open_source
+    from .compiler.config import user_conf_dir
+    from .compiler.hf_import import conf_yaml, import_config
+    from .compiler.spec import validate
 
     if len(positional) != 1:
         raise ZooError("import needs one checkpoint: zoo import <repo id | dir> [name=NAME] [out=FILE]")
@@ -212,13 +211,13 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
 
 
 def cmd_check(opts: dict, overrides: list[str]) -> int:
-    from compiler.checkpoint.hub import open_source
-    from compiler.checkpoint.loader import plan_load
-    from compiler.checkpoint.rules import load_stage
-    from compiler.config import compose
-    from compiler.hf_import import import_config
-    from compiler.model import build_model, cast, torch_dtype
-    from compiler.spec import validate
+    from .compiler.checkpoint.hub import open_source
+    from .compiler.checkpoint.loader import plan_load
+    from .compiler.checkpoint.rules import checkpoint_stages
+    from .compiler.config import compose
+    from .compiler.hf_import import import_config
+    from .compiler.model import build_model, cast, torch_dtype
+    from .compiler.spec import validate
 
     from .report import print_check
 
@@ -232,15 +231,14 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
     spec = validate(cfg, source=label)
 
     model = cast(build_model(spec), torch_dtype(spec.runtime.dtype))
-    names = list(getattr(source, "format_stages", lambda: [])()) + list(spec.checkpoint.rules)
-    plan = plan_load(model, source, [load_stage(n, spec.config) for n in names], strict=False)
+    plan = plan_load(model, source, checkpoint_stages(source, spec), strict=False)
     data = list(getattr(source, "data_problems", None) or [])
     print_check(source.description, label, plan, data)
     return 0 if plan.ok and not data else 1
 
 
 def cmd_configs(opts: dict, overrides: list[str]) -> int:
-    from compiler.config import available_configs
+    from .compiler.config import available_configs
 
     print("\n".join(available_configs()))
     return 0
@@ -249,16 +247,15 @@ def cmd_configs(opts: dict, overrides: list[str]) -> int:
 def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
     """Where compiled graphs persist (inductor's FX graph, AOTAutograd and kernel caches under
     $ZOO_CACHE_DIR/compile/torch-<version>, default ~/.cache/zoo); `clear` deletes them."""
-    import os
     import shutil
 
-    from compiler.graphs import compile_cache_dir
+    from .compiler.engine.compiling import compile_cache_dir, inductor_cache_dir
 
     if overrides or opts or positional not in ([], ["clear"]):
         raise ZooError(f"zoo cache takes no options and at most the word 'clear', got "
                        f"{[*positional, *overrides, *opts]}")
     here = compile_cache_dir()
-    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    inductor = inductor_cache_dir()
     if positional == ["clear"]:
         for d in {here.parent, inductor}:  # every torch version's folder, and an explicit one
             if d.exists():

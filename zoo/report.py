@@ -62,7 +62,7 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
 
 
 def _mtp_row(model) -> str:
-    from compiler.model import count_parameters
+    from .compiler.model import count_parameters
 
     n = len(model.spec.mtp_layers)
     what = f"{n} multi-token-prediction layer{'s' if n > 1 else ''}"
@@ -72,10 +72,11 @@ def _mtp_row(model) -> str:
 
 
 def _residual_row(model) -> str:
-    from compiler.model import count_parameters
+    from .compiler.model import count_parameters
+    from .compiler.residual.prenorm import residual_kind
 
     spec = model.spec.residual
-    streams = getattr(spec, "streams", 1)
+    streams = residual_kind(spec).n_streams(spec)
     modules = [model.module.streams] + [m for b in model.module.layers for m in (b.mixer_residual, b.ffn_residual)]
     added = sum(count_parameters(m) for m in modules)
     return f"{spec.kind}, {streams} stream{'s' if streams > 1 else ''}" + (f", {added:,} parameters" if added else "")
@@ -193,12 +194,12 @@ def plot_cache(specs, path: str, max_context: int = 131072, dtype: str = "bfloat
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from compiler.errors import ZooError
+        from .compiler.errors import ZooError
 
         raise ZooError("plot= needs matplotlib: pip install -e .[plot]") from None
     import numpy as np
 
-    from compiler.analysis import analyze, cache_curve
+    from .compiler.analysis import analyze, cache_curve
 
     contexts = np.unique(np.geomspace(128, max(max_context, 256), 40).astype(int))
     fig, ax = plt.subplots(figsize=(9, 5.5))

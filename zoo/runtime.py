@@ -13,16 +13,16 @@ from typing import Callable, Optional, Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from compiler.checkpoint.hub import open_source
-from compiler.checkpoint.loader import LoadReport, execute, plan_load
-from compiler.checkpoint.rules import load_stage
-from compiler.config import apply_overrides, compose
-from compiler.errors import InputError, ZooError
-from compiler.graphs import Engine
-from compiler.hf_import import import_config
-from compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
+from .compiler.checkpoint.hub import open_source
+from .compiler.checkpoint.loader import LoadReport, execute, plan_load
+from .compiler.checkpoint.rules import checkpoint_stages
+from .compiler.config import apply_overrides, compose
+from .compiler.errors import InputError, ZooError
+from .compiler.engine.graphs import Engine
+from .compiler.hf_import import import_config
+from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
                             torch_dtype)
-from compiler.spec import ModelSpec, validate
+from .compiler.spec import ModelSpec, validate
 
 from .sampling import sample
 
@@ -120,7 +120,7 @@ class Model:
             done |= torch.isin(tok, eos)
             if step == steps - 1 or bool(done.all()):
                 break
-            logits = self.engine._decode(self.engine._pad_batch(tok))[: ids.shape[0]]
+            logits = self.engine.decode(tok)
         new = torch.stack(out, dim=1) if out else ids.new_zeros((ids.shape[0], 0))
         return torch.cat((ids.to(new.device), new), dim=1)
 
@@ -153,7 +153,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     meta_model = cast(build_model(spec), dtype)
     params = count_parameters(meta_model)
     param_bytes = parameter_bytes(meta_model)
-    from compiler.cache import plan_caches
+    from .compiler.engine.cache import plan_caches
 
     plan = plan_caches(meta_model, rt.max_batch, rt.max_seq, cache_dtype)
     info = BuildInfo(params=params, param_bytes=param_bytes, cache_bytes=plan.total_bytes(),
@@ -173,10 +173,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     source = None
     if weights is not None:
         source = weights if hasattr(weights, "entries") else open_source(str(weights))
-        # a format's own renames (llama.cpp names in GGUF) run before the family's rules
-        names = list(getattr(source, "format_stages", lambda: [])()) + list(spec.checkpoint.rules)
-        stages = [load_stage(name, spec.config) for name in names]
-        load_plan = plan_load(meta_model, source, stages)  # every check before allocating
+        load_plan = plan_load(meta_model, source, checkpoint_stages(source, spec))  # every check before allocating
     t0 = time.perf_counter()
     module = materialize(meta_model, device, dtype)
     if source is not None:
@@ -286,8 +283,8 @@ def from_pretrained_config(path_or_repo_id: str, overrides: Sequence[str] = (), 
 
 def load_tokenizer_for(source):
     """The checkpoint's tokenizer (GGUF metadata, or tokenizer.json in the directory), if any."""
-    from compiler.checkpoint.gguf import GGUFSource
-    from compiler.checkpoint.safetensors_source import SafetensorsSource
+    from .compiler.checkpoint.gguf import GGUFSource
+    from .compiler.checkpoint.safetensors_source import SafetensorsSource
 
     from .tokenizer import Tokenizer
 

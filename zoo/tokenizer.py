@@ -16,10 +16,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from compiler.errors import ZooError
+from .compiler.errors import ZooError
 
 if TYPE_CHECKING:
-    from compiler.checkpoint.gguf import GGUFSource
+    from .compiler.checkpoint.gguf import GGUFSource
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL = 3

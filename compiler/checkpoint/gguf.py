@@ -6,7 +6,8 @@ order. Quantized tensors are dequantized to float32 with `gguf.quants`, llama.cp
 reference implementation.
 
 llama.cpp's HF->GGUF converter also reorders the rows of llama q_proj / k_proj weights for its
-RoPE kernel; `read` returns them as stored and `unpermute_llama_cpp_rope` undoes that.
+RoPE kernel; `read` returns them as stored and the `unpermute_rope` op (ops.py) undoes that.
+Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from compiler.checkpoint.source import TensorInfo
-from compiler.errors import CheckpointError
+from ..config import conf_dir, rules_dir
+from ..errors import CheckpointError
+from .source import TensorInfo
 
 # Types `read` dequantizes. gguf.quants has reference code for more; these are the ones in common
 # use for llama-family files.
@@ -93,56 +95,43 @@ class GGUFSource:
         return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
     def config(self) -> dict:
-        """A Hugging Face config.json-style dict for a `llama` GGUF file.
+        """A Hugging Face config.json-style dict, mapped from the file's metadata by
+        conf/gguf/{general.architecture}.yaml (see that file for the vocabulary).
 
-        Raises CheckpointError for other architectures, MoE llama files, per-dimension RoPE
-        factors (`rope_freqs.weight`), partial rotary and RoPE scaling types not mapped here.
+        Raises CheckpointError for an architecture without such a file, and for anything its
+        `reject` section names (MoE files, per-dimension RoPE factors, partial rotary, ...).
         """
         arch = self.metadata("general.architecture")
-        if arch != "llama":
-            raise CheckpointError(f"{self.description}: unsupported GGUF architecture {arch!r} (supported: llama)")
-        if self.metadata("llama.expert_count", 0):
-            raise CheckpointError(f"{self.description}: mixture-of-experts llama GGUF files are not supported")
-        if "rope_freqs.weight" in self._open_tensors():
-            # Llama 3.1-style RoPE scaling is stored as this tensor, not as metadata; ignoring it
-            # would silently change every attention score.
-            raise CheckpointError(
-                f"{self.description}: per-dimension RoPE frequency factors (rope_freqs.weight) are not supported"
-            )
-
-        hidden = self._required("llama.embedding_length")
-        n_heads = self._required("llama.attention.head_count")
-        head_dim = self.metadata("llama.attention.key_length", hidden // n_heads)
-        rotary_dim = self.metadata("llama.rope.dimension_count", head_dim)
-        if rotary_dim != head_dim:
-            raise CheckpointError(
-                f"{self.description}: partial rotary embedding (rope.dimension_count={rotary_dim}, "
-                f"head_dim={head_dim}) is not supported for llama"
-            )
+        mapping = _gguf_mapping(arch, self.description)
         names = self._open_tensors()
-        cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "hidden_size": hidden,
-            "intermediate_size": self._required("llama.feed_forward_length"),
-            "num_hidden_layers": self._required("llama.block_count"),
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": self.metadata("llama.attention.head_count_kv", n_heads),
-            "head_dim": head_dim,
-            "rms_norm_eps": self._required("llama.attention.layer_norm_rms_epsilon"),
-            "rope_theta": float(self.metadata("llama.rope.freq_base", 10000.0)),
-            "max_position_embeddings": self._required("llama.context_length"),
-            "vocab_size": self._vocab_size(),
-            "tie_word_embeddings": "output.weight" not in names,
-            "attention_bias": "blk.0.attn_q.bias" in names,
-            "mlp_bias": "blk.0.ffn_up.bias" in names,
-        }
-        for key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                              ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-            if (token_id := self.metadata(gguf_key)) is not None:
-                cfg[key] = token_id
-        if (rope_scaling := self._rope_scaling()) is not None:
+        reject = mapping.get("reject", {})
+        for key, why in reject.get("metadata", {}).items():
+            if self.metadata(key.format(arch=arch), 0):
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is set)")
+        for tensor, why in reject.get("tensors", {}).items():
+            if tensor in names:
+                raise CheckpointError(f"{self.description}: {why}")
+        cfg: dict[str, Any] = dict(mapping.get("config", {}))
+        for hf_key, field in mapping.get("fields", {}).items():
+            key = (field["key"] if isinstance(field, dict) else field).format(arch=arch)
+            value = self.metadata(key) if isinstance(field, dict) else self._required(key)
+            if value is None:
+                value = field["default"]
+            if value is not None:
+                cfg[hf_key] = value
+        for hf_key, tensor in mapping.get("tensor_present", {}).items():
+            cfg[hf_key] = tensor in names
+        for hf_key, tensor in mapping.get("tensor_absent", {}).items():
+            cfg[hf_key] = tensor not in names
+        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        if "rotary_dim" in reject:
+            rotary = self.metadata(reject["rotary_dim"].format(arch=arch), head_dim)
+            if rotary != head_dim:
+                raise CheckpointError(
+                    f"{self.description}: partial rotary embedding (rope.dimension_count={rotary}, "
+                    f"head_dim={head_dim}) is not supported for {arch}")
+        cfg["vocab_size"] = self._vocab_size(arch)
+        if (rope_scaling := self._rope_scaling(arch)) is not None:
             cfg["rope_scaling"] = rope_scaling
         return cfg
 
@@ -152,8 +141,6 @@ class GGUFSource:
 
         Raises CheckpointError when no such rule file exists for the file's architecture.
         """
-        from .rules import rules_dir
-
         arch = self.metadata("general.architecture")
         name = f"gguf_{arch}"
         if not isinstance(arch, str) or not (rules_dir() / f"{name}.yaml").is_file():
@@ -182,8 +169,8 @@ class GGUFSource:
             raise CheckpointError(f"{self.description}: missing required GGUF metadata key {key!r}")
         return value
 
-    def _vocab_size(self) -> int:
-        if (size := self.metadata("llama.vocab_size")) is not None:
+    def _vocab_size(self, arch: str) -> int:
+        if (size := self.metadata(f"{arch}.vocab_size")) is not None:
             return size
         field = self._open_reader().fields.get("tokenizer.ggml.tokens")
         if field is not None:
@@ -192,11 +179,12 @@ class GGUFSource:
             return int(self._open_tensors()["token_embd.weight"].shape[-1])  # GGUF order: [d, vocab]
         raise CheckpointError(f"{self.description}: cannot tell the vocabulary size")
 
-    def _rope_scaling(self) -> dict | None:
-        """HF `rope_scaling` from llama.rope.scaling.*, or None when the file has no scaling."""
-        kind = self.metadata("llama.rope.scaling.type")
-        factor = self.metadata("llama.rope.scaling.factor")
-        if kind is None and (old_linear := self.metadata("llama.rope.scale_linear")) is not None:
+    def _rope_scaling(self, arch: str) -> dict | None:
+        """HF `rope_scaling` from {arch}.rope.scaling.* (llama.cpp's keys for every architecture),
+        or None when the file has no scaling."""
+        kind = self.metadata(f"{arch}.rope.scaling.type")
+        factor = self.metadata(f"{arch}.rope.scaling.factor")
+        if kind is None and (old_linear := self.metadata(f"{arch}.rope.scale_linear")) is not None:
             kind, factor = "linear", old_linear  # key used by older converters
         if kind is None or kind == "none":
             return None
@@ -205,16 +193,16 @@ class GGUFSource:
                 f"{self.description}: unsupported RoPE scaling type {kind!r} (supported: {', '.join(_ROPE_SCALING_TYPES)})"
             )
         if factor is None:
-            raise CheckpointError(f"{self.description}: RoPE scaling {kind!r} without llama.rope.scaling.factor")
+            raise CheckpointError(f"{self.description}: RoPE scaling {kind!r} without {arch}.rope.scaling.factor")
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
         if kind == "yarn":
-            original = self.metadata("llama.rope.scaling.original_context_length")
+            original = self.metadata(f"{arch}.rope.scaling.original_context_length")
             if original is None:
                 raise CheckpointError(
-                    f"{self.description}: yarn RoPE scaling without llama.rope.scaling.original_context_length"
+                    f"{self.description}: yarn RoPE scaling without {arch}.rope.scaling.original_context_length"
                 )
             scaling["original_max_position_embeddings"] = original
-            if (attn_factor := self.metadata("llama.rope.scaling.attn_factor")) is not None:
+            if (attn_factor := self.metadata(f"{arch}.rope.scaling.attn_factor")) is not None:
                 scaling["attention_factor"] = float(attn_factor)
         return scaling
 
@@ -246,18 +234,14 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
     return dequantize(data, ggml_type)
 
 
-def unpermute_llama_cpp_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row permutation of a q_proj / k_proj weight (or bias).
+def _gguf_mapping(arch: Any, description: str) -> dict:
+    """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
+    import yaml
 
-    w: [n_heads * head_dim, ...] as read from GGUF (attn_q: n_heads = attention heads; attn_k:
-    n_heads = key/value heads). Returns the same shape in Hugging Face row order.
-
-    HF rotates halves: within a head, row h*hd/2 + i (h in {0, 1}, i < hd/2) pairs with its
-    partner hd/2 rows away. llama.cpp rotates adjacent pairs, so its converter moved that row to
-    2*i + h. Viewing each head as [hd/2, 2] and swapping the two axes moves it back.
-    """
-    rows = w.shape[0]
-    if n_heads <= 0 or rows % (2 * n_heads):
-        raise CheckpointError(f"cannot unpermute {rows} rows into {n_heads} heads of even size")
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    folder = conf_dir() / "gguf"
+    path = folder / f"{arch}.yaml"
+    if not isinstance(arch, str) or not path.is_file():
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise CheckpointError(f"{description}: unsupported GGUF architecture {arch!r} (supported: "
+                              f"{', '.join(known)}); a new one is a file conf/gguf/<architecture>.yaml")
+    return yaml.safe_load(path.read_text())

@@ -85,9 +85,24 @@ def _unpermute_shape(shapes, heads: int):
 @op("unpermute_rope", 1, _unpermute_shape)
 def _unpermute(xs, heads: int):
     """Undo llama.cpp's per-head row permutation of q/k weights (interleaved -> rotate-half)."""
-    from .gguf import unpermute_llama_cpp_rope
-
     return unpermute_llama_cpp_rope(xs[0], heads)
+
+
+def unpermute_llama_cpp_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row permutation of a q_proj / k_proj weight (or bias).
+
+    w: [n_heads * head_dim, ...] as read from GGUF (attn_q: n_heads = attention heads; attn_k:
+    n_heads = key/value heads). Returns the same shape in Hugging Face row order.
+
+    HF rotates halves: within a head, row h*hd/2 + i (h in {0, 1}, i < hd/2) pairs with its
+    partner hd/2 rows away. llama.cpp rotates adjacent pairs, so its converter moved that row to
+    2*i + h. Viewing each head as [hd/2, 2] and swapping the two axes moves it back.
+    """
+    rows = w.shape[0]
+    if n_heads <= 0 or rows % (2 * n_heads):
+        raise CheckpointError(f"cannot unpermute {rows} rows into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------- dequantization

@@ -35,6 +35,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..config import rules_dir
 from ..errors import CheckpointError
 from .ops import check_op_args, get_op
 
@@ -104,12 +105,6 @@ class Stage:
     ignores: tuple[Rule, ...]
 
 
-def rules_dir() -> Path:
-    from ..config import conf_dir
-
-    return conf_dir() / "rules"
-
-
 def load_stage(name: str, cfg: Any) -> Stage:
     """Read conf/rules/NAME.yaml, resolving `${cfg...}` against the model config."""
     path = rules_dir() / f"{name}.yaml"
@@ -163,3 +158,10 @@ def _parse_rule(item: Any, where: str, ignore: bool) -> Optional[Rule]:
     if stack is not None and f"{{{stack}}}" not in sources[0]:
         raise CheckpointError(f"{where}: stack: {stack!r} but the first 'from' pattern has no {{{stack}}}")
     return Rule(sources=sources, targets=targets, op=op, args=args, stack=stack, where=where)
+
+
+def checkpoint_stages(source, spec) -> list[Stage]:
+    """Every rule stage a load of `source` into `spec` runs, in order: the format's own renames
+    (llama.cpp names in GGUF) first, then the family's `checkpoint.rules`."""
+    names = [*source.format_stages(), *spec.checkpoint.rules]
+    return [load_stage(name, spec.config) for name in names]

@@ -179,6 +179,9 @@ class SafetensorsSource:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
+    def format_stages(self) -> list[str]:
+        return []  # safetensors checkpoints carry the Hub names
+
     def close(self) -> None:
         if self._open is not None:
             self._open[1].close()

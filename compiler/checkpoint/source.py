@@ -51,5 +51,9 @@ class Source(Protocol):
     def config(self) -> dict:
         """The Hugging Face style config dict (config.json, or one derived from metadata)."""
 
+    def format_stages(self) -> list[str]:
+        """Rule files that bring the format's own tensor names to the Hugging Face names the
+        family's rules read (GGUF: conf/rules/gguf_<architecture>.yaml); [] when they match."""
+
     def close(self) -> None:
         """Release file handles / memory maps."""

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .registry import lookup, register
+from ..contracts import Norm
+from ..registry import lookup, register
 
 
 @register("norm", "rmsnorm")
-class RMSNorm(nn.Module):
+class RMSNorm(Norm):
     """y = x / rms(x) * w (or * (1 + w) when zero_centered), computed in float32.
 
     x: [..., D] -> [..., D]
@@ -41,7 +42,7 @@ class RMSNorm(nn.Module):
 
 
 @register("norm", "layernorm")
-class LayerNorm(nn.Module):
+class LayerNorm(Norm):
     """Standard LayerNorm with weight and bias, computed in float32. x: [..., D] -> [..., D]"""
 
     @dataclass

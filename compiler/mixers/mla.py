@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import decode_mask, write_decode, write_prefill
-from .cache import CacheField
-from .norm import RMSNorm
-from .registry import register
-from .rope import apply_rotary, rope_key
+from .kv_cache import decode_mask, write_decode, write_prefill
+from ..contracts import Mixer
+from ..engine.cache import CacheField
+from ..norm.norms import RMSNorm
+from ..registry import register
+from ..position.rope import apply_rotary, rope_key
 
 
 def _split_wkv_b(wkv_b: torch.Tensor, n_heads: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +79,7 @@ def expand_values(o_lat: torch.Tensor, wkv_b: torch.Tensor, nope: int) -> torch.
 
 
 @register("mixer", "mla")
-class MLA(nn.Module):
+class MLA(Mixer):
     @dataclass
     class Spec:
         kind: str = "mla"

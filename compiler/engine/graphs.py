@@ -17,83 +17,18 @@ static buffers and replayed.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..errors import InputError
+from ..model import Decoder
+from ..position.rope import rope_key
 from .cache import plan_caches
-from .errors import InputError
-from .model import Decoder
+from .compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings
 from .mtp import mtp_caches, mtp_prefill
-from .rope import rope_key
-
-
-def compile_cache_dir() -> Path:
-    """Where compiled graphs persist between processes: $ZOO_CACHE_DIR (default ~/.cache/zoo)
-    /compile/torch-<version>. Inductor keys each artifact by its graph, shapes, dtypes and device;
-    delete the folder to clear it."""
-    root = Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo")
-    return root / "compile" / f"torch-{torch.__version__}"
-
-
-def _use_compile_cache_dir() -> None:
-    """Point inductor (FX graph, AOTAutograd and kernel caches) at the zoo cache. Inductor reads
-    TORCHINDUCTOR_CACHE_DIR on every lookup but writes its default (/tmp/torchinductor_$USER)
-    back into the environment the first time it runs, so an unset value and that default both
-    mean "not chosen by the user"; anything else is an explicit setting and wins."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
-
-
-_use_compile_cache_dir()
-
-# Every engine compiles the same two functions; distinct models add cache entries to them.
-# Hitting the limit must fail loudly rather than fall back to eager.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-torch._dynamo.config.fail_on_recompile_limit_hit = True
-
-
-def _cpu_compile_patches() -> dict:
-    """Inductor config for CPU graphs: skip the per-process vector-ISA probe once it has passed.
-
-    Inductor proves that each SIMD instruction set the CPU reports (avx2, avx512, ...) compiles
-    and loads by building a probe library and dlopen-ing it in a child process, in every process
-    (about 1 s, a third of a warm build). The verdict depends only on the CPU, the C++ compiler
-    and torch, so it is recorded once in the compile cache; when every reported ISA passed,
-    later processes tell inductor so (cpp.vec_isa_ok). Cold and warm processes make the same
-    choice, which matters because the setting is part of inductor's cache key."""
-    import json
-    import platform
-
-    from torch._inductor import config as inductor_config
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    if inductor_config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
-        return {}  # the user decided, or a platform whose ISA list inductor does not probe
-    flags = cpu_vec_isa.x86_isa_checker()  # what the CPU reports (cpuid), without probing
-    reported = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
-                if all(flag in flags for flag in str(isa).split())]
-    key = json.dumps({"isa": reported, "compiler": get_cpp_compiler(), "python": platform.python_version()})
-    record = compile_cache_dir() / "vec_isa.json"
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        known[key] = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # inductor's own probe
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(record)
-    return {"cpp.vec_isa_ok": True} if known[key] == reported else {}
 
 
 def _block_prefill(block, h, cache, ctx):
@@ -103,40 +38,6 @@ def _block_prefill(block, h, cache, ctx):
 def _block_decode(block, h, cache, ctx):
     return block.decode(h, cache, ctx)
 
-
-class _CacheKey(CustomGraphPass):
-    """A no-op post-grad pass whose uuid joins inductor's cache key. Prefill graphs carry the
-    prompt-length range [2, max_seq] of the engine that compiled them; a graph whose inputs do not
-    depend on max_seq (a ring-buffer or recurrent layer) would otherwise be served from the
-    persistent cache to an engine with another range, and the replayed range conflicts with it."""
-
-    def __init__(self, key: str):
-        self.key = key
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
-
-    def uuid(self) -> str:
-        return self.key
-
-
-class GraphCounter:
-    """A torch.compile backend that counts the graphs it is asked to compile (then runs inductor)."""
-
-    def __init__(self, name: str, cache_key: str, patches: dict):
-        self.name = name
-        self.graphs = 0
-        self.seconds = 0.0
-        self.config_patches = {"post_grad_custom_post_pass": _CacheKey(cache_key), **patches}
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        self.graphs += 1
-        t0 = time.perf_counter()
-        out = compile_fx(gm, example_inputs, config_patches=self.config_patches)
-        self.seconds += time.perf_counter() - t0
-        return out
 
 
 class Engine:
@@ -159,7 +60,9 @@ class Engine:
         self.compiled = compile
         key = f"zoo-max_seq={max_seq}"
         t0 = time.perf_counter()
-        patches = _cpu_compile_patches() if compile and self.device.type == "cpu" else {}
+        if compile:
+            apply_compile_settings()
+        patches = cpu_compile_patches() if compile and self.device.type == "cpu" else {}
         self.compile_seconds = {"setup": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
         self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
         if compile:
@@ -169,6 +72,7 @@ class Engine:
                                                        backend=self.counters["decode"])
         else:
             self._run_prefill, self._run_decode = _block_prefill, _block_decode
+        self._settings = dynamo_settings if compile else contextlib.nullcontext
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
         self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=self.device)
@@ -245,9 +149,17 @@ class Engine:
         model = self.model
         h = model.streams.expand(model.embed(ids))
         ctx = self._prefill_ctx(ids, h)
-        for block, cache in zip(model.layers, self.caches):
-            h = self._run_prefill(block, h, cache, ctx)
+        with self._settings():
+            for block, cache in zip(model.layers, self.caches):
+                h = self._run_prefill(block, h, cache, ctx)
         return h
+
+    def block_prefill(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor) -> torch.Tensor:
+        """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
+        prefill graph: h [max_batch, L, ...D], ids [max_batch, L] (the tokens at those positions)
+        -> [max_batch, L, ...D]; fills `cache` (that block's cache dict)."""
+        with self._settings():
+            return self._run_prefill(block, h, cache, self._prefill_ctx(ids, h))
 
     def _prefill_ctx(self, ids: torch.Tensor, h: torch.Tensor) -> dict:
         """The block context of a prefill over positions 0..L-1 (L dynamic when compiled)."""
@@ -305,8 +217,9 @@ class Engine:
         h = model.streams.expand(model.embed(tok[:, None]))
         ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
-        for block, cache in zip(model.layers, self.caches):
-            h = self._run_decode(block, h, cache, ctx)
+        with self._settings():
+            for block, cache in zip(model.layers, self.caches):
+                h = self._run_decode(block, h, cache, ctx)
         logits = model.logits(h[:, 0])
         pos.add_(1)
         return logits

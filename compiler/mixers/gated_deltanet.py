@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import CacheField
-from .registry import register
+from ..contracts import Mixer
+from ..engine.cache import CacheField
+from ..registry import register
 
 L2NORM_EPS = 1e-6  # q/k l2 normalisation: x * rsqrt(sum(x^2) + eps), as the reference kernels
 
@@ -151,7 +152,7 @@ class GatedRMSNorm(nn.Module):
 
 
 @register("mixer", "gated_deltanet")
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Mixer):
     @dataclass
     class Spec:
         kind: str = "gated_deltanet"

@@ -14,7 +14,7 @@ further ahead each.
 
 An MTPLayer is a decoder Block (same module paths: mixer_norm, mixer, ffn_norm, ffn, ...) plus
 enorm, hnorm, eh_proj, norm (the checkpoint's shared_head.norm) and its own embed/head copies
-(unless `mtp.share_embeddings`). Its block runs through the engine's compiled block prefill.
+(unless `mtp.share_embeddings`). Its block runs through the engine's compiled block prefill (`Engine.block_prefill`).
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ import torch
 from torch import nn
 
 from .cache import CachePlan
-from .errors import InputError
-from .model import Block, BuildContext
-from .norm import make_norm
-from .spec import LayerSpec
+from ..errors import InputError
+from ..block import Block, BuildContext
+from ..norm.norms import make_norm
+from ..spec import LayerSpec
 
 if TYPE_CHECKING:
     from .graphs import Engine
-    from .model import Decoder
+    from ..model import Decoder
 
 
 class MTPLayer(Block):
@@ -91,7 +91,7 @@ def mtp_prefill(engine: "Engine", ids: torch.Tensor, h: torch.Tensor) -> list[to
             continue
         nxt = ids[:, k:]
         x = layer.step_in(model, hidden[:, :n], nxt)
-        x = engine._run_prefill(layer, x, cache, engine._prefill_ctx(nxt, x))
+        x = engine.block_prefill(layer, x, cache, nxt)
         hidden, logits = layer.step_out(model, x)
         out.append(logits)
     return out

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import register
+from ..contracts import Residual
+from ..registry import register
 
 
 def _unweighted_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,7 +130,7 @@ class HyperHead(_StreamProjection):
 
 
 @register("residual", "mhc")
-class MHC:
+class MHC(Residual):
     @dataclass
     class Spec:
         kind: str = "mhc"
@@ -144,6 +145,10 @@ class MHC:
             if self.sinkhorn_iters < 1:
                 return f"sinkhorn_iters must be >= 1, got {self.sinkhorn_iters}"
             return None
+
+    @staticmethod
+    def n_streams(spec) -> int:
+        return spec.streams
 
     @staticmethod
     def _norm_eps(spec, ctx) -> float:

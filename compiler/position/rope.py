@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-from .registry import lookup, register
+from ..contracts import Rope
+from ..registry import lookup, register
 
 
-class _Rope:
+class _Rope(Rope):
     """Base: a frequency schedule. Subclasses define `inv_freq(rot_dim)` and may scale cos/sin."""
 
     def __init__(self, spec):

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import register
+from ..contracts import FFN
+from ..registry import register
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
@@ -23,7 +24,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None) 
 
 
 @register("ffn", "swiglu")
-class SwiGLU(nn.Module):
+class SwiGLU(FFN):
     """x [..., D] -> [..., D]. w13 [2F, D] holds the gate rows (w1) then the up rows (w3)."""
 
     @dataclass

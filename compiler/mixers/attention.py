@@ -25,34 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import CacheField
-from .norm import make_norm
-from .registry import register
-from .rope import apply_rotary, rope_key
-
-
-def decode_mask(pos: torch.Tensor, max_seq: int) -> torch.Tensor:
-    """[B, 1, 1, S] bool: slot s is visible to the token at pos[b] iff s <= pos[b]."""
-    slots = torch.arange(max_seq, device=pos.device)
-    return (slots[None, :] <= pos[:, None])[:, None, None, :]
-
-
-def write_prefill(cache: torch.Tensor, new: torch.Tensor) -> None:
-    """cache [B, Hc, S, X] <- new [B, Hc, L, X] at slots 0..L-1."""
-    # index_copy_ rather than a slice: a slice of symbolic length L would make the compiler
-    # specialise on L == S
-    slots = torch.arange(new.shape[2], device=cache.device)
-    cache.index_copy_(2, slots, new.to(cache.dtype))
-
-
-def write_decode(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor) -> None:
-    """cache [B, Hc, S, X] <- new [B, Hc, 1, X] at slot pos[b] of each row b."""
-    rows = torch.arange(cache.shape[0], device=cache.device)
-    cache[rows, :, pos] = new[:, :, 0].to(cache.dtype)
+from ..contracts import Mixer
+from ..engine.cache import CacheField
+from .kv_cache import decode_mask, write_decode, write_prefill
+from ..norm.norms import make_norm
+from ..registry import register
+from ..position.rope import apply_rotary, rope_key
 
 
 @register("mixer", "gqa")
-class Attention(nn.Module):
+class Attention(Mixer):
     @dataclass
     class Spec:
         kind: str = "gqa"

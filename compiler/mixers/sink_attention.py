@@ -35,14 +35,14 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import decode_mask, write_decode
-from .cache import CacheField
-from .norm import RMSNorm
-from .registry import register
-from .rope import apply_rotary, rope_key
+from .kv_cache import decode_mask, write_decode
+from ..contracts import Mixer
+from ..engine.cache import CacheField
+from ..norm.norms import RMSNorm
+from ..registry import register
+from ..position.rope import apply_rotary, rope_key
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
@@ -68,7 +68,7 @@ class AttentionSink(nn.Module):
 
 
 @register("mixer", "swa_mqa")
-class SinkAttention(nn.Module):
+class SinkAttention(Mixer):
     """Parameters: wq_a [Cq, D], q_norm [Cq], wq_b [H*Dh, Cq], wkv [Dh, D], kv_norm [Dh],
     wo_a [G*Go, H*Dh/G] (G blocks of [Go, H*Dh/G]), wo_b [D, G*Go], sink.weight [H] (float32)."""
 

@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ffn import SwiGLU, swiglu
-from .registry import register
+from .dense import SwiGLU, swiglu
+from ..contracts import FFN
+from ..registry import register
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 ROUTINGS = ("learned", "hash")
@@ -112,7 +113,7 @@ class TokenHash(nn.Module):
 
 
 @register("ffn", "moe")
-class MoE(nn.Module):
+class MoE(FFN):
     """x [..., D] -> [..., D]. Parameters: router.weight [E, D], router.score_bias [E] (when
     score_correction_bias), router.hash.tid2eid [V, K] int32 (routing=hash), w13 [E, 2F, D],
     w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .registry import lookup, register
+from ..contracts import Residual
+from ..registry import lookup, register
 
 
 class _Identity(nn.Module):
@@ -37,12 +38,14 @@ class _Add(nn.Module):
 
 
 @register("residual", "prenorm")
-class PreNorm:
+class PreNorm(Residual):
     @dataclass
     class Spec:
         kind: str = "prenorm"
 
-    streams = 1
+    @staticmethod
+    def n_streams(spec) -> int:
+        return 1
 
     @staticmethod
     def connection(spec, ctx) -> nn.Module:

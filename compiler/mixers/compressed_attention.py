@@ -2,8 +2,8 @@
 sinks (sink_attention.py, reused as the base class) whose softmax also covers compressed KV
 entries, one per block of m tokens.
 
-    compressor (per layer; width W = Dc, or 2 Dc with overlap):
-      token t:  row_t = [wkv(x_t) | wgate(x_t) + ape[t % m]]                       [2W]
+    compressor (per layer; width Wc = Dc, or 2 Dc with overlap):
+      token t:  row_t = [wkv(x_t) | wgate(x_t) + ape[t % m]]                       [2Wc]
       entry w (block w = tokens w*m .. w*m + m - 1):
         no overlap (HCA, m = 128):  softmax over the block's m tokens, per channel, of the gates;
                                     the gate-weighted sum of the kv rows
@@ -25,10 +25,10 @@ Every RoPE in these layers (queries, window keys, entries, indexer) uses the mix
 
 Caches per layer (prefill starts at position 0; decode writes position pos):
     kv       [B, 1, Sw, Dh]       sliding-window ring (as swa_mqa)                       state
-    block    [B, 1, (1+o)m, 4W']  ring of the last (1+o)*m token rows [kv | gate]: the    state
+    block    [B, 1, (1+o)m, 4Wc']  ring of the last (1+o)*m token rows [kv | gate]: the    state
                                   partial block (and, with overlap, the previous block)
     start    [B, R] float32       cos|sin at the current block's start position         state
-    entries  [B, 1, N, Dh]        compressed entries, N = max_seq // m                  grows 1/m
+    entries  [B, 1, Ne, Dh]        compressed entries, Ne = max_seq // m                  grows 1/m
     index_block, index_keys       the same two for the indexer (csa_mqa)                 state / grows 1/m
 A decode step that completes a block (pos % m == m - 1) pools the ring into entry pos // m.
 """
@@ -42,15 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import decode_mask, write_decode, write_prefill
-from .cache import CacheField
-from .norm import RMSNorm
-from .registry import register
+from .kv_cache import decode_mask, write_decode, write_prefill
+from ..engine.cache import CacheField
+from ..norm.norms import RMSNorm
+from ..registry import register
 from .sink_attention import SinkAttention, rope_tail, softmax_with_sink
 
 
 class PositionBias(nn.Module):
-    """weight [m, W]: a learned gate bias per position within a block (`ape`), float32 as stored."""
+    """weight [m, Wc]: a learned gate bias per position within a block (`ape`), float32 as stored."""
 
     keep_float32 = True
 
@@ -64,7 +64,7 @@ class PositionBias(nn.Module):
 
 
 class Compressor(nn.Module):
-    """Parameters: wkv, wgate [W, D] (W = (1+overlap) * Dc), ape.weight [m, W], norm [Dc]."""
+    """Parameters: wkv, wgate [Wc, D] (Wc = (1+overlap) * Dc), ape.weight [m, Wc], norm [Dc]."""
 
     def __init__(self, dim: int, out_dim: int, ratio: int, overlap: bool, rot: int, interleaved: bool, eps: float):
         super().__init__()
@@ -78,16 +78,16 @@ class Compressor(nn.Module):
 
     def token_flops(self) -> int:
         """(analysis.py) The gate-weighted pooling, per token: an entry sums span rows of Dc
-        channels once per m tokens, i.e. W multiply-adds per token."""
+        channels once per m tokens, i.e. Wc multiply-adds per token."""
         return 2 * self.span * self.out_dim // self.ratio
 
     def rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, L, D] at positions pos ([L] or [B, 1]) -> token rows [B, L, 2W]: [kv | gate + ape]."""
+        """x [B, L, D] at positions pos ([L] or [B, 1]) -> token rows [B, L, 2Wc]: [kv | gate + ape]."""
         gate = self.wgate(x) + self.ape.weight[pos % self.ratio].to(x.dtype)
         return torch.cat((self.wkv(x), gate), dim=-1)
 
     def pool(self, rows: torch.Tensor, valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """rows [..., span, 2W] of one entry's tokens in order, valid [..., span] (False: before
+        """rows [..., span, 2Wc] of one entry's tokens in order, valid [..., span] (False: before
         position 0), cos/sin broadcastable to [..., R/2] at the block start -> entry [..., Dc]."""
         kv, gate = rows.split(self.width, dim=-1)
         if self.overlap:  # Ca of the previous block's tokens, then Cb of this block's
@@ -100,11 +100,11 @@ class Compressor(nn.Module):
 
     def prefill(self, x: torch.Tensor, ring: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_ring,
                 slots: int):
-        """x [B, L, D] at positions 0..L-1, cos/sin [L, R/2] -> entries [B, N, Dc] for the blocks
-        0..N-1 (N = `slots`, static: the prompt is zero-padded to N*m tokens, so that no shape
+        """x [B, L, D] at positions 0..L-1, cos/sin [L, R/2] -> entries [B, Ne, Dc] for the blocks
+        0..Ne-1 (Ne = `slots`, static: the prompt is zero-padded to Ne*m tokens, so that no shape
         depends on L // m; entries of incomplete blocks are never visible to the prompt's queries
         and are rewritten by decode when their block completes); the last `span` token rows go to
-        `ring` [B, 1, span, 2W]."""
+        `ring` [B, 1, span, 2Wc]."""
         B, L, _ = x.shape
         m, N = self.ratio, slots
         rows = self.rows(x, torch.arange(L, device=x.device))
@@ -141,7 +141,7 @@ def visible_entries(query_pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor
 
 @register("mixer", "hca_mqa")
 class CompressedAttention(SinkAttention):
-    """swa_mqa's parameters plus compressor.{wkv, wgate [W, D], ape.weight [m, W], norm [Dh]}."""
+    """swa_mqa's parameters plus compressor.{wkv, wgate [Wc, D], ape.weight [m, Wc], norm [Dh]}."""
 
     @dataclass
     class Spec(SinkAttention.Spec):
@@ -164,7 +164,7 @@ class CompressedAttention(SinkAttention):
                                      spec.rot_dim, spec.rope_interleaved, spec.norm_eps)
 
     def n_entries(self, max_seq: int) -> int:
-        """N: entry slots per sequence (at least one, so that every tensor has a shape)."""
+        """Ne: entry slots per sequence (at least one, so that every tensor has a shape)."""
         return max(1, max_seq // self.ratio)
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:

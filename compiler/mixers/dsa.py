@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import write_decode, write_prefill
-from .cache import CacheField
+from .kv_cache import write_decode, write_prefill
+from ..engine.cache import CacheField
 from .mla import MLA, absorb_query, expand_values, expanded_attention
-from .norm import LayerNorm
-from .registry import register
-from .rope import apply_rotary
+from ..norm.norms import LayerNorm
+from ..registry import register
+from ..position.rope import apply_rotary
 
 
 # query rows scored at a time in prefill: the per-head scores of a chunk are
@@ -185,11 +185,6 @@ class LightningIndexer(nn.Module):
         q, w = self.queries(x, q_resid, cos, sin)
         # Ks stays a constant whatever L is (one compiled graph for every prompt length)
         return index_topk(q, keys.float(), w, self.scale, self.topk, PREFILL_CHUNK)
-
-    def select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-        """The same choice as a mask: chosen [B, L, L] bool (query t, key s)."""
-        return choice_mask(self.select_prefill_slots(x, q_resid, keys, cos, sin))
 
     def select_decode(self, x: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

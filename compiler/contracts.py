@@ -1,0 +1,203 @@
+"""What each kind of module must (abstract) or may (a default here) provide, written once.
+
+A kind is a class registered under a slot (registry.py) with a dataclass `Spec` that validates
+its config node. `register` checks the class against its slot's contract below, so a kind that
+lacks a hook fails when its file is imported, naming the hook, not later as a wrong count.
+Shape letters are the glossary's (glossary.py).
+
+    slot      contract    built as                       entry points
+    mixer     Mixer       cls(spec, ctx: BuildContext)   prefill(x, cache, ctx), decode(x, cache, ctx)
+    ffn       FFN         cls(spec, ctx: BuildContext)   prefill(x, ctx), decode(x, ctx)
+    norm      Norm        cls(spec, dim)                 forward(x)
+    rope      Rope        cls(spec)                      table(rot_dim, max_seq, device)
+    residual  Residual    static methods on the class    connection(spec, ctx), model_streams(spec, ctx)
+
+Every Spec may define `resolve(model) -> Spec` (fill derived dims) and `check(model) -> str | None`
+(a problem to report), where `model` holds dim, vocab_size, n_layers, max_position, and for
+mixers and ffns also the resolved norm and rope specs and the rope slot names.
+
+Modules inside a kind (or the kind itself) may take part in analysis and initialisation through
+the small protocols at the end (`RefinesActiveParameters`, `ExtraTokenFlops`, `OwnInit`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .engine.cache import CacheField
+
+
+class Mixer(nn.Module, ABC):
+    """Mixes information across positions: attention, MLA, DSA, DeltaNet, ...
+
+    ctx (prefill and decode): "ids" token ids [B, L] (or [B, 1]), "rope" {rope key: (cos, sin)}
+    with cos/sin [L, R/2] in prefill and [B, R/2] in decode, and in decode "pos" [B] (the slot
+    each row writes). The cache is this layer's dict of tensors allocated from `cache_fields`.
+    """
+
+    Spec: type
+    kind: str
+    rope_slot: str = "rope"  # which rope schedule the mixer reads: `rope` or a name in `ropes`
+
+    @abstractmethod
+    def rope_dims(self) -> list[int]:
+        """Rotary widths R the mixer needs cos/sin tables for ([] for none)."""
+
+    @abstractmethod
+    def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
+        """The layer's cache: name -> CacheField (shape batch first, at max_batch x max_seq)."""
+
+    @abstractmethod
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions 0..L-1 -> [B, L, D]; fills the cache for those positions."""
+
+    @abstractmethod
+    def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, 1, D] at positions ctx["pos"] [B] -> [B, 1, D]; updates one position per row."""
+
+    @abstractmethod
+    def attention_flops(self, context):
+        """Context-dependent FLOPs of one decoded token at `context` (T) cached tokens (an int or
+        a numpy array of ints); 0 for a mixer whose work does not grow with context."""
+
+    def prefill_attention_flops(self, context):
+        """The same for a prompt token that sees `context` tokens, under the prefill algorithm
+        (default: the decode count; MLA prefills in the expanded form, DSA gathers)."""
+        return self.attention_flops(context)
+
+    def decode_cache_bytes(self, context: int, dtype: torch.dtype) -> int:
+        """Cache bytes one decode step reads per sequence at `context` tokens (default: all of
+        the fields at that length; DSA reads only its top-k latents)."""
+        return sum(f.nbytes for f in self.cache_fields(1, context, dtype).values())
+
+
+class FFN(nn.Module, ABC):
+    """Per-position feed-forward: dense SwiGLU, mixture of experts.
+
+    ctx: as the mixer's ("ids" for hash routing). x [B, L, D] -> [B, L, D] in both entry points.
+    """
+
+    Spec: type
+    kind: str
+
+    @abstractmethod
+    def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] -> [B, L, D]."""
+
+    @abstractmethod
+    def decode(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """x [B, 1, D] -> [B, 1, D]."""
+
+    def routed_parameters(self) -> int:
+        """Parameters of the routed experts, of which a decode step reads only a share (0: dense)."""
+        return 0
+
+    def decode_weight_fraction(self, batch: int) -> float:
+        """Share of `routed_parameters` a decode step of `batch` tokens reads (1.0: dense)."""
+        return 1.0
+
+
+class Norm(nn.Module, ABC):
+    """Built as cls(spec, dim); x [..., D] -> [..., D] in x's dtype."""
+
+    Spec: type
+    kind: str
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """The identity transform's weights (a random build starts from them)."""
+
+
+class Rope(ABC):
+    """A rotary schedule, built as cls(spec)."""
+
+    Spec: type
+    kind: str
+
+    @abstractmethod
+    def table(self, rot_dim: int, max_seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [S, R/2] float32, for positions 0..S-1."""
+
+    @abstractmethod
+    def softmax_scale_factor(self) -> float:
+        """Factor on the attention softmax scale (YaRN's mscale^2; 1.0 otherwise)."""
+
+
+class Residual(ABC):
+    """A residual scheme: per-block connections and the model-level stream adapter.
+
+    connection(spec, ctx) -> module with enter(h) -> (x, aux) (h [B, L, ...D] -> the sub-layer
+    input x [B, L, D]) and exit(h, y, aux) -> h (folds the sub-layer output y back).
+    model_streams(spec, ctx) -> module with expand(h [B, L, D]) -> [B, L, ...D] and
+    collapse([B, L, ...D]) -> [B, L, D] (the final norm's input).
+    """
+
+    Spec: type
+    kind: str
+
+    @staticmethod
+    @abstractmethod
+    def connection(spec, ctx) -> nn.Module: ...
+
+    @staticmethod
+    @abstractmethod
+    def model_streams(spec, ctx) -> nn.Module: ...
+
+    @staticmethod
+    @abstractmethod
+    def n_streams(spec) -> int:
+        """Residual streams N (1 for a plain residual)."""
+
+
+CONTRACTS: dict[str, type] = {"mixer": Mixer, "ffn": FFN, "norm": Norm, "rope": Rope, "residual": Residual}
+
+
+def contract_problems(slot: str, cls: type) -> list[str]:
+    """What `cls` lacks to be a `slot` kind: [] when it meets the contract."""
+    base = CONTRACTS[slot]
+    problems = []
+    if not issubclass(cls, base):
+        problems.append(f"is not a subclass of zoo.compiler.contracts.{base.__name__}")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        problems.append(f"does not implement {missing}")
+    spec = cls.__dict__.get("Spec") or next((c.__dict__["Spec"] for c in cls.__mro__ if "Spec" in c.__dict__), None)
+    if spec is None or not dataclasses.is_dataclass(spec):
+        problems.append("has no dataclass `Spec`")
+    elif "kind" not in {f.name for f in dataclasses.fields(spec)}:
+        problems.append("its Spec has no `kind` field")
+    return problems
+
+
+# ---------------------------------------------------------------------------- module hooks
+
+
+@runtime_checkable
+class RefinesActiveParameters(Protocol):
+    """A module whose parameters one token does not all touch (MoE experts, a hash table, ...)."""
+
+    def active_parameters(self, matmul_only: bool = False) -> int:
+        """Parameters one token touches below this module (matmul_only: >= 2-D weights only)."""
+
+
+@runtime_checkable
+class ExtraTokenFlops(Protocol):
+    """A module doing contractions its parameters do not show (mHC stream mixing, a compressor's
+    pooling)."""
+
+    def token_flops(self) -> int:
+        """Context-independent FLOPs per token beyond 2 x its matmul parameters."""
+
+
+@runtime_checkable
+class OwnInit(Protocol):
+    """A module with its own random/neutral initialisation (norms, gates, stream projections)."""
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None: ...

@@ -1,0 +1,7 @@
+"""FFN kinds: per-position feed-forward networks (dense SwiGLU, mixture of experts).
+
+Importing this package registers every kind in it: a new kind is one new file here.
+"""
+from ..registry import register_folder
+
+register_folder(__name__, __path__)

@@ -1,0 +1,26 @@
+"""Writers and masks of per-token caches laid out [B, Hc, S, X] (one slot per position), shared
+by every mixer that keeps such a cache (GQA, MLA, DSA, sink and compressed attention).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def decode_mask(pos: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """[B, 1, 1, S] bool: slot s is visible to the token at pos[b] iff s <= pos[b]."""
+    slots = torch.arange(max_seq, device=pos.device)
+    return (slots[None, :] <= pos[:, None])[:, None, None, :]
+
+
+def write_prefill(cache: torch.Tensor, new: torch.Tensor) -> None:
+    """cache [B, Hc, S, X] <- new [B, Hc, L, X] at slots 0..L-1."""
+    # index_copy_ rather than a slice: a slice of symbolic length L would make the compiler
+    # specialise on L == S
+    slots = torch.arange(new.shape[2], device=cache.device)
+    cache.index_copy_(2, slots, new.to(cache.dtype))
+
+
+def write_decode(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor) -> None:
+    """cache [B, Hc, S, X] <- new [B, Hc, 1, X] at slot pos[b] of each row b."""
+    rows = torch.arange(cache.shape[0], device=cache.device)
+    cache[rows, :, pos] = new[:, :, 0].to(cache.dtype)
