@@ -75,6 +75,17 @@ class Mixer(nn.Module, ABC):
         return sum(f.nbytes for f in self.cache_fields(1, context, dtype).values())
 
 
+    def shard(self, plan) -> bool:
+        """Keep this rank's part for tensor/expert parallelism (compiler/parallel/plan.py): shrink
+        the kind's own counts, declare each split parameter with plan.param / column / row, and
+        return True when the output is then a partial sum over the ranks (one all-reduce follows).
+        Default: the kind has no sharding plan, which is an error when one is asked for."""
+        from .errors import ConfigError
+
+        raise ConfigError(f"{plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
+                          f"so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
+
+
 class FFN(nn.Module, ABC):
     """Per-position feed-forward: dense SwiGLU, mixture of experts.
 
@@ -99,6 +110,17 @@ class FFN(nn.Module, ABC):
     def decode_weight_fraction(self, batch: int) -> float:
         """Share of `routed_parameters` a decode step of `batch` tokens reads (1.0: dense)."""
         return 1.0
+
+
+    def shard(self, plan) -> bool:
+        """Keep this rank's part for tensor/expert parallelism (compiler/parallel/plan.py): shrink
+        the kind's own counts, declare each split parameter with plan.param / column / row, and
+        return True when the output is then a partial sum over the ranks (one all-reduce follows).
+        Default: the kind has no sharding plan, which is an error when one is asked for."""
+        from .errors import ConfigError
+
+        raise ConfigError(f"{plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
+                          f"so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 
 class Norm(nn.Module, ABC):

@@ -16,6 +16,7 @@ Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every oth
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -101,7 +102,8 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
     else:
         ids = tok.encode(text)
     stream = tok.stream()
-    out = sys.stdout
+    # under torchrun every rank generates (each step's collectives need all of them); rank 0 prints
+    out = sys.stdout if not model.info.parallel or model.info.parallel["rank"] == 0 else open(os.devnull, "w")
 
     def emit(t: torch.Tensor) -> None:
         out.write(stream.feed(int(t[0])))

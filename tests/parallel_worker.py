@@ -1,0 +1,48 @@
+"""One rank of a tensor/expert-parallel test run (launched by tests/test_parallel.py through
+torchrun, never forked). For each case of the job file it loads the checkpoint with
+runtime.parallel overrides, prefills the prompt and decodes the given tokens; each rank saves every
+step's logits and the graph counts to OUT.RANK.
+
+    python -m torch.distributed.run --nproc-per-node N tests/parallel_worker.py JOB.json
+    JOB: {"out": path, "cases": [{"name", "path", "overrides", "compile", "seq", "prompt"}]}
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def main(job_path: str) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    import zoo
+
+    job = json.loads(open(job_path).read())
+    results = {}
+    for case in job["cases"]:
+        try:
+            m = zoo.from_pretrained(case["path"], compile=case["compile"], max_batch=len(case["seq"]),
+                                    max_seq=case.get("max_seq", 48), overrides=case["overrides"])
+            seq = torch.tensor(case["seq"])
+            L = case["prompt"]
+            steps = [m.prefill(seq[:, :L])]
+            for t in range(L, seq.shape[1]):
+                steps.append(m.decode(seq[:, t]))
+            results[case["name"]] = {"logits": steps, "graphs": m.engine.graph_counts(),
+                                     "param_bytes": m.info.param_bytes, "cache_bytes": m.info.cache_bytes,
+                                     "parallel": m.info.parallel}
+        except Exception as e:  # reported to the test, which fails with it
+            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    torch.save(results, f"{job['out']}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
