@@ -82,7 +82,7 @@ class Mixer(nn.Module, ABC):
         Default: the kind has no sharding plan, which is an error when one is asked for."""
         from .errors import ConfigError
 
-        raise ConfigError(f"{plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
+        raise ConfigError(f"{plan.source}: {plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
                           f"so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 
@@ -119,7 +119,7 @@ class FFN(nn.Module, ABC):
         Default: the kind has no sharding plan, which is an error when one is asked for."""
         from .errors import ConfigError
 
-        raise ConfigError(f"{plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
+        raise ConfigError(f"{plan.source}: {plan.where}: kind {self.kind!r} declares no sharding plan (its shard() hook), "
                           f"so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 

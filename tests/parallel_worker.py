@@ -4,7 +4,8 @@ runtime.parallel overrides, prefills the prompt and decodes the given tokens; ea
 step's logits and the graph counts to OUT.RANK.
 
     python -m torch.distributed.run --nproc-per-node N tests/parallel_worker.py JOB.json
-    JOB: {"out": path, "cases": [{"name", "path", "overrides", "compile", "seq", "prompt"}]}
+    JOB: {"out": path, "cases": [{"name", "path", "overrides", "compile", "seq", "prompt", "max_seq",
+          "rank_overrides" / "rank_path": {rank: ...}}]}
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def main(job_path: str) -> int:
     results = {}
     for case in job["cases"]:
         try:
-            m = zoo.from_pretrained(case["path"], compile=case["compile"], max_batch=len(case["seq"]),
-                                    max_seq=case.get("max_seq", 48), overrides=case["overrides"])
+            # rank_overrides / rank_path: what one rank gets differently (the disagreement tests)
+            overrides = case["overrides"] + case.get("rank_overrides", {}).get(str(rank), [])
+            path = case.get("rank_path", {}).get(str(rank), case["path"])
+            m = zoo.from_pretrained(path, compile=case["compile"], max_batch=len(case["seq"]),
+                                    max_seq=case.get("max_seq", 48), overrides=overrides)
             seq = torch.tensor(case["seq"])
             L = case["prompt"]
             steps = [m.prefill(seq[:, :L])]

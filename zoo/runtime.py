@@ -185,6 +185,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
                               slices=slices[0] if mesh is not None else None)
     t0 = time.perf_counter()
     module = materialize(meta_model, device, dtype)
+    if mesh is not None:
+        module.shard_slices = slices[0]  # {parameter: parallel.plan.Slice}: what this rank holds
     if source is not None:
         info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress))
     else:

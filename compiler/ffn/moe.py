@@ -195,8 +195,8 @@ class MoE(FFN):
 
     def shard(self, plan) -> bool:
         """Expert parallel: rank r holds the experts of its group (E / ep of them), each with its
-        hidden width split W / ep ways (gate and up rows of w13, columns of w2); the shared expert
-        is split W ways; router and shared gate are replicated. Dispatch is static: every rank
+        hidden width split P / ep ways (gate and up rows of w13, columns of w2); the shared expert
+        is split P ways; router and shared gate are replicated. Dispatch is static: every rank
         already holds every token (attention leaves them replicated), routes them all, applies its
         own experts (the others weigh 0) and the sub-layer all-reduce sums the experts' outputs
         (the all-gather / reduce-scatter exchange, fused into that one collective)."""

@@ -1,10 +1,10 @@
 """The process layout of a tensor/expert-parallel run and its collectives (torch.distributed).
 
-    W ranks (torchrun --nproc-per-node W), one 1-D DeviceMesh "tp" over all of them.
-    tp in {1, W}   attention heads and dense FFN columns split W ways (1: replicated)
-    ep | W         routed experts split ep ways; each expert's hidden width F split W / ep ways
+    P ranks (torchrun --nproc-per-node P), one 1-D DeviceMesh "tp" over all of them.
+    tp in {1, P}   attention heads and dense FFN columns split P ways (1: replicated)
+    ep | P         routed experts split ep ways; each expert's hidden width F split P / ep ways
 
-So every sharded sub-layer leaves a partial sum over the same W ranks, and one all-reduce per
+So every sharded sub-layer leaves a partial sum over the same P ranks, and one all-reduce per
 sub-layer (after the mixer, after the FFN) completes it. Collectives are the functional ones
 (`_c10d_functional`), which dynamo traces into the compiled block graphs; NCCL on CUDA, gloo on
 CPU. The group is created from torchrun's environment when none exists yet.
@@ -39,7 +39,7 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, size: int) -> torch.T
 class Mesh:
     """This rank's place in the layout (see the module docstring).
 
-    size W, rank r; tp (1 or W) splits heads and dense columns; ep splits experts; group_name is
+    size P, rank r; tp (1 or P) splits heads and dense columns; ep splits experts; group_name is
     the mesh's process group (what the collectives take)."""
 
     size: int
@@ -64,7 +64,7 @@ class Mesh:
 
     @property
     def expert_split(self) -> tuple[int, int]:
-        """(parts, index): how each local expert's hidden width is split (W / ep ways)."""
+        """(parts, index): how each local expert's hidden width is split (P / ep ways)."""
         parts = self.size // self.ep
         return parts, self.rank % parts
 

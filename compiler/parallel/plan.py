@@ -14,7 +14,7 @@ Embedding and head (stated, see docs/parallel.md): the embedding is replicated (
 rows, so sharding it saves only memory and costs one more all-reduce per step); the head is
 vocab-parallel when the ranks split attention (every decode step reads the whole head, V x D —
 for Llama-3-8B at tp=8 as many bytes as one rank's share of all other weights), its local
-logits [.., V/W] joined by one all-gather. When V does not divide by W the head stays replicated
+logits [.., V/P] joined by one all-gather. When V does not divide by P the head stays replicated
 and the build info says so.
 """
 from __future__ import annotations
@@ -78,6 +78,7 @@ class ShardPlan:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.where = ""  # the config node being sharded (mixers.NAME / ffns.NAME), for errors
+        self.source = ""  # the config's file
         self._slices: dict[int, Slice] = {}  # id(parameter) -> Slice
 
     def units(self, n: int, key: str, parts: int | None = None, index: int | None = None,
@@ -93,7 +94,7 @@ class ShardPlan:
             u = index * n // parts
             return u, u + 1
         extra = " nor divide it (ranks then share one)" if replicate else ""
-        raise ConfigError(f"{self.where}.{key}={n} does not divide by {parts} ranks (runtime.parallel "
+        raise ConfigError(f"{self.source}: {self.where}.{key}={n} does not divide by {parts} ranks (runtime.parallel "
                           f"tp={self.mesh.tp} ep={self.mesh.ep}){extra}; choose tp/ep that divide it")
 
     def param(self, module: nn.Module, name: str, cuts: dict[int, Sequence[tuple[int, int]]],
@@ -135,7 +136,7 @@ class AllReduce(nn.Module):
 
 
 class VocabParallelHead(nn.Linear):
-    """The head with this rank's V/W rows; logits of all ranks joined by one all-gather. With tied
+    """The head with this rank's V/P rows; logits of all ranks joined by one all-gather. With tied
     embeddings its weight is the (replicated) embedding, of which it reads its rows."""
 
     def __init__(self, dim: int, vocab: int, mesh: Mesh):
@@ -164,6 +165,7 @@ def shard_model(model, mesh: Mesh) -> ShardReport:
         raise ConfigError(f"{spec.source}: multi-token-prediction layers (checkpoint.mtp=true) have no "
                           f"sharding plan yet; use checkpoint.mtp=false with runtime.parallel")
     plan = ShardPlan(mesh)
+    plan.source = spec.source
     for block, layer in zip(model.layers, spec.layers):
         if mesh.tp > 1:
             plan.where = f"mixers.{layer.mixer_name}"
