@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 
 import torch
@@ -26,6 +27,7 @@ def main(job_path: str) -> int:
     job = json.loads(open(job_path).read())
     results = {}
     for case in job["cases"]:
+        t0 = time.perf_counter()
         try:
             # rank_overrides / rank_path: what one rank gets differently (the disagreement tests)
             overrides = case["overrides"] + case.get("rank_overrides", {}).get(str(rank), [])
@@ -42,6 +44,11 @@ def main(job_path: str) -> int:
                                      "parallel": m.info.parallel}
         except Exception as e:  # reported to the test, which fails with it
             results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        line = (f"rank {rank}: {case['name']} {'error' if 'error' in results[case['name']] else 'done'} "
+                f"in {time.perf_counter() - t0:.1f} s")
+        print(line, flush=True)
+        with open(f"{job['out']}.{rank}.log", "a") as f:  # progress, readable while the run goes on
+            f.write(line + "\n")
     torch.save(results, f"{job['out']}.{rank}")
     dist.barrier()
     dist.destroy_process_group()

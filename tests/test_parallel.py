@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, STEPS, BATCH, MAX_SEQ = 9, 3, 2, 32
-RANK_TIMEOUT = 900  # seconds for one torchrun launch (all its cases); 2 shared cores are slow
+RANK_TIMEOUT = 1800  # seconds for one torchrun launch (all its cases); 2 shared cores are slow
 
 
 def _llama(path):
@@ -76,7 +76,7 @@ LAYOUTS = {
         "qwen3_next": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"],
         "glm5": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"]},
 }
-COMPILED = {2: ["llama", "deepseek_v3", "qwen3_next", "glm5"], 4: ["deepseek_v3"]}
+COMPILED = ["llama", "deepseek_v3", "qwen3_next", "glm5"]  # compiled on 2 ranks (4 ranks: eager)
 
 
 @pytest.fixture(scope="module")
@@ -116,23 +116,23 @@ def run_ranks(n: int, cases: list[dict], tmp: Path) -> list[dict]:
     return [torch.load(tmp / f"out{n}.{r}") for r in range(n)]
 
 
-def _cases(references, n: int) -> list[dict]:
+def _cases(references, n: int, compile: bool) -> list[dict]:
     cases = []
     for name, (path, seq, _, _) in references.items():
-        base = {"path": str(path), "seq": seq.tolist(), "prompt": PROMPT, "max_seq": MAX_SEQ}
-        overrides = MODELS[name][1] + LAYOUTS[n][name]
-        cases.append({**base, "name": f"{name}/eager", "overrides": overrides, "compile": False})
-        if name in COMPILED[n]:
-            cases.append({**base, "name": f"{name}/compiled", "overrides": overrides, "compile": True})
+        if compile and name not in COMPILED:
+            continue
+        cases.append({"path": str(path), "seq": seq.tolist(), "prompt": PROMPT, "max_seq": MAX_SEQ,
+                      "name": f"{name}/{'compiled' if compile else 'eager'}", "compile": compile,
+                      "overrides": MODELS[name][1] + LAYOUTS[n][name]})
     return cases
 
 
 @pytest.fixture(scope="module")
 def two_ranks(references, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ranks2")
-    cases = _cases(references, 2)
+    cases = _cases(references, 2, compile=False)
     llama = references["llama"][0]
-    # ranks that disagree: on the config (rank 1 another max_seq), on the checkpoint (rank 1 a copy
+    # ranks that disagree: on the config (rank 1 another norm eps), on the checkpoint (rank 1 a copy
     # with one tensor stored in another dtype)
     other = tmp / "llama_bf16"
     other.mkdir()
@@ -142,40 +142,51 @@ def two_ranks(references, tmp_path_factory):
     save_file(tensors, other / "model.safetensors")
     base = {"seq": references["llama"][1].tolist(), "prompt": PROMPT, "compile": False,
             "overrides": LAYOUTS[2]["llama"]}
-    cases.append({**base, "name": "disagree/config", "path": str(llama), "rank_overrides": {"1": ["runtime.max_seq=40"]}})
+    cases.append({**base, "name": "disagree/config", "path": str(llama), "rank_overrides": {"1": ["norm.eps=1e-3"]}})
     cases.append({**base, "name": "disagree/checkpoint", "path": str(llama), "rank_path": {"1": str(other)}})
     return run_ranks(2, cases, tmp)
 
 
 @pytest.fixture(scope="module")
+def two_ranks_compiled(references, tmp_path_factory):
+    return run_ranks(2, _cases(references, 2, compile=True), tmp_path_factory.mktemp("ranks2c"))
+
+
+@pytest.fixture(scope="module")
 def four_ranks(references, tmp_path_factory):
-    return run_ranks(4, _cases(references, 4), tmp_path_factory.mktemp("ranks4"))
+    return run_ranks(4, _cases(references, 4, compile=False), tmp_path_factory.mktemp("ranks4"))
 
 
-def _check(references, ranks: list[dict], n: int) -> None:
+def _check(references, ranks: list[dict], n: int, mode: str) -> None:
     for name, (_, _, expected, full_bytes) in references.items():
-        for mode in ("eager", "compiled") if name in COMPILED[n] else ("eager",):
-            for rank, results in enumerate(ranks):
-                got = results[f"{name}/{mode}"]
-                assert "error" not in got, f"{name}/{mode} rank {rank}: {got.get('trace')}"
-                assert len(got["logits"]) == len(expected)
-                for step, (a, e) in enumerate(zip(got["logits"], expected)):
-                    what = "prefill" if step == 0 else f"decode step {step}"
-                    assert_logits_close(a, e, 1e-5, f"{name} {mode} {n} ranks, rank {rank}, {what}")
-                # each rank holds its share: less than the whole model
-                assert got["param_bytes"] < full_bytes
-                if mode == "compiled":
-                    # one graph per layer kind per entry point, the all-reduces inside them
-                    kinds = {"llama": 1, "deepseek_v3": 2, "qwen3_next": 2, "glm5": 2}[name]
-                    assert got["graphs"] == {"prefill": kinds, "decode": kinds}, got["graphs"]
+        if mode == "compiled" and name not in COMPILED:
+            continue
+        for rank, results in enumerate(ranks):
+            got = results[f"{name}/{mode}"]
+            assert "error" not in got, f"{name}/{mode} rank {rank}: {got.get('trace')}"
+            assert len(got["logits"]) == len(expected)
+            for step, (a, e) in enumerate(zip(got["logits"], expected)):
+                what = "prefill" if step == 0 else f"decode step {step}"
+                assert_logits_close(a, e, 1e-5, f"{name} {mode} {n} ranks, rank {rank}, {what}")
+            # each rank holds its share: less than the whole model
+            assert got["param_bytes"] < full_bytes
+            if mode == "compiled":
+                # one graph per layer kind per entry point, the all-reduces inside them
+                kinds = {"llama": 1, "deepseek_v3": 2, "qwen3_next": 2, "glm5": 2}[name]
+                assert got["graphs"] == {"prefill": kinds, "decode": kinds}, got["graphs"]
 
 
 def test_two_ranks_equal_one_process(references, two_ranks):
-    _check(references, two_ranks, 2)
+    _check(references, two_ranks, 2, "eager")
+
+
+def test_two_ranks_compiled_equal_one_process(references, two_ranks_compiled):
+    """The all-reduces inside inductor's CPU graphs (gloo): one graph per layer kind per entry point."""
+    _check(references, two_ranks_compiled, 2, "compiled")
 
 
 def test_four_ranks_equal_one_process(references, four_ranks):
-    _check(references, four_ranks, 4)
+    _check(references, four_ranks, 4, "eager")
 
 
 def test_ranks_that_disagree_are_refused(two_ranks):
@@ -243,3 +254,79 @@ def test_tp_without_a_process_group(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match="needs a process group: launch under `torchrun --nproc-per-node 2"):
         zoo.build("llama3_8b_tiny", overrides=["runtime.parallel.tp=2"], compile=False)
+
+
+# ----------------------------------------------------------------------------- zoo report tp / ep
+
+
+def test_report_per_rank_llama3_8b(capsys):
+    from zoo.cli import main
+    from zoo.compiler.analysis import analyze, parallel_plan
+
+    spec = validate(compose("llama3_8b", []), source="conf/llama3_8b.yaml")
+    full = analyze(spec, context=8192, device="h200")
+    p = parallel_plan(spec, 8, 1, context=8192, device="h200")
+    # 8 kv heads split 8 ways: an eighth of the KV cache per rank; the head is vocab-parallel, the
+    # embedding (128256 x 4096) and the norms replicated
+    assert p["cache_bytes_per_token_per_rank"] * 8 == full["cache_bytes_per_token"]
+    assert p["head"] == "vocab-parallel"
+    dim, vocab, layers = 4096, 128256, 32
+    replicated = vocab * dim + (2 * layers + 1) * dim
+    assert p["params_per_rank"] == (full["params_total"] - replicated) // 8 + replicated
+    free = 141.0e9 - p["weight_bytes_per_rank"]
+    assert p["max_batch_at_context"] == int(free // (p["cache_bytes_per_token_per_rank"] * 8192))
+    # 16 GB of bf16 weights fit one H200 at every width
+    assert p["devices_needed"] == {"bf16": 1, "fp8": 1, "int4": 1}
+    assert main(["report", "conf=llama3_8b", "device=h200", "tp=8", "context=8192"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank (tp=8 ep=1)" in out and "devices needed" in out
+
+
+def test_devices_needed_deepseek_v3():
+    """671 B parameters on 141 GB H200s: 1342 GB at bf16 -> 16 devices, 671 GB at fp8 -> 8, 336 GB
+    at int4 -> 4 (the replicated embedding, latent projections and routers fit in the rest)."""
+    from zoo.compiler.analysis import devices_needed
+
+    spec = validate(compose("deepseek_v3", []), source="conf/deepseek_v3.yaml")
+    assert devices_needed(spec, 141.0e9, context=4096, batch=1) == {"bf16": 16, "fp8": 8, "int4": 4}
+
+
+# ----------------------------------------------------------------------------- sliced loading
+
+
+def test_rank_reads_only_its_slices(tmp_path):
+    """Rank 1 of 2 loads a Llama checkpoint (biases, fused q|k|v and gate|up rules): every
+    parameter equals its slice of the whole load, sliced tensors come through read_part (never a
+    whole read), the row-parallel biases are zero on this rank, and it reads about half the bytes."""
+    from tests.test_llama import make_reference
+    from zoo.compiler.checkpoint.loader import execute, plan_load
+    from zoo.compiler.checkpoint.rules import checkpoint_stages
+    from zoo.compiler.checkpoint.safetensors_source import SafetensorsSource
+    from zoo.compiler.hf_import import import_config
+    from zoo.compiler.model import materialize
+
+    make_reference(tmp_path, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True), {})
+    source = SafetensorsSource(tmp_path)
+    spec = validate(import_config(source.config(), source.description), source=source.description)
+    whole = materialize(build_model(spec), "cpu", torch.float32)
+    whole_plan = plan_load(whole, source, checkpoint_stages(source, spec))
+    execute(whole_plan, whole, source)
+
+    model = build_model(spec)
+    report = shard_model(model, _mesh(2, 1, 2, 1))
+    source = SafetensorsSource(tmp_path)
+    full_reads, part_reads = [], []
+    read, read_part = source.read, source.read_part
+    source.read = lambda name: full_reads.append(name) or read(name)
+    source.read_part = lambda name, part: part_reads.append(name) or read_part(name, part)
+    plan = plan_load(model, source, checkpoint_stages(source, spec), slices=report.slices)
+    model = materialize(model, "cpu", torch.float32)
+    execute(plan, model, source)
+    expected = dict(whole.named_parameters())
+    for name, p in model.named_parameters():
+        s = report.slices.get(name)
+        want = expected[name] if s is None else torch.zeros(s.local_shape()) if s.zero else s.apply(expected[name])
+        assert torch.equal(p, want), name
+    assert full_reads == [] and "model.layers.0.self_attn.k_proj.weight" in part_reads
+    assert not model.layers[0].mixer.wo.bias.any() and not model.layers[0].ffn.w2.bias.any()
+    assert 0.45 < plan.bytes_to_read / whole_plan.bytes_to_read < 0.7  # the embedding is replicated
