@@ -252,3 +252,79 @@ def cache_curve(spec: ModelSpec, contexts, cache_dtype: str = "bfloat16") -> lis
         plan = plan_caches(model, 1, int(t), torch_dtype(cache_dtype))
         out.append(plan.total_bytes())
     return out
+
+
+# ---------------------------------------------------------------------------- parallel plans
+
+QUANT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}  # bytes per weight at each storage width
+
+
+def _rank_model(spec: ModelSpec, tp: int, ep: int, weight_dtype: str):
+    """Rank 0's share of the model on meta under tp / ep (every rank holds the same shapes)."""
+    from .parallel.mesh import Mesh
+    from .parallel.plan import shard_model
+
+    model = cast(build_model(spec), torch_dtype(weight_dtype))
+    size = max(tp, ep)
+    report = shard_model(model, Mesh(size=size, rank=0, tp=tp, ep=ep, group_name="analysis",
+                                     device=torch.device("meta")))
+    return model, report
+
+
+def parallel_plan(spec: ModelSpec, tp: int, ep: int, context: int = 4096, batch: int = 1,
+                  cache_dtype: str = "bfloat16", weight_dtype: str = "bfloat16",
+                  device: str | None = None) -> dict[str, Any]:
+    """Per-rank weight, cache and state bytes under runtime.parallel tp / ep, what fits one device
+    of `device` (the largest batch at `context`, the largest context at `batch`), and how many
+    devices the model needs at bf16 / fp8 / int4 weights (with batch x context of cache)."""
+    spec = main_model_spec(spec)
+    model, report = _rank_model(spec, tp, ep, weight_dtype)
+    cdt = torch_dtype(cache_dtype)
+    plan = plan_caches(model, 1, _BIG_SEQ, cdt)
+    per_token = plan.bytes_per_token()
+    state = plan.state_bytes_per_sequence()
+    weights = parameter_bytes(model)
+    out: dict[str, Any] = {"tp": tp, "ep": ep, "ranks": max(tp, ep), "head": report.head,
+                           "params_per_rank": count_parameters(model), "weight_bytes_per_rank": weights,
+                           "cache_bytes_per_token_per_rank": per_token, "state_bytes_per_sequence_per_rank": state,
+                           "cache_bytes_per_rank_at_context": batch * (per_token * context + state)}
+    if device is not None:
+        prof = devices()[device]
+        free = prof["memory"] - weights
+        seq = per_token * context + state
+        out["fits_per_rank"] = weights + batch * seq <= prof["memory"]
+        out["max_batch_at_context"] = max(0, int(free // seq)) if free > 0 and seq else 0
+        out["max_context_at_batch"] = max(0, int((free / batch - state) // per_token)) if free > 0 and per_token else 0
+        out["devices_needed"] = devices_needed(spec, prof["memory"], context, batch, cache_dtype)
+    return out
+
+
+def devices_needed(spec: ModelSpec, memory: float, context: int, batch: int, cache_dtype: str = "bfloat16",
+                   max_devices: int = 1024) -> dict[str, Any]:
+    """The fewest devices (powers of two, tp = ep = N where the heads and experts divide) whose
+    per-rank weights (every parameter at the width: norms and routers are a rounding error) plus
+    batch x context of cache fit `memory`, for each width in QUANT_BYTES; None past max_devices
+    or where no valid split fits."""
+    from .errors import ConfigError
+
+    spec = main_model_spec(spec)
+    cdt = torch_dtype(cache_dtype)
+    found: dict[str, Any] = {w: None for w in QUANT_BYTES}
+    n = 1
+    while n <= max_devices and any(v is None for v in found.values()):
+        try:
+            if n == 1:
+                model = build_model(spec)
+            else:
+                model, _ = _rank_model(spec, n, n, "bfloat16")
+        except ConfigError:
+            n *= 2
+            continue
+        params = count_parameters(model)
+        plan = plan_caches(model, 1, _BIG_SEQ, cdt)
+        cache = batch * (plan.bytes_per_token() * context + plan.state_bytes_per_sequence())
+        for width, nbytes in QUANT_BYTES.items():
+            if found[width] is None and params * nbytes + cache <= memory:
+                found[width] = n
+        n *= 2
+    return found

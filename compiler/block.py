@@ -42,17 +42,27 @@ class Block(nn.Module):
         self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
         self.mixer_residual = res.connection(spec.residual, ctx)
         self.ffn_residual = res.connection(spec.residual, ctx)
+        # under tensor/expert parallelism a sharded sub-layer's output is a partial sum; the
+        # sharding driver (parallel/plan.py) sets an all-reduce here, one per such sub-layer
+        self.mixer_reduce: nn.Module | None = None
+        self.ffn_reduce: nn.Module | None = None
+
+    def _mixed(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.mixer_reduce is None else self.mixer_reduce(y)
+
+    def _fed(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.ffn_reduce is None else self.ffn_reduce(y)
 
     def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] -> same shape."""
         x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self.mixer.prefill(self.mixer_norm(x), cache, ctx), aux)
+        h = self.mixer_residual.exit(h, self._mixed(self.mixer.prefill(self.mixer_norm(x), cache, ctx)), aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.prefill(self.ffn_norm(x), ctx), aux)
+        return self.ffn_residual.exit(h, self._fed(self.ffn.prefill(self.ffn_norm(x), ctx)), aux)
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self.mixer.decode(self.mixer_norm(x), cache, ctx), aux)
+        h = self.mixer_residual.exit(h, self._mixed(self.mixer.decode(self.mixer_norm(x), cache, ctx)), aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self.ffn.decode(self.ffn_norm(x), ctx), aux)
+        return self.ffn_residual.exit(h, self._fed(self.ffn.decode(self.ffn_norm(x), ctx)), aux)

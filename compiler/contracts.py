@@ -12,6 +12,9 @@ Shape letters are the glossary's (glossary.py).
     rope      Rope        cls(spec)                      table(rot_dim, max_seq, device)
     residual  Residual    static methods on the class    connection(spec, ctx), model_streams(spec, ctx)
 
+Mixers and FFNs may also declare how they split over the ranks of a tensor/expert-parallel run
+(`shard(plan)`, see compiler/parallel/plan.py); a kind without it refuses runtime.parallel.
+
 Every Spec may define `resolve(model) -> Spec` (fill derived dims) and `check(model) -> str | None`
 (a problem to report), where `model` holds dim, vocab_size, n_layers, max_position, and for
 mixers and ffns also the resolved norm and rope specs and the rope slot names.
@@ -74,6 +77,13 @@ class Mixer(nn.Module, ABC):
         the fields at that length; DSA reads only its top-k latents)."""
         return sum(f.nbytes for f in self.cache_fields(1, context, dtype).values())
 
+    def shard(self, plan) -> bool:
+        """Keep this rank's part for tensor/expert parallelism (compiler/parallel/plan.py): shrink
+        the kind's own counts, declare each split parameter with plan.param / column / row, and
+        return True when the output is then a partial sum over the ranks (one all-reduce follows).
+        Default: the kind has no sharding plan, which is an error when one is asked for."""
+        return no_sharding_plan(self, plan)
+
 
 class FFN(nn.Module, ABC):
     """Per-position feed-forward: dense SwiGLU, mixture of experts.
@@ -99,6 +109,10 @@ class FFN(nn.Module, ABC):
     def decode_weight_fraction(self, batch: int) -> float:
         """Share of `routed_parameters` a decode step of `batch` tokens reads (1.0: dense)."""
         return 1.0
+
+    def shard(self, plan) -> bool:
+        """As Mixer.shard (dense: columns of the hidden width; MoE: experts)."""
+        return no_sharding_plan(self, plan)
 
 
 class Norm(nn.Module, ABC):
@@ -154,6 +168,14 @@ class Residual(ABC):
     @abstractmethod
     def n_streams(spec) -> int:
         """Residual streams N (1 for a plain residual)."""
+
+
+def no_sharding_plan(module, plan) -> bool:
+    """The default `shard` hook: a kind without a sharding plan refuses tp / ep, naming itself."""
+    from .errors import ConfigError
+
+    raise ConfigError(f"{plan.source}: {plan.where}: kind {module.kind!r} declares no sharding plan (its shard() "
+                      f"hook), so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 
 CONTRACTS: dict[str, type] = {"mixer": Mixer, "ffn": FFN, "norm": Norm, "rope": Rope, "residual": Residual}

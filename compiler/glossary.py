@@ -37,6 +37,8 @@ Config fields and shape letters mean the same thing everywhere:
     Dc  (compressor out_dim)  width of one compressed entry (the attention head width it is read at)
     Wc  (compressor width)    channels a compressor projects per token: Dc, or 2 Dc with overlap
     Ne  (entries)             compressed-entry slots per sequence: max_seq // m (at least one)
+    P   (ranks)               processes of a tensor/expert-parallel run (runtime.parallel: tp is 1
+                              or P, ep divides P; see compiler/parallel/)
 
 Module paths are fixed whatever the layer kind, so checkpoint rules and reports address
 parameters uniformly:
@@ -87,4 +89,5 @@ DIMENSIONS = {
     "Dc": "compressed entry width",
     "Wc": "compressor width",
     "Ne": "compressed entries",
+    "P": "ranks",
 }

@@ -43,6 +43,14 @@ class RunSchema:
 
 
 @dataclass
+class ParallelSchema:
+    """Tensor / expert parallelism over the ranks of a torchrun launch (compiler/parallel/)."""
+
+    tp: int = 1  # attention heads and dense FFN columns split over the ranks (1 or the world size)
+    ep: int = 1  # routed experts split this many ways (dividing the world size)
+
+
+@dataclass
 class RuntimeSchema:
     device: str = "cpu"
     dtype: str = "float32"
@@ -51,6 +59,7 @@ class RuntimeSchema:
     max_seq: int = 2048
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)
 
 
 @dataclass

@@ -30,6 +30,11 @@ Sections (each writes its numbers into the result; a crash in one is recorded an
    >= 85% (reported, does not change the exit code). Also: the bytes zoo's decode graph really reads
    (its attention reads the whole static cache, max_seq = prompt + new tokens) and the time of bare
    graph replays (no Python between steps).
+5. (--parallel, under torchrun on N GPUs; NOT RUN yet: no multi-GPU machine so far) tensor and
+   expert parallel over NCCL: llama3_8b_tiny and deepseek_v3_tiny with tp = ep = N, compiled, the
+   decode step captured as one CUDA graph with the all-reduces inside, against the same weights
+   in one process (float32 within 1e-4); decode tok/s of the Llama-3-8B shape at tp = N.
+       torchrun --nproc-per-node 8 scripts/gpu_check.py --parallel --out DIR
 4. Prefill throughput of the same model, batch 1, prompts 2048 and 4096: tokens/s and TFLOP/s
    (zoo.compiler.analysis' prefill FLOPs: 2 x active matmul parameters per token + causal attention;
    logits of the last position only, as generation computes them, so the head counts once) as a
@@ -281,6 +286,75 @@ def build_random_on_device(conf: str, device: torch.device, dtype: torch.dtype):
 
 S1, S2, S3, S4, SP = ("1. bf16 parity against float32", "2. CUDA-graph decode replay",
                       "3. Decode tok/s vs the HBM roofline", "4. Prefill throughput", "0. Probes")
+S5 = "5. Tensor / expert parallel (NCCL)"
+
+
+@torch.no_grad()
+def copy_sharded(par, ref) -> None:
+    """The single-process model's weights into a parallel rank's share (module.shard_slices, in
+    place: the compiled graphs and the captured CUDA graph keep their storages)."""
+    full = ref.module.state_dict()
+    slices = par.module.shard_slices
+    for name, p in par.module.named_parameters():
+        s = slices.get(name)
+        if s is not None and s.zero:
+            p.zero_()
+        else:
+            p.copy_(full[name] if s is None else s.apply(full[name]))
+
+
+def section_parallel(report: Report, args, sizes: Sizes, device: torch.device) -> None:
+    """Under torchrun on several GPUs (--parallel): tiny twins with tp = ep = world size, compiled,
+    decode replayed as one CUDA graph with the NCCL all-reduces captured inside, against the same
+    weights in one process on the same GPU (float32 within FP32_TOL: only the sum order of the
+    all-reduce differs); then decode tok/s of the Llama-3-8B-shaped model split over the ranks."""
+    import torch.distributed as dist
+
+    import zoo
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    par_overrides = [f"runtime.parallel.tp={world}", f"runtime.parallel.ep={world}"]
+    report.line(S5, f"{world} ranks, backend {dist.get_backend()}")
+    gen = torch.Generator().manual_seed(0)
+    # 8 heads (and 8 experts), so that up to 8 ranks split them
+    wide = {"llama3_8b_tiny": ["mixers.attn.n_heads=8", "mixers.attn.head_dim=16"],
+            "deepseek_v3_tiny": ["mixers.attn.n_heads=8"]}
+    for conf, overrides in wide.items():
+        ref = zoo.build(conf, overrides + ["runtime.cuda_graph=false"], device=str(device), dtype=torch.float32,
+                        compile=False, max_batch=2, max_seq=sizes.parity_max_seq)
+        par = zoo.build(conf, overrides + par_overrides, device=str(device), dtype=torch.float32,
+                        compile=args.compile, max_batch=2, max_seq=sizes.parity_max_seq)
+        copy_sharded(par, ref)
+        seq = torch.randint(0, ref.spec.vocab_size, (2, sizes.parity_prompt + sizes.parity_steps), generator=gen)
+        ep, ed = run_sequence(ref, seq, sizes.parity_prompt)
+        ap_, ad = run_sequence(par, seq, sizes.parity_prompt)
+        parity_row(report, S5, conf, f"tp={world} ep={world} float32 prefill", ap_, ep, FP32_TOL)
+        parity_row(report, S5, conf, f"tp={world} ep={world} float32 decode (CUDA graph)", ad, ed, FP32_TOL)
+        report.check(S5, f"{conf}: decode captured as a CUDA graph", par.engine.use_cuda_graph and
+                     par.engine._graph is not None)
+        if args.compile:
+            report.check(S5, f"{conf}: one graph per layer kind per entry point", True,
+                         detail=str(par.engine.graph_counts()))
+        del ref, par
+    # decode speed of the Llama-3-8B shape split over the ranks (random weights, bf16)
+    m = zoo.build(sizes.perf_conf, par_overrides[:1], device=str(device), dtype=torch.bfloat16, compile=args.compile,
+                  max_batch=1, max_seq=sizes.prompt + sizes.new_tokens + 1)
+    ids = torch.randint(0, m.spec.vocab_size, (1, sizes.prompt), generator=gen).to(device)
+    logits = m.prefill(ids, last_only=True)[:, -1]
+    tok = logits.argmax(-1)
+    for _ in range(4):  # warm
+        tok = m.decode(tok).argmax(-1)
+    m.prefill(ids, last_only=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(sizes.new_tokens):
+        tok = m.decode(tok).argmax(-1)
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / sizes.new_tokens
+    report.line(S5, f"{sizes.perf_conf} bf16 tp={world}: decode {1e3 / ms:.1f} tok/s ({ms:.2f} ms per step, batch 1, "
+                    f"{sizes.prompt}-token prompt, rank {rank}); weights per rank {m.info.param_bytes / 2**30:.2f} GiB")
+    report.data[f"parallel_decode_ms_rank{rank}"] = ms
 
 
 def section_llama_parity_and_graph(report: Report, args, sizes: Sizes, device: torch.device) -> None:
@@ -605,7 +679,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, help="decode prompt length (default 512; smoke 16)")
     ap.add_argument("--new-tokens", type=int, help="timed decode steps (default 128; smoke 8)")
     ap.add_argument("--prefill-lens", help="comma list of prefill prompt lengths (default 2048,4096; smoke 32,64)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="section 5 only, under torchrun on several GPUs: torchrun --nproc-per-node N "
+                         "scripts/gpu_check.py --parallel (NCCL; rank 0 writes the result)")
     args = ap.parse_args(argv)
+    if args.parallel:
+        import os
+
+        import torch.distributed as dist
+
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit("--parallel: launch under torchrun --nproc-per-node N (N GPUs)")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
 
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -669,6 +756,22 @@ def main(argv=None) -> int:
         return text
 
     deadline = t_start + args.budget_s
+    if args.parallel:
+        import torch.distributed as dist
+
+        path = path.with_name(path.stem + f"_parallel{dist.get_world_size()}.md")
+        run(S5, section_parallel)
+        text = render(report)
+        if dist.get_rank() == 0:
+            report.meta["total seconds"] = round(time.perf_counter() - t_start, 1)
+            report.meta["complete"] = True
+            text = render(report)
+            path.write_text(text)
+            print(text)
+        failed = torch.tensor([int(report.failed())], device=device)
+        dist.all_reduce(failed)
+        dist.destroy_process_group()
+        return 1 if int(failed) else 0
     run(S1, section_llama_parity_and_graph)
     save()
     probes = run(SP, section_probes)

@@ -16,6 +16,7 @@ Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every oth
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -25,7 +26,7 @@ from .compiler.errors import ZooError
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
             "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
-ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype"}
+ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
 
 
@@ -43,6 +44,8 @@ def parse_args(argv: Sequence[str], zoo_keys=ZOO_KEYS) -> tuple[dict[str, str], 
             opts[key] = value
         elif sep and key in RUNTIME_KEYS:
             overrides.append(f"runtime.{key}={value}")
+        elif sep and key in ("tp", "ep"):  # shortcuts for runtime.parallel.tp / ep
+            overrides.append(f"runtime.parallel.{key}={value}")
         elif sep or arg.startswith("~"):
             overrides.append(arg)
         else:
@@ -101,7 +104,8 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
     else:
         ids = tok.encode(text)
     stream = tok.stream()
-    out = sys.stdout
+    # under torchrun every rank generates (each step's collectives need all of them); rank 0 prints
+    out = sys.stdout if not model.info.parallel or model.info.parallel["rank"] == 0 else open(os.devnull, "w")
 
     def emit(t: torch.Tensor) -> None:
         out.write(stream.feed(int(t[0])))
@@ -150,6 +154,12 @@ def cmd_report(opts: dict, overrides: list[str]) -> int:
         specs.append(validate(cfg, source=label))
         results.append(analyze(specs[-1], context=int(opts.get("context", 4096)), batch=int(opts.get("batch", 1)),
                                cache_dtype=dtype, weight_dtype=dtype, device=opts.get("device")))
+        if "tp" in opts or "ep" in opts:
+            from .compiler.analysis import parallel_plan
+
+            results[-1]["parallel"] = parallel_plan(
+                specs[-1], int(opts.get("tp", 1)), int(opts.get("ep", 1)), context=int(opts.get("context", 4096)),
+                batch=int(opts.get("batch", 1)), cache_dtype=dtype, weight_dtype=dtype, device=opts.get("device"))
     if "plot" in opts:
         plot_cache(specs, opts["plot"], max_context=int(opts.get("context", 131072)), dtype=dtype, reports=results)
     if opts.get("output") == "json":

@@ -111,6 +111,22 @@ def _kinds_text(r: dict) -> str:
     return ", ".join(f"{name}={kind}" for name, kind in seen.items())
 
 
+def _parallel_rows(t: Table, r: dict) -> None:
+    """The per-rank rows of `zoo report ... tp=N ep=M` (analysis.parallel_plan)."""
+    p = r["parallel"]
+    t.add_row(f"per rank (tp={p['tp']} ep={p['ep']})",
+              f"{p['ranks']} ranks: weights {human_bytes(p['weight_bytes_per_rank'])} ({p['params_per_rank']:,} "
+              f"parameters); cache {p['cache_bytes_per_token_per_rank']:,} B per token, "
+              f"{p['state_bytes_per_sequence_per_rank']:,} B state per sequence; head {p['head']}")
+    if "max_batch_at_context" in p:
+        t.add_row("", f"one {r['device']['name']} per rank: at most {p['max_batch_at_context']:,} sequences of "
+                      f"{r['context']:,} tokens, or batch {r['batch']} up to {p['max_context_at_batch']:,} tokens "
+                      f"({'fits' if p['fits_per_rank'] else 'does NOT fit'} at batch {r['batch']} x {r['context']:,})")
+        need = ", ".join(f"{w} {n if n is not None else '> 1024'}" for w, n in p["devices_needed"].items())
+        t.add_row("devices needed", f"{need} (tp = ep = N, powers of two, batch {r['batch']} x context "
+                                    f"{r['context']:,} of cache)")
+
+
 def print_analysis(r: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"zoo report: {r['name']}  ({r['source']})", show_header=False, title_justify="left")
@@ -151,6 +167,8 @@ def print_analysis(r: dict, console: Console | None = None) -> None:
             most = f"; at most {d['max_batch_at_context']:,} sequences of {r['context']:,} tokens"
         t.add_row("memory plan", f"batch {r['batch']} x context {r['context']:,}: needs {human_bytes(d['memory_needed'])} "
                                  f"of {human_bytes(d['memory'])} -> {fit}{most}")
+    if "parallel" in r:
+        _parallel_rows(t, r)
     console.print(t)
     k = Table(title="per layer kind", title_justify="left")
     for col in ("kind", "layers", "params/layer", "active/layer", "cache B/token/layer", "state B/seq/layer",

@@ -55,6 +55,7 @@ class BuildInfo:
     compile_seconds: dict = field(default_factory=dict)
     load: Optional[LoadReport] = None
     load_seconds: float = 0.0
+    parallel: Optional[dict] = None  # tp, ep, rank, size, head: this rank's share (params are per rank)
 
     @property
     def needed_bytes(self) -> int:
@@ -151,6 +152,11 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     device = torch.device(rt.device)
     dtype, cache_dtype = torch_dtype(rt.dtype), torch_dtype(rt.cache_dtype or rt.dtype)
     meta_model = cast(build_model(spec), dtype)
+    if weights is not None and not hasattr(weights, "entries"):
+        weights = open_source(str(weights))
+    mesh, slices = _shard(spec, meta_model, weights)
+    if mesh is not None:
+        device = mesh.device
     params = count_parameters(meta_model)
     param_bytes = parameter_bytes(meta_model)
     from .compiler.engine.cache import plan_caches
@@ -160,6 +166,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
                      cache_bytes_per_token=plan.bytes_per_token(),
                      state_bytes_per_sequence=plan.state_bytes_per_sequence(),
                      available_bytes=available_memory(device), device=str(device), dry=False)
+    if mesh is not None:
+        info.parallel = {"tp": mesh.tp, "ep": mesh.ep, "rank": mesh.rank, "size": mesh.size, "head": slices[1]}
     fits = info.needed_bytes <= info.available_bytes
     if dry is None:
         dry = not fits and weights is None
@@ -173,9 +181,12 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     source = None
     if weights is not None:
         source = weights if hasattr(weights, "entries") else open_source(str(weights))
-        load_plan = plan_load(meta_model, source, checkpoint_stages(source, spec))  # every check before allocating
+        load_plan = plan_load(meta_model, source, checkpoint_stages(source, spec),  # every check before allocating
+                              slices=slices[0] if mesh is not None else None)
     t0 = time.perf_counter()
     module = materialize(meta_model, device, dtype)
+    if mesh is not None:
+        module.shard_slices = slices[0]  # {parameter: parallel.plan.Slice}: what this rank holds
     if source is not None:
         info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress))
     else:
@@ -188,6 +199,25 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if rt.compile or engine.use_cuda_graph:
         info.compile_seconds = engine.warmup()
     return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)
+
+
+def _shard(spec: ModelSpec, meta_model: Decoder, weights):
+    """Under runtime.parallel: the mesh (creating the process group from torchrun's environment),
+    a check that every rank builds the same config from the same checkpoint, and the model on
+    meta cut to this rank's share. (None, None) for a single process."""
+    from .compiler.parallel.mesh import check_same_on_all_ranks, setup
+    from .compiler.parallel.plan import shard_model
+
+    par = spec.runtime.parallel
+    mesh = setup(par.tp, par.ep, spec.runtime.device, spec.source)
+    if mesh is None:
+        return None, None
+    check_same_on_all_ranks(mesh, "the config", OmegaConf.to_yaml(spec.config, resolve=True))
+    if weights is not None and hasattr(weights, "entries"):
+        headers = sorted((n, tuple(i.shape), i.dtype, i.nbytes) for n, i in weights.entries().items())
+        check_same_on_all_ranks(mesh, f"the checkpoint ({weights.description})", repr(headers))
+    report = shard_model(meta_model, mesh)
+    return mesh, (report.slices, report.head)
 
 
 def _dry_model(spec: ModelSpec, meta_model: Decoder, info: BuildInfo, cache_dtype) -> Model:

@@ -52,6 +52,7 @@ class Assignment:
     index: Optional[int]  # row of a stacked parameter, or None for the whole parameter
     node: Node
     rule: str
+    part: Optional[object] = None  # parallel.plan.Slice: the part of node this rank reads (None: all)
 
 
 @dataclass
@@ -128,10 +129,16 @@ def _derive(rule: Rule, inputs: list[Node], target: str, index: Optional[int], s
     return Node(target, shape, dtype, tuple(inputs), rule.op, tuple(sorted(args.items())))
 
 
-def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: bool = True) -> LoadPlan:
+def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: bool = True,
+              slices: Optional[dict] = None) -> LoadPlan:
     """Check the whole mapping from headers: every stored tensor used or ignored, every
     parameter filled exactly once with the right shape. strict: raise CheckpointError listing
-    every offender; otherwise return them in `plan.problems` (what `zoo check` prints)."""
+    every offender; otherwise return them in `plan.problems` (what `zoo check` prints).
+
+    slices: {parameter: parallel.plan.Slice} for a rank of a parallel run: the parameter holds
+    that part of the full tensor, shapes are checked against the full one, and only the part is
+    read (rows of a stacked parameter held by other ranks are not read at all)."""
+    slices = slices or {}
     desc = source.description
     entries = source.entries()
     nodes = {n: Node(n, tuple(i.shape), i.dtype, info=i) for n, i in entries.items()}
@@ -195,10 +202,11 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             errors.append(f"parameter {name} is filled {len(got)} times: from "
                           f"{[a.node.name for a in got][:4]}")
             continue
+        full = slices[name].full if name in slices else tuple(p.shape)
         for a in got:
-            want = tuple(p.shape) if a.index is None else tuple(p.shape[1:])
-            if a.index is not None and not 0 <= a.index < p.shape[0]:
-                errors.append(f"{a.node.name}: row {a.index} is outside parameter {name} {list(p.shape)}")
+            want = full if a.index is None else full[1:]
+            if a.index is not None and not 0 <= a.index < full[0]:
+                errors.append(f"{a.node.name}: row {a.index} is outside parameter {name} {list(full)}")
             elif a.node.shape != want:
                 errors.append(f"{a.node.name}: shape {list(a.node.shape)} does not fit parameter {name} "
                               f"(expected {list(want)}; rule {a.rule})")
@@ -207,7 +215,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
                               f"before it can fill {name}")
         if rows:
             seen = sorted(a.index for a in rows)
-            if seen != list(range(p.shape[0])):
+            if seen != list(range(full[0])):
                 dup = sorted({i for i in seen if seen.count(i) > 1})
                 missing = sorted(set(range(p.shape[0])) - set(seen))
                 errors.append(f"parameter {name} rows: missing {missing[:8]}, duplicated {dup[:8]}")
@@ -215,11 +223,102 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
     if found and strict:
         raise CheckpointError(f"{desc}: the checkpoint does not fit the model:" + _listing(found))
 
+    if slices:
+        assignments = _parts(assignments, slices)
     order = {n: i for i, group in enumerate(source.read_order()) for n in group}
     assignments.sort(key=lambda a: min(order[s.name] for s in a.node.stored()))
-    stored = {s.name: s.info.nbytes for a in assignments for s in a.node.stored()}
+    stored = {s.name: s.info.nbytes for a in assignments if a.part is None for s in a.node.stored()}
+    for a in assignments:  # parts: the share of each stored tensor read (whole when an op needs it)
+        if a.part is not None and not a.part.zero:
+            share = _numel(a.part.local_shape()) / max(_numel(a.part.full), 1) if _sliceable(a.node, a.part) else 1
+            for s in a.node.stored():
+                stored[s.name] = stored.get(s.name, 0) + int(s.info.nbytes * share)
     return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries),
                     problems=problems)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _parts(assignments: list[Assignment], slices: dict) -> list[Assignment]:
+    """Attach each sliced parameter's part; a stacked parameter split on its row dimension keeps
+    only this rank's rows (renumbered from 0), the others are dropped unread."""
+    out = []
+    for a in assignments:
+        part = slices.get(a.param)
+        if part is None:
+            out.append(a)
+        elif a.index is None:
+            out.append(Assignment(a.param, None, a.node, a.rule, part))
+        else:
+            rows, index = part.ranges(0), a.index
+            if rows is not None:
+                local = [i for lo, hi in rows for i in range(lo, hi)]
+                if index not in local:
+                    continue
+                index = local.index(index)
+            row = part.without(0)
+            out.append(Assignment(a.param, index, a.node, a.rule, row if row.cuts or row.zero else None))
+    return out
+
+
+def _sliceable(node: Node, part) -> bool:
+    """Whether a part of `node` can be read without reading all of it (stored, or a cat of such
+    whose pieces come in input order); otherwise it is evaluated whole and then cut."""
+    if node.op is None:
+        return True
+    return node.op == "cat" and _cat_parts(node, part) is not None
+
+
+def _cat_parts(node: Node, part) -> Optional[list]:
+    """For a cat node, the part of each input (None where an input contributes nothing), or
+    None when the pieces along the cat dim do not come in input order."""
+    from ..parallel.plan import Slice
+
+    dim = dict(node.args).get("dim", 0)
+    ranges = part.ranges(dim)
+    others = tuple((d, r) for d, r in part.cuts if d != dim)
+    bounds, off = [], 0
+    for x in node.inputs:
+        bounds.append((off, off + x.shape[dim]))
+        off += x.shape[dim]
+    pieces: list[list[tuple[int, int]]] = [[] for _ in node.inputs]
+    last = 0
+    for a, b in ranges or ((0, off),):
+        for i, (lo, hi) in enumerate(bounds):
+            if a < hi and b > lo:
+                if i < last:
+                    return None
+                last = i
+                pieces[i].append((max(a, lo) - lo, min(b, hi) - lo))
+    out = []
+    for x, p in zip(node.inputs, pieces):
+        cuts = tuple(sorted(others + (((dim, tuple(p)),) if ranges is not None else ())))
+        out.append(None if not p else Slice(x.shape, cuts))
+    return out
+
+
+def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor:
+    """This rank's part of a node, reading only that part of stored tensors where it can."""
+    if node.op is None and getattr(source, "read_part", None) is not None and node.name not in memo:
+        if not part.cuts:
+            return _evaluate(node, source, memo)
+        t = source.read_part(node.name, part)
+        if tuple(t.shape) != part.local_shape():
+            raise CheckpointError(f"{node.info.file}: tensor {node.name!r}: read part {list(t.shape)}, "
+                                  f"expected {list(part.local_shape())}")
+        return t
+    if node.op == "cat":
+        inputs = _cat_parts(node, part)
+        if inputs is not None:
+            dim = dict(node.args).get("dim", 0)
+            return torch.cat([_evaluate_part(x, p, source, memo) for x, p in zip(node.inputs, inputs)
+                              if p is not None], dim=dim)
+    return part.apply(_evaluate(node, source, memo))
 
 
 def _evaluate(node: Node, source: Source, memo: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -251,9 +350,15 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> 
         stored = a.node.stored()
         dest = params[a.param] if a.index is None else params[a.param][a.index]
         # a stored tensor that fills its parameter unchanged is read straight into it: no copy
-        direct = (a.node.op is None and uses[a.node.name] == 1 and read_into is not None
+        direct = (a.part is None and a.node.op is None and uses[a.node.name] == 1 and read_into is not None
                   and read_into(a.node.name, dest))
-        if not direct:
+        if a.part is not None and a.part.zero:
+            dest.zero_()  # another rank adds this (a row-parallel bias)
+        elif a.part is not None:
+            value = _evaluate_part(a.node, a.part, source, memo)
+            dest.copy_(value)
+            del value
+        elif not direct:
             value = _evaluate(a.node, source, memo)
             dest.copy_(value)
             del value

@@ -170,6 +170,50 @@ class SafetensorsSource:
             done += n
         return True
 
+    def read_part(self, name: str, part) -> torch.Tensor:
+        """One rank's part of a tensor (a parallel.plan.Slice): only its bytes are read, by offset.
+        Along the outermost cut dimension each range is read for every outer index (one read per
+        range when that dimension is the first); cuts on inner dimensions are applied afterwards."""
+        info = self._entries[name]
+        shape = info.shape
+        d, ranges = part.cuts[0]
+        outer = 1
+        for n in shape[:d]:
+            outer *= n
+        inner = 1
+        for n in shape[d + 1:]:
+            inner *= n
+        width = _DTYPE_BYTES[info.dtype]
+        local = sum(b - a for a, b in ranges)
+        out = torch.empty(outer, local, inner, dtype=_DTYPES[info.dtype])
+        flat = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+        self._file(info.file)
+        f = self._open[1]
+        row = shape[d] * inner * width  # bytes of one outer index
+        for o in range(outer):
+            pos = 0
+            for a, b in ranges:
+                n = (b - a) * inner * width
+                start = (o * local + pos) * inner * width
+                f.seek(info.offset + o * row + a * inner * width)
+                view = memoryview(flat[start:start + n])
+                done = 0
+                while done < n:
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise CheckpointError(f"{info.file}: tensor {name!r} is cut short (file truncated "
+                                              f"while loading?)")
+                    done += got
+                pos += b - a
+        t = out.view(*shape[:d], local, *shape[d + 1:])
+        rest = type(part)(part.local_shape(), part.cuts[1:]) if len(part.cuts) > 1 else None
+        return t if rest is None else rest.apply(t)
+
+    def _file(self, path: str) -> None:
+        if self._open is None or self._open[0] != path:
+            self.close()
+            self._open = (path, open(path, "rb", buffering=0))
+
     def config(self) -> dict:
         path = self.directory / "config.json"
         if not path.exists():

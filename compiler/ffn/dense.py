@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..contracts import FFN
+from ..parallel.plan import span
 from ..registry import register
 
 
@@ -45,6 +46,19 @@ class SwiGLU(FFN):
         self.limit = spec.swiglu_limit
         self.w13 = nn.Linear(model.dim, 2 * spec.ffn_dim, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_dim, model.dim, bias=spec.bias)
+
+    def shard(self, plan, parts: int | None = None) -> bool:
+        """Column-parallel w13 (its gate and up rows each split), row-parallel w2: F split `parts`
+        ways (default tp); the output is then a partial sum."""
+        parts = plan.mesh.tp if parts is None else parts
+        if parts == 1:
+            return False
+        F_ = self.ffn_dim
+        f = plan.units(F_, "ffn_dim", parts=parts)
+        plan.column(self.w13, [f, span(F_, f, 1)])
+        plan.row(self.w2, [f])
+        self.ffn_dim = f[1] - f[0]
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)

@@ -42,6 +42,7 @@ from torch import nn
 
 from .dense import SwiGLU, swiglu
 from ..contracts import FFN
+from ..parallel.plan import span
 from ..registry import register
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -188,6 +189,42 @@ class MoE(FFN):
         self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim, swiglu_limit=s.swiglu_limit), model) \
             if s.shared_ffn_dim else None
         self.shared_gate = nn.Linear(D, 1, bias=False) if s.shared_expert_gate else None
+        self.local: Optional[tuple[int, int]] = None  # experts [lo, hi) this rank holds (expert parallel)
+
+    # ------------------------------------------------------------------ parallel (parallel/plan.py)
+
+    def shard(self, plan) -> bool:
+        """Expert parallel: rank r holds the experts of its group (E / ep of them), each with its
+        hidden width split P / ep ways (gate and up rows of w13, columns of w2); the shared expert
+        is split P ways; router and shared gate are replicated. Dispatch is static: every rank
+        already holds every token (attention leaves them replicated), routes them all, applies its
+        own experts (the others weigh 0) and the sub-layer all-reduce sums the experts' outputs
+        (the all-gather / reduce-scatter exchange, fused into that one collective)."""
+        mesh = plan.mesh
+        if mesh.size == 1:
+            return False
+        E, F_ = self.n_experts, self.ffn_dim
+        e = plan.units(E, "n_experts", parts=mesh.ep, index=mesh.expert_group)
+        parts, index = mesh.expert_split
+        f = plan.units(F_, "ffn_dim", parts=parts, index=index)
+        plan.param(self, "w13", {0: [e], 1: [f, span(F_, f, 1)]})
+        plan.param(self, "w2", {0: [e], 2: [f]})
+        self.ffn_dim = f[1] - f[0]
+        if mesh.ep > 1:
+            self.local = e
+        if self.shared is not None:
+            self.shared.shard(plan, parts=mesh.size)
+        return True
+
+    def _local(self, idx: torch.Tensor, weights: torch.Tensor):
+        """Chosen experts idx [T, K] (global ids) -> (local rows, weights, own [T, K] bool): experts
+        held elsewhere get weight 0 and the row `hi - lo` (past the local ones). Unchanged (own None)
+        without expert parallelism."""
+        if self.local is None:
+            return idx, weights, None
+        lo, hi = self.local
+        own = (idx >= lo) & (idx < hi)
+        return torch.where(own, idx - lo, hi - lo), weights * own, own
 
     # ------------------------------------------------------------------ analysis (analysis.py)
 
@@ -268,6 +305,9 @@ class MoE(FFN):
         """Gathered: x [B, 1, D] -> [B, 1, D]; reads only the chosen experts' weights."""
         xt = x.reshape(-1, x.shape[-1])  # [T, D]
         weights, idx = self.route(xt, ctx["ids"])
+        idx, weights, own = self._local(idx, weights)
+        if own is not None:
+            idx = idx.clamp(max=self.w13.shape[0] - 1)  # any local expert: its output weighs 0
         w13 = self.w13[idx]  # [T, K, 2F, D]
         h = torch.matmul(w13, xt[:, None, :, None]).squeeze(-1)  # [T, K, 2F]
         gate, up = h.split(self.ffn_dim, dim=-1)
@@ -280,12 +320,14 @@ class MoE(FFN):
         """Grouped: x [B, L, D] -> [B, L, D]; (token, expert) pairs sorted by expert."""
         xt = x.reshape(-1, x.shape[-1])  # [T, D]
         weights, idx = self.route(xt, ctx["ids"])
+        idx, weights, own = self._local(idx, weights)
+        E = self.w13.shape[0]  # local experts; pairs of experts held elsewhere sort last, uncomputed
         flat = idx.reshape(-1)  # [T*K] expert of each pair
         order = flat.argsort(stable=True)
         token = order // self.top_k  # token of each sorted pair
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+        counts = torch.zeros(E + (own is not None), dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0)
+        offs = counts[:E].cumsum(0)
         h = expert_mm(xt[token], self.w13, offs)  # [T*K, 2F]
         gate, up = h.split(self.ffn_dim, dim=-1)
         y = expert_mm(swiglu(gate, up, self.spec.swiglu_limit), self.w2, offs)  # [T*K, D]
@@ -294,5 +336,7 @@ class MoE(FFN):
         arange = torch.arange(order.numel(), device=x.device)
         inverse = torch.empty_like(order).scatter_(0, order, arange)
         y = y[inverse].view(*weights.shape, -1).float()  # [T, K, D]
+        if own is not None:  # rows of other ranks' experts were never written
+            y = torch.where(own[..., None], y, 0.0)
         routed = (y * weights[..., None]).sum(1)
         return self._finish(x, routed)

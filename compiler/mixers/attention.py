@@ -29,6 +29,7 @@ from ..contracts import Mixer
 from ..engine.cache import CacheField
 from .kv_cache import decode_mask, write_decode, write_prefill
 from ..norm.norms import make_norm
+from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -90,6 +91,20 @@ class Attention(Mixer):
 
     def rope_dims(self) -> list[int]:
         return [self.rot_dim]
+
+    def shard(self, plan) -> bool:
+        """Heads split over the ranks: wqkv column-parallel by head (its q, k, v parts each
+        sliced), wo row-parallel. With fewer kv heads than ranks each rank keeps the one kv head
+        its query heads read (replicated over tp / Hkv ranks); the cache holds local heads only."""
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        qh = plan.units(H, "n_heads")
+        kvh = plan.units(Hkv, "n_kv_heads", replicate=True)
+        qw = (2 if self.spec.output_gate else 1) * Dh  # q rows per head ([query | gate] when gated)
+        rows = [span(0, qh, qw), span(H * qw, kvh, Dh), span(H * qw + Hkv * Dh, kvh, Dh)]
+        plan.column(self.wqkv, rows)
+        plan.row(self.wo, [span(0, qh, Dh)])
+        self.n_heads, self.n_kv_heads = qh[1] - qh[0], kvh[1] - kvh[0]
+        return True
 
     def attention_flops(self, context):
         """Per token at `context` cached tokens: q.k scores and the weighted sum of v."""

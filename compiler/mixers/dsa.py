@@ -237,6 +237,14 @@ class DSA(MLA):
         self.gather_from = -(-2 * self.spec.index_topk * (2 * self.rank + self.rot) //
                              (self.nope + self.rot + self.v_dim))
 
+    def shard(self, plan) -> bool:
+        """MLA's split (heads of wq_b, wkv_b, wo); the indexer is replicated: its score sums over
+        all Hi heads before the top-k, so splitting heads would put a second all-reduce (of [B, L, T]
+        scores, inside the chunked prefill op) in the sub-layer, and only identical scores on every
+        rank give every rank, and the single process, the same choice of keys. It is small (GLM-5:
+        Hi * Di * Cq + Di * D + Hi * D = 9.4M of the layer's 174M attention parameters)."""
+        return super().shard(plan)
+
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """MLA's latent kv [B, 1, S, C + R] and the indexer keys index_k [B, S, Di]."""
         return {**super().cache_fields(max_batch, max_seq, dtype),

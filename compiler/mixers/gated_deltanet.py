@@ -40,6 +40,7 @@ from torch import nn
 
 from ..contracts import Mixer
 from ..engine.cache import CacheField
+from ..parallel.plan import span
 from ..registry import register
 
 L2NORM_EPS = 1e-6  # q/k l2 normalisation: x * rsqrt(sum(x^2) + eps), as the reference kernels
@@ -210,6 +211,28 @@ class GatedDeltaNet(Mixer):
     def rope_dims(self) -> list[int]:
         return []
 
+    def shard(self, plan) -> bool:
+        """Value heads split over the ranks, with the key heads they read: in_proj by head in each
+        of its q | k | v | z | b | a parts, the conv channels, A_log and dt_bias alike, out_proj
+        row-parallel. With fewer key heads than ranks each rank keeps the one key head its value
+        heads read (replicated over tp / Hk ranks). The state holds local value heads only."""
+        Hk, Hv, Dk, Dv = self.Hk, self.Hv, self.Dk, self.Dv
+        v = plan.units(Hv, "n_v_heads")
+        k = plan.units(Hk, "n_k_heads", replicate=True)
+        key, value = Hk * Dk, Hv * Dv
+        qkv = [span(0, k, Dk), span(key, k, Dk), span(2 * key, v, Dv)]
+        plan.param(self.in_proj, "weight", {0: qkv + [span(2 * key + value, v, Dv),
+                                                      span(2 * key + 2 * value, v, 1),
+                                                      span(2 * key + 2 * value + Hv, v, 1)]})
+        plan.param(self, "conv_weight", {0: qkv})
+        plan.param(self, "A_log", {0: [v]})
+        plan.param(self, "dt_bias", {0: [v]})
+        plan.row(self.out_proj, [span(0, v, Dv)])
+        self.Hk, self.Hv = k[1] - k[0], v[1] - v[0]
+        key, value = self.Hk * Dk, self.Hv * Dv
+        self.split = [key, key, value, value, self.Hv, self.Hv]
+        return True
+
     def attention_flops(self, context):
         """Per token, whatever the context (int or array): the recurrence's work on each value
         head's state S [Dk, Dv], three multiply-adds per state element (S^T k, the rank-1 write
@@ -217,7 +240,8 @@ class GatedDeltaNet(Mixer):
         return 0 * context + 6 * self.Hv * self.Dk * self.Dv
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
-        return {"conv": CacheField((max_batch, self.spec.conv_dim, self.kernel - 1), dtype, grows=False),
+        conv_dim = sum(self.split[:3])  # Cc (of this rank's heads under tensor parallelism)
+        return {"conv": CacheField((max_batch, conv_dim, self.kernel - 1), dtype, grows=False),
                 "state": CacheField((max_batch, self.Hv, self.Dk, self.Dv), torch.float32, grows=False)}
 
     # ------------------------------------------------------------------ pieces

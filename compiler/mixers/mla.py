@@ -34,6 +34,7 @@ from .kv_cache import decode_mask, write_decode, write_prefill
 from ..contracts import Mixer
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
+from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -129,6 +130,18 @@ class MLA(Mixer):
 
     def rope_dims(self) -> list[int]:
         return [self.rot]
+
+    def shard(self, plan) -> bool:
+        """Heads split over the ranks: the query up-projection (wq_b, or wq) and wkv_b by head,
+        wo row-parallel. The latent projections (wq_a, q_norm, wkv_a, kv_norm) are replicated, and
+        so is the latent cache: every head reads all of it, so each rank keeps the whole cache
+        (C + R per token) and computes it redundantly. DSA's indexer stays replicated too (dsa.py)."""
+        h = plan.units(self.n_heads, "n_heads")
+        plan.column(self.wq if self.spec.q_lora_rank is None else self.wq_b, [span(0, h, self.nope + self.rot)])
+        plan.column(self.wkv_b, [span(0, h, self.nope + self.v_dim)])
+        plan.row(self.wo, [span(0, h, self.v_dim)])
+        self.n_heads = h[1] - h[0]
+        return True
 
     def attention_flops(self, context):
         """Per token at `context` cached tokens, absorbed (decode) form: per head, scores over the

@@ -1,0 +1,59 @@
+"""One rank of a tensor/expert-parallel test run (launched by tests/test_parallel.py through
+torchrun, never forked). For each case of the job file it loads the checkpoint with
+runtime.parallel overrides, prefills the prompt and decodes the given tokens; each rank saves every
+step's logits and the graph counts to OUT.RANK.
+
+    python -m torch.distributed.run --nproc-per-node N tests/parallel_worker.py JOB.json
+    JOB: {"out": path, "cases": [{"name", "path", "overrides", "compile", "seq", "prompt", "max_seq",
+          "rank_overrides" / "rank_path": {rank: ...}}]}
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def main(job_path: str) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    import zoo
+
+    job = json.loads(open(job_path).read())
+    results = {}
+    for case in job["cases"]:
+        t0 = time.perf_counter()
+        try:
+            # rank_overrides / rank_path: what one rank gets differently (the disagreement tests)
+            overrides = case["overrides"] + case.get("rank_overrides", {}).get(str(rank), [])
+            path = case.get("rank_path", {}).get(str(rank), case["path"])
+            m = zoo.from_pretrained(path, compile=case["compile"], max_batch=len(case["seq"]),
+                                    max_seq=case.get("max_seq", 48), overrides=overrides)
+            seq = torch.tensor(case["seq"])
+            L = case["prompt"]
+            steps = [m.prefill(seq[:, :L])]
+            for t in range(L, seq.shape[1]):
+                steps.append(m.decode(seq[:, t]))
+            results[case["name"]] = {"logits": steps, "graphs": m.engine.graph_counts(),
+                                     "param_bytes": m.info.param_bytes, "cache_bytes": m.info.cache_bytes,
+                                     "parallel": m.info.parallel}
+        except Exception as e:  # reported to the test, which fails with it
+            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        line = (f"rank {rank}: {case['name']} {'error' if 'error' in results[case['name']] else 'done'} "
+                f"in {time.perf_counter() - t0:.1f} s")
+        print(line, flush=True)
+        with open(f"{job['out']}.{rank}.log", "a") as f:  # progress, readable while the run goes on
+            f.write(line + "\n")
+    torch.save(results, f"{job['out']}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,335 @@
+"""Tensor and expert parallelism (runtime.parallel.tp / ep) equal to one process.
+
+Tiny random checkpoints saved by transformers (Llama with biases, DeepSeek-V3: MLA + experts,
+Qwen3-Next with fewer kv / key heads than ranks, GLM-5: DSA) are loaded by 2 and 4 ranks of a
+torchrun launch (gloo, CPU, spawned processes: tests/parallel_worker.py), each reading only its
+slices; prefill and every decode step must equal the single-process logits (<= 1e-5 relative,
+float32) on every rank, eager and compiled (the all-reduces inside the block graphs, one graph
+per entry point). The sharding plan and its errors are also checked without processes, on meta.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import zoo
+from zoo.compiler.errors import ConfigError
+from zoo.compiler.model import build_model
+from zoo.compiler.parallel.mesh import Mesh
+from zoo.compiler.parallel.plan import shard_model
+from zoo.compiler.spec import validate
+from zoo.compiler.config import compose
+from tests.helpers import assert_logits_close, save_reference
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT, STEPS, BATCH, MAX_SEQ = 9, 3, 2, 32
+RANK_TIMEOUT = 1800  # seconds for one torchrun launch (all its cases); 2 shared cores are slow
+
+
+def _llama(path):
+    from tests.test_llama import make_reference
+
+    make_reference(path, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True), {})
+
+
+def _deepseek_v3(path):
+    from tests.test_deepseek_v3 import make_reference
+
+    make_reference(path, {}, {"max_shard_size": "150KB"})
+
+
+def _qwen3_next(path):
+    from tests.test_qwen3_next import randomize, tiny_config
+
+    torch.manual_seed(0)
+    # one kv head (gated attention) and one key head (DeltaNet): more ranks than either
+    ref = transformers.Qwen3NextForCausalLM(tiny_config(num_key_value_heads=1, linear_num_key_heads=1)).eval()
+    randomize(ref)
+    save_reference(ref, path)
+
+
+def _glm5(path):
+    from tests.test_glm5 import make_reference
+
+    make_reference("glm", path)
+
+
+MODELS = {"llama": (_llama, []), "deepseek_v3": (_deepseek_v3, []),
+          "qwen3_next": (_qwen3_next, ["mixers.linear.chunk_size=4"]), "glm5": (_glm5, [])}
+# per world size: the parallel overrides of each model (experts split over ep, tp splitting heads)
+LAYOUTS = {
+    2: {"llama": ["runtime.parallel.tp=2"], "deepseek_v3": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "qwen3_next": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "glm5": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
+    # ep=2 of 4 ranks: each expert's hidden width split over 2 ranks too
+    4: {"llama": ["runtime.parallel.tp=4"], "deepseek_v3": ["runtime.parallel.tp=4", "runtime.parallel.ep=2"],
+        "qwen3_next": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"],
+        "glm5": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"]},
+}
+# compiled: every model on 2 ranks, DeepSeek-V3 (MLA + experts over ep=2, their F over 2) on 4
+COMPILED = {2: ["llama", "deepseek_v3", "qwen3_next", "glm5"], 4: ["deepseek_v3"]}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """{model: (checkpoint dir, token sequence [B, PROMPT + STEPS], single-process logits per step)}."""
+    out = {}
+    for name, (make, overrides) in MODELS.items():
+        path = tmp_path_factory.mktemp(name)
+        make(path)
+        m = zoo.from_pretrained(str(path), compile=False, max_batch=BATCH, max_seq=MAX_SEQ, overrides=overrides)
+        seq = torch.randint(0, m.spec.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+        logits = [m.prefill(seq)]
+        for _ in range(STEPS):
+            tok = logits[-1][:, -1].argmax(-1) if logits[-1].dim() == 3 else logits[-1].argmax(-1)
+            seq = torch.cat((seq, tok[:, None]), dim=1)
+            logits.append(m.decode(tok))
+        out[name] = (path, seq, logits, m.info.param_bytes)
+    return out
+
+
+def run_ranks(n: int, cases: list[dict], tmp: Path) -> list[dict]:
+    """Run the cases on n ranks (torchrun, gloo); returns each rank's results."""
+    job = tmp / f"job{n}.json"
+    job.write_text(json.dumps({"out": str(tmp / f"out{n}"), "cases": cases}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+           str(ROOT / "tests" / "parallel_worker.py"), str(job)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        log, _ = proc.communicate(timeout=RANK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{n} ranks did not finish in {RANK_TIMEOUT} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    return [torch.load(tmp / f"out{n}.{r}") for r in range(n)]
+
+
+def _cases(references, n: int, compile: bool) -> list[dict]:
+    cases = []
+    for name, (path, seq, _, _) in references.items():
+        if compile and name not in COMPILED[n]:
+            continue
+        cases.append({"path": str(path), "seq": seq.tolist(), "prompt": PROMPT, "max_seq": MAX_SEQ,
+                      "name": f"{name}/{'compiled' if compile else 'eager'}", "compile": compile,
+                      "overrides": MODELS[name][1] + LAYOUTS[n][name]})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def two_ranks(references, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ranks2")
+    cases = _cases(references, 2, compile=False)
+    llama = references["llama"][0]
+    # ranks that disagree: on the config (rank 1 another norm eps), on the checkpoint (rank 1 a copy
+    # with one tensor stored in another dtype)
+    other = tmp / "llama_bf16"
+    other.mkdir()
+    (other / "config.json").write_text((llama / "config.json").read_text())
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].bfloat16()
+    save_file(tensors, other / "model.safetensors")
+    base = {"seq": references["llama"][1].tolist(), "prompt": PROMPT, "compile": False,
+            "overrides": LAYOUTS[2]["llama"]}
+    cases.append({**base, "name": "disagree/config", "path": str(llama), "rank_overrides": {"1": ["norm.eps=1e-3"]}})
+    cases.append({**base, "name": "disagree/checkpoint", "path": str(llama), "rank_path": {"1": str(other)}})
+    return run_ranks(2, cases, tmp)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_compiled(references, tmp_path_factory):
+    return run_ranks(2, _cases(references, 2, compile=True), tmp_path_factory.mktemp("ranks2c"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(references, tmp_path_factory):
+    return run_ranks(4, _cases(references, 4, compile=False) + _cases(references, 4, compile=True),
+                     tmp_path_factory.mktemp("ranks4"))
+
+
+def _check(references, ranks: list[dict], n: int, mode: str) -> None:
+    for name, (_, _, expected, full_bytes) in references.items():
+        if mode == "compiled" and name not in COMPILED[n]:
+            continue
+        for rank, results in enumerate(ranks):
+            got = results[f"{name}/{mode}"]
+            assert "error" not in got, f"{name}/{mode} rank {rank}: {got.get('trace')}"
+            assert len(got["logits"]) == len(expected)
+            for step, (a, e) in enumerate(zip(got["logits"], expected)):
+                what = "prefill" if step == 0 else f"decode step {step}"
+                assert_logits_close(a, e, 1e-5, f"{name} {mode} {n} ranks, rank {rank}, {what}")
+            # each rank holds its share: less than the whole model
+            assert got["param_bytes"] < full_bytes
+            if mode == "compiled":
+                # one graph per layer kind per entry point, the all-reduces inside them
+                kinds = {"llama": 1, "deepseek_v3": 2, "qwen3_next": 2, "glm5": 2}[name]
+                assert got["graphs"] == {"prefill": kinds, "decode": kinds}, got["graphs"]
+
+
+def test_two_ranks_equal_one_process(references, two_ranks):
+    _check(references, two_ranks, 2, "eager")
+
+
+def test_two_ranks_compiled_equal_one_process(references, two_ranks_compiled):
+    """The all-reduces inside inductor's CPU graphs (gloo): one graph per layer kind per entry point."""
+    _check(references, two_ranks_compiled, 2, "compiled")
+
+
+def test_four_ranks_equal_one_process(references, four_ranks):
+    _check(references, four_ranks, 4, "eager")
+    _check(references, four_ranks, 4, "compiled")
+
+
+def test_ranks_that_disagree_are_refused(two_ranks):
+    for results in two_ranks:
+        assert "the ranks disagree on the config" in results["disagree/config"]["error"]
+        assert "the ranks disagree on the checkpoint" in results["disagree/checkpoint"]["error"]
+
+
+def test_vocab_parallel_head_and_local_caches(two_ranks):
+    got = two_ranks[0]["deepseek_v3/eager"]
+    assert got["parallel"]["head"] == "vocab-parallel"
+    assert got["parallel"]["tp"] == 2 and got["parallel"]["ep"] == 2
+
+
+# ----------------------------------------------------------------------------- the plan on meta
+
+
+def _mesh(size: int, rank: int, tp: int, ep: int) -> Mesh:
+    return Mesh(size=size, rank=rank, tp=tp, ep=ep, group_name="unused", device=torch.device("cpu"))
+
+
+def _meta(conf: str, overrides=()):
+    return build_model(validate(compose(conf, list(overrides)), source=f"conf/{conf}.yaml"))
+
+
+def test_plan_shapes_deepseek_v3_tp8_ep8():
+    """The full-size DeepSeek-V3 on meta, rank 3 of 8: heads, experts and cache cut as declared."""
+    model = _meta("deepseek_v3")
+    report = shard_model(model, _mesh(8, 3, 8, 8))
+    mla, moe = model.layers[5].mixer, model.layers[5].ffn
+    assert mla.n_heads == 16 and tuple(mla.wq_b.weight.shape) == (16 * 192, 1536)
+    assert tuple(mla.wkv_a.weight.shape) == (576, 7168)  # latent projection replicated
+    assert mla.cache_fields(1, 10, torch.bfloat16)["kv"].shape == (1, 1, 10, 576)  # latent cache replicated
+    assert tuple(moe.w13.shape) == (32, 2 * 2048, 7168) and moe.local == (96, 128)
+    assert tuple(moe.router.weight.shape) == (256, 7168)
+    assert report.slices["layers.5.ffn.w13"].ranges(0) == ((96, 128),)
+    assert report.head == "vocab-parallel" and tuple(model.head.weight.shape) == (129280 // 8, 7168)
+
+
+def test_plan_replicates_kv_heads_when_fewer_than_ranks():
+    model = _meta("llama3_8b_tiny", ["mixers.attn.n_heads=8", "mixers.attn.n_kv_heads=2"])
+    shard_model(model, _mesh(4, 3, 4, 1))
+    attn = model.layers[0].mixer
+    assert (attn.n_heads, attn.n_kv_heads) == (2, 1)
+
+
+@pytest.mark.parametrize("conf, overrides, match", [
+    ("llama3_8b_tiny", ["mixers.attn.n_heads=6", "mixers.attn.n_kv_heads=2", "mixers.attn.head_dim=16"], r"mixers.attn.n_heads=6 does not divide by 4"),
+    ("llama3_8b_tiny", ["mixers.attn.n_heads=12", "mixers.attn.n_kv_heads=3", "mixers.attn.head_dim=16"], r"mixers.attn.n_kv_heads=3 does not divide"),
+    ("deepseek_v3_tiny", ["ffns.moe.n_experts=6", "ffns.moe.n_group=1", "ffns.moe.topk_group=1"],
+     r"ffns.moe.n_experts=6 does not divide by 4"),
+])
+def test_plan_errors_name_the_key(conf, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        shard_model(_meta(conf, overrides), _mesh(4, 0, 4, 4))
+
+
+def test_kind_without_a_plan_is_refused():
+    with pytest.raises(ConfigError, match="declares no sharding plan"):
+        shard_model(_meta("deepseek_v4_flash_tiny"), _mesh(2, 0, 2, 1))
+
+
+def test_tp_without_a_process_group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="needs a process group: launch under `torchrun --nproc-per-node 2"):
+        zoo.build("llama3_8b_tiny", overrides=["runtime.parallel.tp=2"], compile=False)
+
+
+# ----------------------------------------------------------------------------- zoo report tp / ep
+
+
+def test_report_per_rank_llama3_8b(capsys):
+    from zoo.cli import main
+    from zoo.compiler.analysis import analyze, parallel_plan
+
+    spec = validate(compose("llama3_8b", []), source="conf/llama3_8b.yaml")
+    full = analyze(spec, context=8192, device="h200")
+    p = parallel_plan(spec, 8, 1, context=8192, device="h200")
+    # 8 kv heads split 8 ways: an eighth of the KV cache per rank; the head is vocab-parallel, the
+    # embedding (128256 x 4096) and the norms replicated
+    assert p["cache_bytes_per_token_per_rank"] * 8 == full["cache_bytes_per_token"]
+    assert p["head"] == "vocab-parallel"
+    dim, vocab, layers = 4096, 128256, 32
+    replicated = vocab * dim + (2 * layers + 1) * dim
+    assert p["params_per_rank"] == (full["params_total"] - replicated) // 8 + replicated
+    free = 141.0e9 - p["weight_bytes_per_rank"]
+    assert p["max_batch_at_context"] == int(free // (p["cache_bytes_per_token_per_rank"] * 8192))
+    # 16 GB of bf16 weights fit one H200 at every width
+    assert p["devices_needed"] == {"bf16": 1, "fp8": 1, "int4": 1}
+    assert main(["report", "conf=llama3_8b", "device=h200", "tp=8", "context=8192"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank (tp=8 ep=1)" in out and "devices needed" in out
+
+
+def test_devices_needed_deepseek_v3():
+    """671 B parameters on 141 GB H200s: 1342 GB at bf16 -> 16 devices, 671 GB at fp8 -> 8, 336 GB
+    at int4 -> 4 (the replicated embedding, latent projections and routers fit in the rest)."""
+    from zoo.compiler.analysis import devices_needed
+
+    spec = validate(compose("deepseek_v3", []), source="conf/deepseek_v3.yaml")
+    assert devices_needed(spec, 141.0e9, context=4096, batch=1) == {"bf16": 16, "fp8": 8, "int4": 4}
+
+
+# ----------------------------------------------------------------------------- sliced loading
+
+
+def test_rank_reads_only_its_slices(tmp_path):
+    """Rank 1 of 2 loads a Llama checkpoint (biases, fused q|k|v and gate|up rules): every
+    parameter equals its slice of the whole load, sliced tensors come through read_part (never a
+    whole read), the row-parallel biases are zero on this rank, and it reads about half the bytes."""
+    from tests.test_llama import make_reference
+    from zoo.compiler.checkpoint.loader import execute, plan_load
+    from zoo.compiler.checkpoint.rules import checkpoint_stages
+    from zoo.compiler.checkpoint.safetensors_source import SafetensorsSource
+    from zoo.compiler.hf_import import import_config
+    from zoo.compiler.model import materialize
+
+    make_reference(tmp_path, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True), {})
+    source = SafetensorsSource(tmp_path)
+    spec = validate(import_config(source.config(), source.description), source=source.description)
+    whole = materialize(build_model(spec), "cpu", torch.float32)
+    whole_plan = plan_load(whole, source, checkpoint_stages(source, spec))
+    execute(whole_plan, whole, source)
+
+    model = build_model(spec)
+    report = shard_model(model, _mesh(2, 1, 2, 1))
+    source = SafetensorsSource(tmp_path)
+    full_reads, part_reads = [], []
+    read, read_part = source.read, source.read_part
+    source.read = lambda name: full_reads.append(name) or read(name)
+    source.read_part = lambda name, part: part_reads.append(name) or read_part(name, part)
+    plan = plan_load(model, source, checkpoint_stages(source, spec), slices=report.slices)
+    model = materialize(model, "cpu", torch.float32)
+    execute(plan, model, source)
+    expected = dict(whole.named_parameters())
+    for name, p in model.named_parameters():
+        s = report.slices.get(name)
+        want = expected[name] if s is None else torch.zeros(s.local_shape()) if s.zero else s.apply(expected[name])
+        assert torch.equal(p, want), name
+    assert full_reads == [] and "model.layers.0.self_attn.k_proj.weight" in part_reads
+    assert not model.layers[0].mixer.wo.bias.any() and not model.layers[0].ffn.w2.bias.any()
+    assert 0.45 < plan.bytes_to_read / whole_plan.bytes_to_read < 0.7  # the embedding is replicated
