@@ -10,8 +10,8 @@ transformers' models of the flagship configs built on the meta device.
 """
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,7 +23,9 @@ from zoo.compiler.config import load_config
 from zoo.compiler.errors import ConfigError
 from zoo.compiler.hf_import import import_config
 from zoo.compiler.spec import validate
-from tests.helpers import check_decode_equals_prefill, check_parity, populate_hub_cache, save_reference
+from tests.deepseek_v3_fixtures import add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
+from tests.helpers import (assert_logits_close, check_decode_equals_prefill, check_parity, populate_hub_cache,
+                           save_reference)
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,42 +65,32 @@ def _glm4_moe(**kw):
 
 
 VARIANTS = {
-    # name: (config, batch); the first variant of each family is also run compiled
-    "qwen3_moe": (_qwen3_moe, {}, 2),
-    "qwen3_moe_unnormalised": (_qwen3_moe, dict(norm_topk_prob=False, attention_bias=True), 1),
-    "mixtral": (_mixtral, {}, 2),
-    "deepseek_v2": (_deepseek_v2, {}, 2),
+    # name: (config, overrides, batch, save kwargs); the first variant of each family also runs compiled
+    "qwen3_moe": (_qwen3_moe, {}, 2, {}),
+    "qwen3_moe_unnormalised": (_qwen3_moe, dict(norm_topk_prob=False, attention_bias=True), 1, {}),
+    "mixtral": (_mixtral, {}, 2, {}),
+    "deepseek_v2": (_deepseek_v2, {}, 2, {}),
     "deepseek_v2_lite": (_deepseek_v2, dict(q_lora_rank=None, topk_method="greedy", n_group=None, topk_group=None,
-                                            routed_scaling_factor=1.0), 2),
-    "glm4_moe": (_glm4_moe, {}, 2),
-    "glm4_moe_air": (_glm4_moe, dict(use_qk_norm=False, routed_scaling_factor=1.0), 1),
+                                            routed_scaling_factor=1.0), 2, {}),
+    "glm4_moe": (_glm4_moe, {}, 2, {"max_shard_size": "100KB"}),  # sharded: the MTP test adds a shard
+    "glm4_moe_air": (_glm4_moe, dict(use_qk_norm=False, routed_scaling_factor=1.0), 1, {}),
 }
 COMPILED = {"qwen3_moe": 1, "mixtral": 1, "deepseek_v2": 2, "glm4_moe": 2}  # layer kinds (dense, MoE)
-
-
-@torch.no_grad()
-def randomize(model: torch.nn.Module) -> None:
-    """What transformers initialises to constants made random, so that a misplaced one shows:
-    norms away from 1, the selection bias (a zero buffer) on the scale of the sigmoid scores."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-        elif name.endswith("bias"):
-            p.normal_(0.0, 0.3)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.normal_(0.0, 0.1)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = {}
-    for name, (make, kw, batch) in VARIANTS.items():
+    for name, (make, kw, batch, save_kwargs) in VARIANTS.items():
         path = tmp_path_factory.mktemp(name)
         torch.manual_seed(0)
         ref = transformers.AutoModelForCausalLM.from_config(make(**kw)).eval()
-        randomize(ref)
-        save_reference(ref, path)
+        randomize(ref)  # norms away from 1, a non-zero selection bias
+        with torch.no_grad():  # the attention biases transformers zeroes
+            for p_name, p in ref.named_parameters():
+                if p_name.endswith("proj.bias"):
+                    p.normal_(0.0, 0.3)
+        save_reference(ref, path, **save_kwargs)
         out[name] = (ref, path, batch)
     return out
 
@@ -148,6 +140,44 @@ def test_mixtral_checkpoint_keeps_hub_names(references):
     assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in keys
     assert "model.layers.0.block_sparse_moe.gate.weight" in keys
     assert not any(".mlp." in k for k in keys)
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(references, tmp_path_factory):
+    """The glm4_moe checkpoint plus the MTP layer GLM-4.5 stores as model.layers.{n_layers}
+    (transformers builds none): a MoE decoder block, enorm, hnorm, eh_proj, shared_head.norm; it
+    reads the main embedding and lm_head (mtp.share_embeddings), so none of its own are stored."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
+
+    ref, src, _ = references["glm4_moe"]
+    path = tmp_path_factory.mktemp("glm4_moe_mtp")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    block, extra = make_mtp_layer(ref.config, layer_cls=Glm4MoeDecoderLayer)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0.0, 0.3)
+    extra.update({"embed_tokens.weight": ref.model.embed_tokens.weight.detach(),
+                  "shared_head.head.weight": ref.lm_head.weight.detach()})
+    tensors = {k: v for k, v in mtp_hub_tensors(block, extra, ref.config.num_hidden_layers).items()
+               if not k.endswith(("embed_tokens.weight", "shared_head.head.weight"))}
+    add_shard(path, "model-mtp.safetensors", tensors)
+    return ref, path, block, extra, sorted(tensors)
+
+
+def test_glm_mtp_layer(glm_mtp):
+    """checkpoint.mtp=true fills the MTP layer from model.layers.{n} (its logits for token t + 2
+    match a hand-written reference over the same tensors); the default skips it with a reason."""
+    ref, path, block, extra, names = glm_mtp
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=48, overrides=["checkpoint.mtp=true"])
+    ids = torch.randint(0, VOCAB, (2, 12))
+    logits, (mtp,) = m.prefill(ids, return_mtp=True)
+    assert_logits_close(logits, ref(ids).logits, 1e-4, "main logits")
+    assert_logits_close(mtp, mtp_reference(ref, block, extra, ids), 1e-4, "mtp logits")
+    plain = zoo.from_pretrained(str(path), compile=False, max_seq=16)
+    skipped = dict(plain.info.load.ignored)
+    assert len(plain.module.mtp) == 0 and sorted(skipped) == names
+    assert all("multi-token-prediction" in why for why in skipped.values())
 
 
 HUB_SCRIPT = """
