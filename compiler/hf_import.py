@@ -4,6 +4,7 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     fields:                      # zoo key: config.json key (dotted keys reach into sub-dicts)
       dim: hidden_size           #   required in config.json
       mixers.attn.head_dim: {key: head_dim, default: null}   # optional
+      mixers.attn.q_lora_rank: {key: q_lora_rank, default: 1536, nullable: true}  # null kept as null
       mixers.attn.rotary_fraction: {key: [rope_parameters.partial_rotary_factor,
                                           partial_rotary_factor], default: 1.0}  # first present
     expect: {hidden_act: silu}   # values the zoo modules assume; anything else is an error
@@ -240,7 +241,10 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     for zoo_key, rule in spec["fields"].items():
         key, default = (rule["key"], rule.get("default", _ABSENT)) if isinstance(rule, dict) else (rule, _ABSENT)
         value = _get_first(config, key)
-        if value is _ABSENT or value is None:
+        if value is _ABSENT and isinstance(rule, dict) and rule.get("nullable") \
+                and any(_get(config, k) is None for k in (key if isinstance(key, list) else [key])):
+            value = None  # nullable: an explicit null means null; the default is for an absent key
+        elif value is _ABSENT:
             if default is _ABSENT:
                 raise ConfigError(f"{where}: config.json lacks required key {key!r} (for {zoo_key}; "
                                   f"see {spec['file']})")

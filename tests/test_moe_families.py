@@ -10,6 +10,7 @@ transformers' models of the flagship configs built on the meta device.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -365,3 +366,31 @@ def test_greedy_ignores_groups_as_transformers_does():
     assert (moe.n_group, moe.topk_group) == (1, 1)
     limited = validate(import_config(REAL_CONFIGS["deepseek_v2"], "c"), "c").ffns["moe"]
     assert (limited.n_group, limited.topk_group, limited.group_score) == (8, 3, "max")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe", "deepseek_v3"])
+def test_import_defaults_are_the_config_class_defaults(model_type):
+    """A config.json that leaves out every key the import map gives a default for imports to the
+    same model as one that spells out the config class's defaults."""
+    from omegaconf import OmegaConf
+    from zoo.compiler.config import conf_dir
+
+    full = transformers.AutoConfig.for_model(model_type).to_dict()
+    full["num_attention_heads"] = 32  # Glm4MoeConfig's 96 heads do not divide its hidden_size 4096
+    full["num_experts_per_tok"] = full["num_experts_per_tok"] or 6  # DeepseekV2Config leaves it None
+    spec = OmegaConf.to_container(OmegaConf.load(conf_dir() / "hf" / f"{model_type}.yaml"))
+    sparse = json.loads(json.dumps(full))
+    for rule in spec["fields"].values():
+        if not (isinstance(rule, dict) and "default" in rule):
+            continue
+        for key in rule["key"] if isinstance(rule["key"], list) else [rule["key"]]:
+            *parents, leaf = key.split(".")
+            node = sparse
+            for p in parents:
+                node = node.get(p) or {}
+            node.pop(leaf, None)
+    for key in (spec.get("cases") or {}):
+        sparse.pop(key, None)
+    a, b = (validate(import_config(c, "config.json"), "config.json") for c in (full, sparse))
+    assert (a.mixers, a.ffns, a.layers, a.rope, a.norm, a.max_position, a.tie_embeddings, a.mtp) == \
+           (b.mixers, b.ffns, b.layers, b.rope, b.norm, b.max_position, b.tie_embeddings, b.mtp)
