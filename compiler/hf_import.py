@@ -4,10 +4,17 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     fields:                      # zoo key: config.json key (dotted keys reach into sub-dicts)
       dim: hidden_size           #   required in config.json
       mixers.attn.head_dim: {key: head_dim, default: null}   # optional
+      mixers.attn.q_lora_rank: {key: q_lora_rank, default: 1536, nullable: true}  # null kept as null
       mixers.attn.rotary_fraction: {key: [rope_parameters.partial_rotary_factor,
                                           partial_rotary_factor], default: 1.0}  # first present
     expect: {hidden_act: silu}   # values the zoo modules assume; anything else is an error
     set: {mixers.attn.index_rope_interleaved: false}   # fixed for this model_type (config.json never says)
+    cases:                       # a config.json value -> the zoo settings it implies (after fields)
+      topk_method:
+        default: greedy          #   the config class's value when config.json leaves the key out
+        values:                  #   any other value is an error naming the accepted ones
+          greedy: {ffns.moe.n_group: 1, ffns.moe.topk_group: 1}
+          group_limited_greedy: {ffns.moe.group_score: max}
     rope: rope                   # zoo key that receives the rope spec
     layout_from:                 # per-layer kinds -> `layout` (compressed into a pattern or runs)
       key: layer_types           #   a list with one kind name per layer, or else
@@ -200,6 +207,24 @@ def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: s
     raise ConfigError(f"{where}: unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)")
 
 
+def cases_from_hf(config: dict, cases: dict, where: str, file: str) -> dict:
+    """The zoo settings the import map's `cases` give for config.json's values: {zoo key: value}.
+    A key's value selects one entry of its `values`; an absent key takes `default`; a value
+    with no entry is an error (the modules would build a different model)."""
+    out: dict = {}
+    for key, case in cases.items():
+        value = _get(config, key)
+        if value is _ABSENT or value is None:
+            value = case.get("default", _ABSENT)
+            if value is _ABSENT:
+                raise ConfigError(f"{where}: config.json lacks required key {key!r} (see {file})")
+        if value not in case["values"]:
+            raise ConfigError(f"{where}: {key}={value!r} is not supported (expected one of "
+                              f"{sorted(case['values'])}; see {file})")
+        out.update(case["values"][value])
+    return out
+
+
 def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> DictConfig:
     """A composed zoo config (DictConfig) reproducing config.json's architecture."""
     specs = import_specs()
@@ -216,13 +241,18 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     for zoo_key, rule in spec["fields"].items():
         key, default = (rule["key"], rule.get("default", _ABSENT)) if isinstance(rule, dict) else (rule, _ABSENT)
         value = _get_first(config, key)
-        if value is _ABSENT or value is None:
+        if value is _ABSENT and isinstance(rule, dict) and rule.get("nullable") \
+                and any(_get(config, k) is None for k in (key if isinstance(key, list) else [key])):
+            value = None  # nullable: an explicit null means null; the default is for an absent key
+        elif value is _ABSENT:
             if default is _ABSENT:
                 raise ConfigError(f"{where}: config.json lacks required key {key!r} (for {zoo_key}; "
                                   f"see {spec['file']})")
             value = default
         OmegaConf.update(cfg, zoo_key, value, merge=False)
     for zoo_key, value in (spec.get("set") or {}).items():
+        OmegaConf.update(cfg, zoo_key, value, merge=False)
+    for zoo_key, value in cases_from_hf(config, spec.get("cases") or {}, where, spec["file"]).items():
         OmegaConf.update(cfg, zoo_key, value, merge=False)
     if spec.get("rope"):
         # `rope: KEY` or `rope: {to: KEY, theta_default: X}` (the value a config.json without

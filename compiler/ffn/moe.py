@@ -21,6 +21,14 @@ Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
   routed_scaling_factor weights multiplied by it
   swiglu_limit          experts (routed and shared) clamp their pre-activations (see ffn.py)
 
+The routings the shipped families use, as combinations of these options:
+  softmax, top-k renormalised        scoring softmax, norm_topk_prob true (Mixtral; Qwen3-MoE's flag)
+  softmax, top-k as is, scaled       norm_topk_prob false, routed_scaling_factor (DeepSeek-V2 greedy)
+  group-limited softmax              + n_group, topk_group, group_score max (a group scores its best
+                                     expert: DeepSeek-V2 group_limited_greedy)
+  sigmoid + selection bias           scoring sigmoid, score_correction_bias, group_score top2_sum,
+                                     shared experts (DeepSeek-V3 noaux_tc, GLM-4.5 with n_group 1)
+
 Expert weights are stacked: w13 [E, 2F, D] (gate rows, then up rows) and w2 [E, D, F]; checkpoint
 rules fill them expert by expert (`stack: expert`). Neither entry point loops over experts in
 the graph:
