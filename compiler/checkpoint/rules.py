@@ -175,6 +175,12 @@ def _rule_entries(name: str, chain: tuple[str, ...]):
     includes = data.get("include") or []
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise CheckpointError(f"{where}: include must be a list of rule file names, got {includes!r}")
+    included = []
+    for inc in includes:
+        inc_kind, inc_entries = _rule_entries(inc, (*chain, name))
+        if inc_kind != kind:
+            raise CheckpointError(f"{where}: includes {inc!r}, a {inc_kind!r} stage, into a {kind!r} stage")
+        included.append(inc_entries)
     lists: dict[str, list] = {"map": [], "ignore": []}
     for lst in lists:
         own = {}
@@ -185,10 +191,7 @@ def _rule_entries(name: str, chain: tuple[str, ...]):
                 raise CheckpointError(f"{at}: 'from' {key!r} is already given by {own[key][1]}")
             own[key] = (key, at, item)
         inherited: dict[str, tuple] = {}
-        for inc in includes:
-            inc_kind, inc_entries = _rule_entries(inc, (*chain, name))
-            if inc_kind != kind:
-                raise CheckpointError(f"{where}: includes {inc!r}, a {inc_kind!r} stage, into a {kind!r} stage")
+        for inc_entries in included:
             for entry in inc_entries[lst]:
                 prev = inherited.get(entry[0])
                 if prev is not None and prev[1] != entry[1] and entry[0] not in own:
