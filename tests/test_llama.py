@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import (build_references, check_decode_equals_prefill, check_parity, populate_hub_cache,
-                           save_reference)
+from tests.helpers import (assert_logits_close, build_references, check_decode_equals_prefill, check_parity,
+                           populate_hub_cache, save_reference)
 
 transformers = pytest.importorskip("transformers")
 
