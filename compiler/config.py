@@ -23,24 +23,57 @@ def conf_dir() -> Path:
     return Path(str(resources.files("zoo.conf")))
 
 
-def rules_dir() -> Path:
-    """Checkpoint rule files (conf/rules/NAME.yaml)."""
-    return conf_dir() / "rules"
-
-
 def user_conf_dir() -> Path:
-    """Where `zoo import` writes configs: $ZOO_CONF_DIR, else ~/.config/zoo/conf. Its YAML files
-    are usable as conf=NAME next to the shipped ones, with the shipped groups."""
+    """The user conf dir: $ZOO_CONF_DIR, else ~/.config/zoo/conf. `zoo import` writes presets
+    there; it may hold presets (NAME.yaml), import maps (hf/), rule files (rules/) and GGUF maps
+    (gguf/) of its own, found after the shipped ones (see conf_files)."""
     return Path(os.environ.get("ZOO_CONF_DIR") or Path.home() / ".config" / "zoo" / "conf")
+
+
+# The kinds of conf file looked up by name over the search path: "" (presets, conf=NAME),
+# "hf" (import maps), "rules" (checkpoint rules), "gguf" (GGUF metadata maps).
+CONF_KINDS = ("", "hf", "rules", "gguf")
+
+
+def conf_search_path() -> list[Path]:
+    """Where conf files are looked up, in order: the shipped conf/, then the user conf dir."""
+    return [conf_dir(), user_conf_dir()]
+
+
+def conf_label(path: Path) -> str:
+    """How messages name a conf file: conf/KIND/NAME.yaml when shipped, else its full path."""
+    try:
+        return "conf/" + path.relative_to(conf_dir()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def conf_files(kind: str) -> dict[str, Path]:
+    """Every conf file of `kind` (one of CONF_KINDS) by name, over the search path: the shipped
+    ones, then the user conf dir's. A user file may not reuse a shipped name (it would shadow or
+    be shadowed silently): that is a ConfigError naming both; build on a shipped file instead
+    (`defaults:` for presets, `include:` for rules)."""
+    if kind not in CONF_KINDS:
+        raise ValueError(f"conf kind {kind!r}: expected one of {CONF_KINDS}")
+    found: dict[str, Path] = {}
+    for root in conf_search_path():
+        folder = root / kind if kind else root
+        for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            if path.stem in found and found[path.stem] != path:
+                raise ConfigError(f"{path} has the same name as {conf_label(found[path.stem])}; a user conf "
+                                  f"file may not replace a shipped one: give it another name")
+            found.setdefault(path.stem, path)
+    return found
+
+
+def find_conf(kind: str, name: str) -> Path | None:
+    """"The conf file NAME of kind K": its path over the search path, or None."""
+    return conf_files(kind).get(name)
 
 
 def available_configs() -> list[str]:
     """Names usable as conf=NAME (top-level YAML files of conf/ and of the user conf dir)."""
-    user = user_conf_dir()
-    names = {p.stem for p in conf_dir().glob("*.yaml")}
-    if user.is_dir():
-        names |= {p.stem for p in user.glob("*.yaml")}
-    return sorted(names)
+    return sorted(conf_files(""))
 
 
 def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -50,12 +83,13 @@ def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if name not in available_configs():
+    path = find_conf("", name)
+    if path is None:
         raise ConfigError(f"unknown conf {name!r}; available: {', '.join(available_configs())}")
     primary, extra = conf_dir(), []
-    if not (primary / f"{name}.yaml").exists():
-        # an imported conf: its own directory first, the shipped groups on the search path
-        primary, extra = user_conf_dir(), [f"hydra.searchpath=[file://{conf_dir()}]"]
+    if path.parent != primary:
+        # a user conf: its own directory first, the shipped groups and presets on the search path
+        primary, extra = path.parent, [f"hydra.searchpath=[file://{conf_dir()}]"]
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None, job_name="zoo"):
             cfg = hydra_compose(config_name=name, overrides=extra + list(overrides))

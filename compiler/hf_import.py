@@ -27,6 +27,11 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     #      pending: {compressed_sparse_attention: "why not yet"}}    # -> "not yet supported"
     #   - {key: mlp_layer_types, first_n: {key: num_hash_layers, kind: hash_moe, other: moe},
     #      kinds: {hash_moe: {ffn: moe_hash}, moe: {ffn: moe}}}
+    #   - {key: layer_types, absent: full_attention, kinds: {...}}  # no such key: every layer that kind
+    irrelevant:                  # config.json keys that do not change inference, with the reason
+      initializer_range: training-time init
+    # Every config.json key must be covered: by fields, expect, the rope / layout readers,
+    # irrelevant, or conf/hf/common.yaml (keys of every PretrainedConfig); any other key is an error.
 """
 from __future__ import annotations
 
@@ -38,19 +43,97 @@ from .config import compose, conf_dir
 from .errors import ConfigError
 
 _ABSENT = object()
-QUANTIZATION_TABLE = "quantization.yaml"  # conf/hf/: quant_method -> rule stages
+# conf/hf/ files that are not import maps: the quantization table and the keys every config has
+QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
+COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
+IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "set", "rope", "layout_from", "irrelevant"}
+# config.json keys the rope reader consumes (rope_from_hf), and the keys it reads inside
+# rope_parameters / rope_scaling for each rope type
+ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
+ROPE_PARAM_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "linear": {"rope_type", "type", "rope_theta", "factor"},
+    "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"},
+    "yarn": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"},
+}
+ADDING_A_FAMILY = "docs/adding-a-family.md"
 
 
 def import_specs() -> dict[str, dict]:
-    """model_type -> its import spec (conf/hf/*.yaml)."""
-    out = {}
-    for path in sorted((conf_dir() / "hf").glob("*.yaml")):
-        if path.name == QUANTIZATION_TABLE:  # the quantization table, not a model_type
+    """model_type -> its import map (conf/hf/*.yaml, then the user conf dir's hf/*.yaml), with
+    `file` naming where it came from. Two files for one model_type are an error."""
+    from .config import conf_files, conf_label
+
+    out: dict[str, dict] = {}
+    for name, path in conf_files("hf").items():
+        if name in (QUANTIZATION_TABLE, COMMON_KEYS):
             continue
-        data = OmegaConf.to_container(OmegaConf.load(path))
-        data["file"] = f"conf/hf/{path.name}"
+        data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        label = conf_label(path)
+        unknown = sorted(set(data) - IMPORT_MAP_KEYS)
+        if unknown:
+            raise ConfigError(f"{label}: unknown key(s) {unknown}; an import map has {sorted(IMPORT_MAP_KEYS)} "
+                              f"(see {ADDING_A_FAMILY})")
+        if "model_type" not in data:
+            raise ConfigError(f"{label}: an import map needs model_type (see {ADDING_A_FAMILY})")
+        if data["model_type"] in out:
+            raise ConfigError(f"{label}: model_type {data['model_type']!r} is already imported by "
+                              f"{out[data['model_type']]['file']}")
+        data["file"] = label
         out[data["model_type"]] = data
     return out
+
+
+def common_keys() -> dict[str, str]:
+    """config.json keys every PretrainedConfig has (conf/hf/common.yaml): key -> why it needs no import."""
+    from .config import find_conf
+
+    path = find_conf("hf", COMMON_KEYS)
+    return dict((OmegaConf.to_container(OmegaConf.load(path)) or {}).get("irrelevant") or {}) if path else {}
+
+
+def _keys_of(keys: Any) -> list[str]:
+    return keys if isinstance(keys, list) else [keys]
+
+
+def covered_keys(spec: dict) -> dict[str, str]:
+    """Top-level config.json key -> how the import map `spec` covers it: `fields`, `expect`, the
+    rope and layout readers, `irrelevant` (with its reason), or conf/hf/common.yaml."""
+    out = {k: f"common ({why})" for k, why in common_keys().items()}
+    out.update({"model_type": "import map choice", "quantization_config": "quantization stages"})
+    for k, why in (spec.get("irrelevant") or {}).items():
+        out[k] = f"irrelevant ({why})"
+    if spec.get("rope"):
+        out.update({k: "rope" for k in ROPE_KEYS})
+    for rule in (spec.get("layout_from") or []) if isinstance(spec.get("layout_from"), list) else \
+            [spec["layout_from"]] if spec.get("layout_from") else []:
+        for k in _keys_of(rule["key"]):
+            out[k.split(".")[0]] = "layout"
+        for fill in (rule.get("every_nth"), rule.get("first_n")):
+            if fill:
+                out[fill["key"].split(".")[0]] = "layout"
+    for k in spec.get("expect") or {}:
+        out[k.split(".")[0]] = "expect"
+    for zoo_key, rule in (spec.get("fields") or {}).items():
+        for k in _keys_of(rule["key"] if isinstance(rule, dict) else rule):
+            out[k.split(".")[0]] = f"fields ({zoo_key})"
+    return out
+
+
+def check_keys(config: dict, spec: dict, where: str) -> None:
+    """Every config.json key must be covered by the import map (covered_keys); an uncovered one
+    may change the model in a way the zoo would not reproduce, so it is an error."""
+    covered = covered_keys(spec)
+    for key in config:
+        if key not in covered:
+            value = repr(config[key])
+            value = value if len(value) <= 80 else value[:77] + "..."
+            raise ConfigError(f"{where}: config.json key {key!r} = {value} is not covered by {spec['file']} for "
+                              f"model_type {config.get('model_type')!r}: map it (fields), require a value (expect), "
+                              f"or list it under irrelevant: with the reason it does not change inference "
+                              f"(see {ADDING_A_FAMILY})")
 
 
 def _get(config: dict, dotted: str) -> Any:
@@ -97,6 +180,8 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
     keys = rule["key"] if isinstance(rule["key"], list) else [rule["key"]]
     name = next((k for k in keys if _get(config, k) not in (_ABSENT, None)), " or ".join(keys))
     types = _get_first(config, keys)
+    if types is _ABSENT and "absent" in rule:  # a config.json without the key: every layer that kind
+        types = [rule["absent"]] * n_layers
     if types is _ABSENT:
         fill = rule.get("every_nth") or rule.get("first_n")
         n = _get(config, fill["key"]) if fill else _ABSENT
@@ -157,7 +242,15 @@ def _present(d: dict, *keys: str) -> Any:
     return _ABSENT
 
 
-def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: str = "the import map") -> dict:
+def _field_subkeys(spec: dict) -> set[str]:
+    """Keys inside rope_parameters / rope_scaling that the import map's `fields` read."""
+    return {k.split(".", 1)[1] for rule in (spec.get("fields") or {}).values()
+            for k in _keys_of(rule["key"] if isinstance(rule, dict) else rule)
+            if k.split(".")[0] in ("rope_parameters", "rope_scaling") and "." in k}
+
+
+def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: str = "the import map",
+                 also_read: set[str] = frozenset()) -> dict:
     """The zoo rope spec of a config.json: `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling`. A config.json without rope_theta takes `theta_default` (the
     import map's `rope.theta_default`, the family's transformers default) or is an error.
@@ -168,6 +261,12 @@ def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: s
         params = dict(scaling) if scaling is not None else {}
     rope_type = _present(params, "rope_type", "type")
     rope_type = "default" if rope_type is _ABSENT else rope_type
+    if rope_type in ROPE_PARAM_KEYS:  # a key the rope kind would not read changes the model silently
+        extra = sorted(set(params) - ROPE_PARAM_KEYS[rope_type] - set(also_read))
+        if extra:
+            which = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+            raise ConfigError(f"{where}: config.json {which}.{extra[0]} = {params[extra[0]]!r} is not read by the "
+                              f"{rope_type!r} rope (it reads {sorted(ROPE_PARAM_KEYS[rope_type])}; see {file})")
     theta = _present(params, "rope_theta")
     if theta is _ABSENT:
         theta = _present(config, "rope_theta")
@@ -204,7 +303,8 @@ def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: s
             if (value := _present(params, hf_key)) is not _ABSENT:
                 spec[zoo_key] = cast(value)
         return spec
-    raise ConfigError(f"{where}: unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)")
+    raise ConfigError(f"{where}: unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_PARAM_KEYS)}; "
+                      f"see {file})")
 
 
 def cases_from_hf(config: dict, cases: dict, where: str, file: str) -> dict:
@@ -230,8 +330,11 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     specs = import_specs()
     model_type = config.get("model_type")
     if model_type not in specs:
-        raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {sorted(specs)}")
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(specs))}. "
+                          f"A new family is a preset, an import map and rules, in the user conf dir "
+                          f"if you like: see {ADDING_A_FAMILY}")
     spec = specs[model_type]
+    check_keys(config, spec, where)
     for key, expected in (spec.get("expect") or {}).items():
         value = _get(config, key)
         if value is not _ABSENT and value != expected:
@@ -259,7 +362,7 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
         # rope_theta means, as the family's transformers config class defaults it)
         rope = spec["rope"] if isinstance(spec["rope"], dict) else {"to": spec["rope"]}
         OmegaConf.update(cfg, rope["to"], rope_from_hf(config, where, rope.get("theta_default", _ABSENT),
-                                                       spec["file"]), merge=False)
+                                                       spec["file"], _field_subkeys(spec)), merge=False)
     if spec.get("layout_from"):
         layout = layout_from_hf(config, spec["layout_from"], int(cfg.n_layers), where, spec["file"])
         OmegaConf.update(cfg, "layout", layout, merge=False)
@@ -280,8 +383,10 @@ def quantization_stages(quant: dict, where: str, config: dict | None = None) -> 
     """Rule stages that turn a quantized checkpoint's stored codes into values (conf/hf/quantization.yaml).
     A method maps to one entry, or to a list of variants: the first whose `when` values all match
     (looked up in quantization_config, else at config.json's top level) is used."""
-    path = conf_dir() / "hf" / QUANTIZATION_TABLE
-    table = OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
+    from .config import find_conf
+
+    path = find_conf("hf", QUANTIZATION_TABLE)
+    table = OmegaConf.to_container(OmegaConf.load(path)) if path else {}
     method = quant.get("quant_method")
     if method not in table:
         raise ConfigError(f"{where}: quantization_config.quant_method={method!r} is not supported "
@@ -292,7 +397,7 @@ def quantization_stages(quant: dict, where: str, config: dict | None = None) -> 
             return quant[key] if key in quant else (config or {}).get(key)
         entry = next((e for e in entry if all(value(k) == v for k, v in (e.get("when") or {}).items())), None)
         if entry is None:
-            raise ConfigError(f"{where}: no variant of quant_method {method!r} in conf/hf/{QUANTIZATION_TABLE} "
+            raise ConfigError(f"{where}: no variant of quant_method {method!r} in conf/hf/{QUANTIZATION_TABLE}.yaml "
                               f"matches this quantization_config")
     for key, expected in (entry.get("expect") or {}).items():
         if quant.get(key) != expected:

@@ -19,6 +19,18 @@ from .residual.prenorm import residual_kind
 from .spec import DTYPES, ModelSpec
 
 
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose output is multiplied by a constant (Granite's embedding_multiplier)."""
+
+    def __init__(self, vocab_size: int, dim: int, multiplier: float = 1.0):
+        super().__init__(vocab_size, dim)
+        self.multiplier = multiplier
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        return x * self.multiplier if self.multiplier != 1.0 else x
+
+
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -27,7 +39,7 @@ class Decoder(nn.Module):
         # rope slot -> schedule: `rope`, plus the spec's extra `ropes` (mixers pick one by rope_slot)
         self.rope_impls = {"rope": self.rope_impl, **{name: make_rope(r) for name, r in spec.ropes.items()}}
         ctx = BuildContext(spec, self.rope_impl)
-        self.embed = nn.Embedding(spec.vocab_size, spec.dim)
+        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embedding_multiplier)
         self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
@@ -66,7 +78,10 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Last residual state [..., D] (or streams) -> logits [..., V] in float32."""
-        return self.head(self.final_hidden(h)).float()
+        logits = self.head(self.final_hidden(h))
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        return logits.float()
 
 
 def build_model(spec: ModelSpec) -> Decoder:

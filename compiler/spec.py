@@ -97,6 +97,10 @@ class ConfigSchema:
     # (`rope_slot`), e.g. DeepSeek-V4's compressed layers use their own YaRN schedule
     ropes: Dict[str, Any] = field(default_factory=dict)
     residual: Any = "???"
+    # scalar multipliers (Granite): the embedding output is multiplied by embedding_multiplier,
+    # the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     mixers: Dict[str, Any] = field(default_factory=dict)
     ffns: Dict[str, Any] = field(default_factory=dict)
     layout: List[RunSchema] = field(default_factory=list)
@@ -141,6 +145,8 @@ class ModelSpec:
     mtp: Optional[MTPSchema] = None
     mtp_layers: tuple[LayerSpec, ...] = ()  # the MTP blocks (indices n_layers..), per `mtp`
     ropes: Dict[str, Any] = field(default_factory=dict)  # extra rope slots (see ConfigSchema.ropes)
+    embedding_multiplier: float = 1.0  # see ConfigSchema
+    logits_scaling: float = 1.0
 
     @property
     def n_layers(self) -> int:
@@ -218,7 +224,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
 
     model = {"dim": top.dim, "vocab_size": top.vocab_size, "n_layers": top.n_layers,
              "max_position": top.max_position}
-    for key in ("dim", "vocab_size", "n_layers", "max_position"):
+    for key in ("dim", "vocab_size", "n_layers", "max_position", "logits_scaling"):
         if top[key] <= 0:
             raise _fail(source, f"{key}: must be positive, got {top[key]}")
     rt = OmegaConf.to_object(top.runtime)
@@ -260,6 +266,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         max_position=top.max_position, norm=norm, rope=rope, residual=residual, mixers=mixers,
         ffns=ffns, layers=tuple(layers), runtime=rt, checkpoint=OmegaConf.to_object(top.checkpoint),
         source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
+        embedding_multiplier=top.embedding_multiplier, logits_scaling=top.logits_scaling,
     )
 
 

@@ -8,6 +8,7 @@
     zoo import <repo id | dir> [name=NAME] [out=FILE]
     zoo check weights=<dir | repo id> [conf=NAME]
     zoo configs
+    zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
 
 Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every other key=value (or
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 from .compiler.errors import ZooError
 
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
-            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out"}
+            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out", "markdown"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
@@ -201,7 +202,7 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
     from pathlib import Path
 
     from .compiler.checkpoint.hub import open_source
-    from .compiler.config import user_conf_dir
+    from .compiler.config import conf_dir, user_conf_dir
     from .compiler.hf_import import conf_yaml, import_config
     from .compiler.spec import validate
 
@@ -213,6 +214,8 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
     cfg.name = name
     validate(cfg.copy(), source=source.description)  # never write a conf that would not build
     out = Path(opts["out"]) if "out" in opts else user_conf_dir() / f"{name}.yaml"
+    if "out" not in opts and (conf_dir() / f"{name}.yaml").exists():
+        raise ZooError(f"name={name!r} is a shipped conf (conf/{name}.yaml); give the import another name=")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(conf_yaml(cfg, f"Imported by `zoo import {positional[0]}` ({source.description}).\n"
                                   f"Rebuild with: zoo build conf={name} weights={positional[0]}"))
@@ -254,6 +257,16 @@ def cmd_configs(opts: dict, overrides: list[str]) -> int:
     return 0
 
 
+def cmd_families(opts: dict, overrides: list[str]) -> int:
+    from .families import families, markdown_table, text_table
+
+    if overrides:
+        raise ZooError(f"zoo families takes no overrides, got {overrides}")
+    rows = families()
+    print(markdown_table(rows) if _bool(opts, "markdown", False) else text_table(rows))
+    return 0
+
+
 def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
     """Where compiled graphs persist (inductor's FX graph, AOTAutograd and kernel caches under
     $ZOO_CACHE_DIR/compile/torch-<version>, default ~/.cache/zoo); `clear` deletes them."""
@@ -288,7 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
-                "configs": cmd_configs}
+                "configs": cmd_configs, "families": cmd_families}
     positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache}
     if command not in handlers and command not in positional_handlers:
         known = ", ".join([*handlers, *positional_handlers])

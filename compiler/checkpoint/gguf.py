@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from ..config import conf_dir, rules_dir
+from ..config import conf_files
 from ..errors import CheckpointError
 from .source import TensorInfo
 
@@ -144,8 +144,9 @@ class GGUFSource:
         """
         arch = self.metadata("general.architecture")
         name = f"gguf_{arch}"
-        if not isinstance(arch, str) or not (rules_dir() / f"{name}.yaml").is_file():
-            known = sorted(p.stem.removeprefix("gguf_") for p in rules_dir().glob("gguf_*.yaml"))
+        rules = conf_files("rules")
+        if not isinstance(arch, str) or name not in rules:
+            known = sorted(n.removeprefix("gguf_") for n in rules if n.startswith("gguf_"))
             raise CheckpointError(f"{self.description}: unsupported GGUF architecture {arch!r}: no tensor-name "
                                   f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
         return [name]
@@ -239,10 +240,10 @@ def _gguf_mapping(arch: Any, description: str) -> dict:
     """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
     import yaml
 
-    folder = conf_dir() / "gguf"
-    path = folder / f"{arch}.yaml"
-    if not isinstance(arch, str) or not path.is_file():
-        known = sorted(p.stem for p in folder.glob("*.yaml"))
+    maps = conf_files("gguf")
+    path = maps.get(arch) if isinstance(arch, str) else None
+    if path is None:
         raise CheckpointError(f"{description}: unsupported GGUF architecture {arch!r} (supported: "
-                              f"{', '.join(known)}); a new one is a file conf/gguf/<architecture>.yaml")
+                              f"{', '.join(sorted(maps))}); a new one is a file conf/gguf/<architecture>.yaml "
+                              f"(or gguf/<architecture>.yaml in the user conf dir)")
     return yaml.safe_load(path.read_text())

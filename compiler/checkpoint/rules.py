@@ -19,6 +19,20 @@ llama.cpp's), and the last, a `params` stage, must account for every tensor left
       - from: model.layers.{layer}.self_attn.rotary_emb.inv_freq
         why: recomputed from the rope config
 
+A rule file may build on others (`include:`, the same stage kind):
+
+    include: [llama]                    # llama's map and ignore entries, in llama's order
+    map:
+      - from: model.layers.{layer}.self_attn.q_norm.weight   # a new pattern: added after them
+        to: layers.{layer}.mixer.q_norm.weight
+      - from: model.norm.weight         # the same first `from` pattern as an included entry:
+        to: norm.weight                 #   replaces that entry, where it stood
+
+An entry is identified by its first `from` pattern, as written, within its list (map or ignore).
+Includes apply in order and may include others; a pattern given by two includes must be
+overridden here, and a pattern twice in one file, an include cycle or an include of another
+stage kind are errors. Rule files are found in conf/rules/, then in the user conf dir's rules/.
+
 Placeholders: `{path}` matches any dotted path; every other name matches a decimal index. A name
 that repeats in one pattern must take the same value. Rules are tried in file order; the first
 rule whose first `from` pattern matches a tensor takes it, together with the other tensors its
@@ -35,7 +49,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..config import rules_dir
+from ..config import conf_files, conf_label, find_conf, user_conf_dir
 from ..errors import CheckpointError
 from .ops import check_op_args, get_op
 
@@ -106,28 +120,88 @@ class Stage:
 
 
 def load_stage(name: str, cfg: Any) -> Stage:
-    """Read conf/rules/NAME.yaml, resolving `${cfg...}` against the model config."""
-    path = rules_dir() / f"{name}.yaml"
-    where = f"conf/rules/{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in rules_dir().glob("*.yaml"))
-        raise CheckpointError(f"unknown rule file {where}; available: {known}")
+    """Read the rule file NAME (conf/rules/NAME.yaml, else the user conf dir's rules/NAME.yaml)
+    with its includes, resolving `${cfg...}` against the model config."""
+    kind, entries = _rule_entries(name, ())
+    items = {"map": [e[2] for e in entries["map"]], "ignore": [e[2] for e in entries["ignore"]]}
     try:
-        root = OmegaConf.create({"cfg": cfg, "file": OmegaConf.load(path)})
+        root = OmegaConf.create({"cfg": cfg, "file": items})
         data = OmegaConf.to_container(root.file, resolve=True)
     except OmegaConfBaseException as e:
+        raise CheckpointError(f"{_rule_path(name)[1]}: {str(e).splitlines()[0]}") from None
+    rules = tuple(r for item, (_, where, _) in zip(data["map"], entries["map"])
+                  if (r := _parse_rule(item, where, ignore=False)))
+    ignores = tuple(r for item, (_, where, _) in zip(data["ignore"], entries["ignore"])
+                    if (r := _parse_rule(item, where, ignore=True)))
+    return Stage(name, kind, rules, ignores)
+
+
+def _rule_path(name: str):
+    """(path, label) of the rule file NAME over the conf search path; CheckpointError if absent."""
+    path = find_conf("rules", name)
+    if path is None:
+        raise CheckpointError(f"unknown rule file {name!r} (no conf/rules/{name}.yaml, nor rules/{name}.yaml in "
+                              f"the user conf dir {user_conf_dir()}); available: {sorted(conf_files('rules'))}")
+    return path, conf_label(path)
+
+
+def _entry_key(item: Any, where: str) -> str:
+    """What an included entry is overridden by: its first `from` pattern, as written."""
+    if not isinstance(item, dict) or "from" not in item:
+        raise CheckpointError(f"{where}: expected a mapping with 'from', got {item!r}")
+    first = item["from"][0] if isinstance(item["from"], list) and item["from"] else item["from"]
+    return str(first)
+
+
+def _rule_entries(name: str, chain: tuple[str, ...]):
+    """A rule file's stage kind and its `map` and `ignore` entries (key, where, unresolved item),
+    its includes' first. `include: [a, b]` puts a's entries, then b's, then this file's; an entry
+    of this file whose first `from` pattern equals an included entry's (in the same list) replaces
+    that entry where it stood. Two includes giving the same pattern, a pattern twice in one file,
+    include cycles and includes of another stage kind are errors."""
+    path, where = _rule_path(name)
+    if name in chain:
+        raise CheckpointError(f"{where}: include cycle {' -> '.join([*chain, name])}")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except OmegaConfBaseException as e:
         raise CheckpointError(f"{where}: {str(e).splitlines()[0]}") from None
-    unknown = sorted(set(data) - {"stage", "map", "ignore"})
+    unknown = sorted(set(data) - {"stage", "map", "ignore", "include"})
     if unknown:
-        raise CheckpointError(f"{where}: unknown key(s) {unknown}; expected stage, map, ignore")
+        raise CheckpointError(f"{where}: unknown key(s) {unknown}; expected stage, map, ignore, include")
     kind = data.get("stage", "params")
     if kind not in ("rename", "params"):
         raise CheckpointError(f"{where}: stage must be 'rename' or 'params', got {kind!r}")
-    rules = tuple(r for i, item in enumerate(data.get("map") or [])
-                  if (r := _parse_rule(item, f"{where} map[{i}]", ignore=False)))
-    ignores = tuple(r for i, item in enumerate(data.get("ignore") or [])
-                    if (r := _parse_rule(item, f"{where} ignore[{i}]", ignore=True)))
-    return Stage(name, kind, rules, ignores)
+    includes = data.get("include") or []
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise CheckpointError(f"{where}: include must be a list of rule file names, got {includes!r}")
+    included = []
+    for inc in includes:
+        inc_kind, inc_entries = _rule_entries(inc, (*chain, name))
+        if inc_kind != kind:
+            raise CheckpointError(f"{where}: includes {inc!r}, a {inc_kind!r} stage, into a {kind!r} stage")
+        included.append(inc_entries)
+    lists: dict[str, list] = {"map": [], "ignore": []}
+    for lst in lists:
+        own = {}
+        for i, item in enumerate(data.get(lst) or []):
+            at = f"{where} {lst}[{i}]"
+            key = _entry_key(item, at)
+            if key in own:
+                raise CheckpointError(f"{at}: 'from' {key!r} is already given by {own[key][1]}")
+            own[key] = (key, at, item)
+        inherited: dict[str, tuple] = {}
+        for inc_entries in included:
+            for entry in inc_entries[lst]:
+                prev = inherited.get(entry[0])
+                if prev is not None and prev[1] != entry[1] and entry[0] not in own:
+                    raise CheckpointError(f"{where}: its includes both give 'from' {entry[0]!r} ({prev[1]} and "
+                                          f"{entry[1]}); override it in {where} to choose")
+                inherited.setdefault(entry[0], entry)
+        # included entries in order, each replaced by this file's entry of the same pattern;
+        # then this file's other entries
+        lists[lst] = [own.get(k, e) for k, e in inherited.items()] + [e for k, e in own.items() if k not in inherited]
+    return kind, lists
 
 
 def _parse_rule(item: Any, where: str, ignore: bool) -> Optional[Rule]:

@@ -14,6 +14,8 @@ Options (Qwen3-Next gated attention):
                before wo: wqkv [(2H + 2Hkv) * Dh, D]
   qk_norm      q and k normalised per head over Dh (before RoPE) by the model's norm kind
                (q_norm, k_norm [Dh]; zero-centred when the model's norm is)
+
+rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin table asked for.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class Attention(Mixer):
         n_heads: int = "???"  # type: ignore[assignment]
         n_kv_heads: Optional[int] = None  # None: n_heads (MHA)
         head_dim: Optional[int] = None  # None: dim // n_heads
-        rotary_fraction: float = 1.0  # share of head_dim that RoPE rotates (partial rotary)
+        rotary_fraction: float = 1.0  # share of head_dim that RoPE rotates (partial rotary; 0: NoPE)
         rope_interleaved: bool = False  # channel pairs (2i, 2i+1) instead of rotate-half
         qkv_bias: bool = False
         out_bias: bool = False
@@ -90,7 +92,7 @@ class Attention(Mixer):
             self.k_norm = make_norm(model.spec.norm, s.head_dim)
 
     def rope_dims(self) -> list[int]:
-        return [self.rot_dim]
+        return [self.rot_dim] if self.rot_dim else []
 
     def shard(self, plan) -> bool:
         """Heads split over the ranks: wqkv column-parallel by head (its q, k, v parts each
@@ -133,7 +135,9 @@ class Attention(Mixer):
         k = k.transpose(1, 2)
         v = v.view(B, L, Hkv, Dh).transpose(1, 2)
         il = self.spec.rope_interleaved
-        if R == Dh:
+        if R == 0:  # NoPE
+            pass
+        elif R == Dh:
             q, k = apply_rotary(q, cos, sin, il), apply_rotary(k, cos, sin, il)
         else:
             q = torch.cat((apply_rotary(q[..., :R], cos, sin, il), q[..., R:]), dim=-1)
@@ -149,7 +153,7 @@ class Attention(Mixer):
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1."""
-        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)  # [L, R/2]
         q, k, v, gate = self._project(x, cos, sin)
         write_prefill(cache["k"], k)
         write_prefill(cache["v"], v)
@@ -159,8 +163,12 @@ class Attention(Mixer):
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row."""
-        cos, sin = ctx["rope"][self.rope]  # [B, R/2]
-        q, k, v, gate = self._project(x, cos[:, None, None], sin[:, None, None])
+        if self.rot_dim:
+            cos, sin = ctx["rope"][self.rope]  # [B, R/2]
+            cos, sin = cos[:, None, None], sin[:, None, None]
+        else:
+            cos = sin = None
+        q, k, v, gate = self._project(x, cos, sin)
         pos = ctx["pos"]
         write_decode(cache["k"], k, pos)
         write_decode(cache["v"], v, pos)

@@ -7,7 +7,7 @@ A residual kind provides two modules (built from its spec and the model's BuildC
               `collapse(h)` turns the last residual state into the final norm's input.
 The plain pre-norm residual has one stream and no parameters (mhc.py has the n-stream kind):
 
-    h ---------------------------+---> h + y
+    h ---------------------------+---> h + scale * y     (scale 1 but for Granite)
      `--> norm -> sub-layer -> y -'
 """
 from __future__ import annotations
@@ -30,11 +30,15 @@ class _Identity(nn.Module):
 
 
 class _Add(nn.Module):
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+
     def enter(self, h: torch.Tensor):
         return h, None
 
     def exit(self, h: torch.Tensor, y: torch.Tensor, aux) -> torch.Tensor:
-        return h + y
+        return h + y * self.scale if self.scale != 1.0 else h + y
 
 
 @register("residual", "prenorm")
@@ -42,6 +46,7 @@ class PreNorm(Residual):
     @dataclass
     class Spec:
         kind: str = "prenorm"
+        scale: float = 1.0  # h + scale * y (Granite's residual_multiplier)
 
     @staticmethod
     def n_streams(spec) -> int:
@@ -49,7 +54,7 @@ class PreNorm(Residual):
 
     @staticmethod
     def connection(spec, ctx) -> nn.Module:
-        return _Add()
+        return _Add(spec.scale)
 
     @staticmethod
     def model_streams(spec, ctx) -> nn.Module:
