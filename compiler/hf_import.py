@@ -46,7 +46,8 @@ _ABSENT = object()
 # conf/hf/ files that are not import maps: the quantization table and the keys every config has
 QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
 COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
-IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "set", "rope", "layout_from", "irrelevant"}
+IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "set", "rope", "layout_from", "irrelevant",
+                   "cases"}
 # config.json keys the rope reader consumes (rope_from_hf), and the keys it reads inside
 # rope_parameters / rope_scaling for each rope type
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
@@ -116,6 +117,8 @@ def covered_keys(spec: dict) -> dict[str, str]:
                 out[fill["key"].split(".")[0]] = "layout"
     for k in spec.get("expect") or {}:
         out[k.split(".")[0]] = "expect"
+    for k in spec.get("cases") or {}:
+        out[k.split(".")[0]] = "cases"
     for zoo_key, rule in (spec.get("fields") or {}).items():
         for k in _keys_of(rule["key"] if isinstance(rule, dict) else rule):
             out[k.split(".")[0]] = f"fields ({zoo_key})"
