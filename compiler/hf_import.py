@@ -20,6 +20,8 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     #      pending: {compressed_sparse_attention: "why not yet"}}    # -> "not yet supported"
     #   - {key: mlp_layer_types, first_n: {key: num_hash_layers, kind: hash_moe, other: moe},
     #      kinds: {hash_moe: {ffn: moe_hash}, moe: {ffn: moe}}}
+    # or `listed: {key: linear_attn_config.full_attn_layers, base: 1, kind: full_attention,
+    #              other: linear_attention}`: `kind` on the layers a list of indices names
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
     keys = rule["key"] if isinstance(rule["key"], list) else [rule["key"]]
     name = next((k for k in keys if _get(config, k) not in (_ABSENT, None)), " or ".join(keys))
     types = _get_first(config, keys)
+    if types is _ABSENT and "listed" in rule:
+        types = _listed_kinds(config, rule["listed"], n_layers, where, file)
     if types is _ABSENT:
         fill = rule.get("every_nth") or rule.get("first_n")
         n = _get(config, fill["key"]) if fill else _ABSENT
@@ -122,6 +126,20 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
         raise ConfigError(f"{where}: {name} has unsupported layer kind(s) {unknown}; supported: "
                           f"{sorted(rule['kinds'], key=str)} (see {file})")
     return [dict(rule["kinds"][t]) for t in types]
+
+
+def _listed_kinds(config: dict, listed: dict, n_layers: int, where: str, file: str) -> Any:
+    """Per-layer kind names from a list of layer indices (counted from `base`) that get
+    `kind`, every other layer `other`; _ABSENT when config.json lacks the list."""
+    indices = _get(config, listed["key"])
+    if indices is _ABSENT or indices is None:
+        return _ABSENT
+    base = listed.get("base", 0)
+    if not isinstance(indices, list) or not all(isinstance(i, int) and base <= i < n_layers + base for i in indices):
+        raise ConfigError(f"{where}: {listed['key']}={indices!r}: expected a list of layer indices "
+                          f"{base}..{n_layers - 1 + base} (see {file})")
+    chosen = {i - base for i in indices}
+    return [listed["kind"] if i in chosen else listed["other"] for i in range(n_layers)]
 
 
 def compress_layout(kinds: list[dict]) -> list[dict]:
