@@ -73,18 +73,21 @@ def close(actual, expected, what, tol=2e-5):
                                msg=lambda m: f"{what}: {m}")
 
 
+def check_both_forms(q, k, v, g, beta, s0, what, chunk=64):
+    """Chunked and recurrent outputs and final states equal the naive reference's."""
+    ref_o, ref_s = naive_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta, s0)))
+    for form, (o, s) in (("chunked", chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk)),
+                         ("recurrent", recurrent(q, k, v, g, beta, s0))):
+        close(o, ref_o, f"{form} output {what}")
+        close(s, ref_s, f"{form} final state {what}")
+    return ref_o
+
+
 @pytest.mark.parametrize("decay", ["per_head", "per_channel"])
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 130])
 @pytest.mark.parametrize("state", [False, True], ids=["zero_state", "initial_state"])
 def test_chunked_and_recurrent_match_naive(L, state, decay):
-    q, k, v, g, beta, s0 = inputs(L, state=state, channelwise=decay == "per_channel")
-    ref_o, ref_s = naive_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta, s0)))
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, 64)
-    close(o, ref_o, f"chunked output L={L}")
-    close(s, ref_s, f"chunked final state L={L}")
-    o, s = recurrent(q, k, v, g, beta, s0)
-    close(o, ref_o, f"recurrent output L={L}")
-    close(s, ref_s, f"recurrent final state L={L}")
+    check_both_forms(*inputs(L, state=state, channelwise=decay == "per_channel"), f"L={L}")
 
 
 @pytest.mark.parametrize("decay", ["per_head", "per_channel"])
@@ -108,14 +111,8 @@ def test_per_channel_decay_is_not_reduced_to_a_per_head_one(L):
     o_flat, s_flat = chunk_gated_delta_rule(q, k, v, flat, beta, s0, 16)
     torch.testing.assert_close(o_flat, o_head, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s_flat, s_head, rtol=1e-5, atol=1e-5)
-    ref_o, ref_s = naive_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta, s0)))
+    ref_o = check_both_forms(q, k, v, g, beta, s0, f"L={L}", chunk=16)
     assert (ref_o - o_head.double()).abs().max() > 1e-2  # the channel spread matters
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, 16)
-    close(o, ref_o, f"chunked output L={L}")
-    close(s, ref_s, f"chunked final state L={L}")
-    o, s = recurrent(q, k, v, g, beta, s0)
-    close(o, ref_o, f"recurrent output L={L}")
-    close(s, ref_s, f"recurrent final state L={L}")
 
 
 def test_chunked_form_fails_on_a_wrong_state():
@@ -140,13 +137,15 @@ def peak_cpu_bytes(fn) -> int:
     return peak
 
 
-def test_chunked_prefill_memory_is_linear_in_length():
+@pytest.mark.parametrize("decay", ["per_head", "per_channel"])
+def test_chunked_prefill_memory_is_linear_in_length(decay):
     """A 2k-token chunked pass allocates O(L * chunk), far below one [L, L] score matrix per
-    head, and doubling L about doubles the peak."""
+    head, and doubling L about doubles the peak (per channel too: the [Lc, Lc, Dk] decay
+    products exist for one chunk at a time)."""
     H = 8
     peaks = {}
     for L in (1024, 2048):
-        q, k, v, g, beta, s0 = inputs(L, B=1, H=H, Dk=16, Dv=16, state=False)
+        q, k, v, g, beta, s0 = inputs(L, B=1, H=H, Dk=16, Dv=16, state=False, channelwise=decay == "per_channel")
         peaks[L] = peak_cpu_bytes(lambda: chunk_gated_delta_rule(q, k, v, g, beta, s0, 64))
     L = 2048
     assert peaks[L] < L * L * H * 4 / 4, f"peak {peaks[L]} B is not far below L*L*H*4 = {L * L * H * 4} B"

@@ -23,6 +23,7 @@ from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
 from tests.helpers import check_decode_equals_prefill, check_parity, save_reference
 from tests.test_kimi_linear import check_hub_and_import
+from tests.test_qwen3_next import randomize  # the same constant-initialised weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,21 +61,6 @@ def tiny_config(**kw):
                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
     base.update(kw)
     return transformers.Qwen3_5TextConfig(**base)
-
-
-@torch.no_grad()
-def randomize(module: torch.nn.Module) -> None:
-    """Constant-initialised weights made random: zero-centred norms away from 0, the gated
-    norm away from 1, dt_bias, a strong conv."""
-    for name, p in module.named_parameters():
-        if name.endswith("linear_attn.norm.weight"):
-            p.uniform_(0.5, 1.5)
-        elif "norm" in name:
-            p.normal_(0.0, 0.2)
-        elif name.endswith("dt_bias"):
-            p.normal_(0.0, 0.5)
-        elif name.endswith("conv1d.weight"):
-            p.normal_(0.0, 0.3)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@
 
     o [B, L, Hv, Dv] -> rmsnorm(o) * w * silu(z) -> out_proj -> [B, L, D]
 
+Both forms below also take one decay per key channel, g [.., Hv, Dk] (S_t = diag(exp(g_t)) S_{t-1}):
+Kimi Delta Attention (kda.py) is this module with other projections and gates.
+
 Two execution forms of the same recurrence, chosen by the entry point:
   prefill  chunked parallel (`chunk_gated_delta_rule`): within a chunk of Lc = `chunk_size`
            tokens the writes are solved at once (a unit lower-triangular system, the WY form), and
@@ -171,6 +174,15 @@ def causal_conv_step(new: torch.Tensor, weight: torch.Tensor, conv_cache: torch.
 
 # ---------------------------------------------------------------------------- modules
 
+def check_conv_and_chunk(spec) -> Optional[str]:
+    """The conv width and chunk size checks every delta-rule Spec shares."""
+    if spec.conv_kernel < 2:
+        return f"conv_kernel={spec.conv_kernel} must be >= 2"
+    if spec.chunk_size <= 0:
+        return f"chunk_size={spec.chunk_size} must be positive"
+    return None
+
+
 class GatedRMSNorm(nn.Module):
     """y = rmsnorm(x) * w * act(z) over the last dim, plain weight (not zero-centred); act is
     silu (Gated DeltaNet) or sigmoid (Kimi Delta Attention).
@@ -218,11 +230,7 @@ class GatedDeltaNet(Mixer):
                         f"(each key head serves n_v_heads / n_k_heads value heads)")
             if self.k_head_dim <= 0 or self.v_head_dim <= 0:
                 return f"k_head_dim={self.k_head_dim} and v_head_dim={self.v_head_dim} must be positive"
-            if self.conv_kernel < 2:
-                return f"conv_kernel={self.conv_kernel} must be >= 2"
-            if self.chunk_size <= 0:
-                return f"chunk_size={self.chunk_size} must be positive"
-            return None
+            return check_conv_and_chunk(self)
 
         @property
         def conv_dim(self) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, check_conv_and_chunk
 from ..registry import register
 
 
@@ -54,11 +54,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         def check(self, model: dict) -> Optional[str]:
             if self.n_heads <= 0 or self.head_dim <= 0:
                 return f"n_heads={self.n_heads} and head_dim={self.head_dim} must be positive"
-            if self.conv_kernel < 2:
-                return f"conv_kernel={self.conv_kernel} must be >= 2"
-            if self.chunk_size <= 0:
-                return f"chunk_size={self.chunk_size} must be positive"
-            return None
+            return check_conv_and_chunk(self)
 
         @property
         def conv_dim(self) -> int:
