@@ -26,11 +26,13 @@ from zoo.compiler.mixers.mla import MLA
 from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
 from tests.helpers import check_decode_equals_prefill, check_parity, populate_hub_cache, save_reference
+# the eager / compiled engines of this module's `reference` (max_batch 2, max_seq 128, chunk 16)
+from tests.test_qwen3_next import CHUNK, compiled, eager  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
-MAX_SEQ = 128
+MAX_SEQ = 128  # as the shared eager / compiled fixtures
 FULL_ATTN = [4, 8, 12, 16, 20, 24, 27]  # 1-based, as the checkpoint's linear_attn_config lists them
 
 # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (architecture keys)
@@ -92,18 +94,6 @@ def reference(tmp_path_factory):
     randomize(ref)
     save_reference(ref, path)
     return ref, path
-
-
-@pytest.fixture(scope="module")
-def eager(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=False, max_batch=2, max_seq=MAX_SEQ,
-                               overrides=["mixers.linear.chunk_size=16"])
-
-
-@pytest.fixture(scope="module")
-def compiled(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=True, max_batch=2, max_seq=MAX_SEQ,
-                               overrides=["mixers.linear.chunk_size=16"])
 
 
 # ----------------------------------------------------------------------------- preset and import
@@ -170,22 +160,26 @@ def test_tiny_twin_layers(reference):
 # ----------------------------------------------------------------------------- parity
 
 
+def check_engine(ref, model, prompt_len: int, graphs: dict | None = None) -> None:
+    """Batch 2: a prompt over several 16-token chunks and a 1-token prompt (the decode graph),
+    prefill and every greedy decode step against transformers; decoding through the caches
+    equals a full prefill; with `graphs`, the compiled graph counts after all of it (one per
+    layer kind and entry point, whatever the prompt length: no recompiles)."""
+    vocab = ref.config.vocab_size
+    check_parity(ref, model, torch.randint(0, vocab, (2, prompt_len)), steps=4)
+    check_parity(ref, model, torch.randint(0, vocab, (2, 1)), steps=2)
+    check_decode_equals_prefill(model, torch.randint(0, vocab, (2, prompt_len + 6)), prompt_len - 5)
+    if graphs is not None:
+        assert model.engine.graph_counts() == graphs
+
+
 def test_parity_eager(reference, eager):
-    ref, _ = reference
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 37)), steps=5)  # 3 chunks of 16, batch 2
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 1)), steps=2)  # 1-token prompt: decode graph
-
-
-def test_decode_equals_prefill_eager(eager):
-    check_decode_equals_prefill(eager, torch.randint(0, VOCAB, (2, 41)), 29)
+    check_engine(reference[0], eager, 37)
 
 
 def test_parity_compiled(reference, compiled):
-    ref, _ = reference
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 33)), steps=4)
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
-    check_decode_equals_prefill(compiled, torch.randint(0, VOCAB, (2, 27)), 21)
-    # one graph per layer kind (KDA+dense, KDA+MoE, MLA+MoE) and entry point, whatever the length
+    check_engine(reference[0], compiled, 33, graphs={"prefill": 3, "decode": 3})  # KDA+dense, KDA+MoE, MLA+MoE
+    check_parity(reference[0], compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
     assert compiled.engine.graph_counts() == {"prefill": 3, "decode": 3}
 
 
@@ -237,7 +231,7 @@ def check_hub_and_import(ref, path, repo: str, tmp_path, monkeypatch, capsys, ma
     assert main(["import", str(path), f"name={name}"]) == 0
     capsys.readouterr()
     built = zoo.build(name, weights=str(path), compile=False, max_seq=max_seq,
-                      overrides=["mixers.linear.chunk_size=16"])
+                      overrides=CHUNK)
     ids = torch.tensor([HUB_IDS])
     got = torch.stack([built.prefill(ids)[0, -1]] + [built.decode(torch.tensor([t]))[0] for t in (9, 250, 4)])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
@@ -262,5 +256,5 @@ def test_original_checkpoint_names_load(reference, tmp_path):
     save_file(tensors, renamed / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     (renamed / "config.json").write_text(json.dumps(config))
-    m = zoo.from_pretrained(str(renamed), compile=False, max_seq=32, overrides=["mixers.linear.chunk_size=16"])
+    m = zoo.from_pretrained(str(renamed), compile=False, max_seq=32, overrides=CHUNK)
     check_parity(ref, m, torch.randint(0, VOCAB, (1, 9)), steps=1)

@@ -21,14 +21,15 @@ from zoo.compiler.errors import ConfigError
 from zoo.compiler.hf_import import import_config
 from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
-from tests.helpers import check_decode_equals_prefill, check_parity, save_reference
-from tests.test_kimi_linear import check_hub_and_import
-from tests.test_qwen3_next import randomize  # the same constant-initialised weights
+from tests.helpers import check_parity, save_reference
+from tests.test_kimi_linear import check_engine, check_hub_and_import
+# the same constant-initialised weights made random; the eager / compiled engines of this
+# module's `reference` (max_batch 2, max_seq 128, chunk 16)
+from tests.test_qwen3_next import CHUNK, compiled, eager, randomize  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
-CHUNK = ["mixers.linear.chunk_size=16"]
 
 # Qwen/Qwen3.5-27B's text_config (architecture keys)
 REAL_CONFIG = {
@@ -73,16 +74,6 @@ def reference(tmp_path_factory):
     return ref, path
 
 
-@pytest.fixture(scope="module")
-def eager(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=False, max_batch=2, max_seq=128, overrides=CHUNK)
-
-
-@pytest.fixture(scope="module")
-def compiled(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=True, max_batch=2, max_seq=128, overrides=CHUNK)
-
-
 def test_flagship_exact_parameter_count():
     m = zoo.build("qwen3_5_text", dry=True)
     with torch.device("meta"):
@@ -124,17 +115,12 @@ def test_imported_tiny_is_the_tiny_twin(reference):
 
 
 def test_parity_eager(reference, eager):
-    ref, _ = reference
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 37)), steps=5)  # 3 chunks, batch 2
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 1)), steps=2)  # 1-token prompt: decode graph
-    check_decode_equals_prefill(eager, torch.randint(0, VOCAB, (2, 41)), 30)
+    check_engine(reference[0], eager, 37)
 
 
 def test_parity_compiled(reference, compiled):
-    ref, _ = reference
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 33)), steps=4)
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
-    check_decode_equals_prefill(compiled, torch.randint(0, VOCAB, (2, 27)), 21)
+    check_engine(reference[0], compiled, 33, graphs={"prefill": 2, "decode": 2})
+    check_parity(reference[0], compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
     assert compiled.engine.graph_counts() == {"prefill": 2, "decode": 2}
 
 
