@@ -100,7 +100,7 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
         if n is _ABSENT or n is None:
             n = fill.get("default", _ABSENT) if fill else _ABSENT
         if n is _ABSENT:
-            wanted = keys + ([fill["key"]] if fill else [])
+            wanted = keys + ([fill["key"]] if fill else []) + ([rule["listed"]["key"]] if "listed" in rule else [])
             raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, wanted))} (for layout; see {file})")
         if "every_nth" in rule:
             if not isinstance(n, int) or n <= 0:
