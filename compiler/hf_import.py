@@ -28,6 +28,8 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     #   - {key: mlp_layer_types, first_n: {key: num_hash_layers, kind: hash_moe, other: moe},
     #      kinds: {hash_moe: {ffn: moe_hash}, moe: {ffn: moe}}}
     #   - {key: layer_types, absent: full_attention, kinds: {...}}  # no such key: every layer that kind
+    # or `listed: {key: linear_attn_config.full_attn_layers, base: 1, kind: full_attention,
+    #              other: linear_attention}`: `kind` on the layers a list of indices names
     irrelevant:                  # config.json keys that do not change inference, with the reason
       initializer_range: training-time init
     # Every config.json key must be covered: by fields, expect, the rope / layout readers,
@@ -112,7 +114,7 @@ def covered_keys(spec: dict) -> dict[str, str]:
             [spec["layout_from"]] if spec.get("layout_from") else []:
         for k in _keys_of(rule["key"]):
             out[k.split(".")[0]] = "layout"
-        for fill in (rule.get("every_nth"), rule.get("first_n")):
+        for fill in (rule.get("every_nth"), rule.get("first_n"), rule.get("listed")):
             if fill:
                 out[fill["key"].split(".")[0]] = "layout"
     for k in spec.get("expect") or {}:
@@ -185,13 +187,15 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
     types = _get_first(config, keys)
     if types is _ABSENT and "absent" in rule:  # a config.json without the key: every layer that kind
         types = [rule["absent"]] * n_layers
+    if types is _ABSENT and "listed" in rule:
+        types = _listed_kinds(config, rule["listed"], n_layers, where, file)
     if types is _ABSENT:
         fill = rule.get("every_nth") or rule.get("first_n")
         n = _get(config, fill["key"]) if fill else _ABSENT
         if n is _ABSENT or n is None:
             n = fill.get("default", _ABSENT) if fill else _ABSENT
         if n is _ABSENT:
-            wanted = keys + ([fill["key"]] if fill else [])
+            wanted = keys + ([fill["key"]] if fill else []) + ([rule["listed"]["key"]] if "listed" in rule else [])
             raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, wanted))} (for layout; see {file})")
         if "every_nth" in rule:
             if not isinstance(n, int) or n <= 0:
@@ -217,6 +221,20 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str)
         raise ConfigError(f"{where}: {name} has unsupported layer kind(s) {unknown}; supported: "
                           f"{sorted(rule['kinds'], key=str)} (see {file})")
     return [dict(rule["kinds"][t]) for t in types]
+
+
+def _listed_kinds(config: dict, listed: dict, n_layers: int, where: str, file: str) -> Any:
+    """Per-layer kind names from a list of layer indices (counted from `base`) that get
+    `kind`, every other layer `other`; _ABSENT when config.json lacks the list."""
+    indices = _get(config, listed["key"])
+    if indices is _ABSENT or indices is None:
+        return _ABSENT
+    base = listed.get("base", 0)
+    if not isinstance(indices, list) or not all(isinstance(i, int) and base <= i < n_layers + base for i in indices):
+        raise ConfigError(f"{where}: {listed['key']}={indices!r}: expected a list of layer indices "
+                          f"{base}..{n_layers - 1 + base} (see {file})")
+    chosen = {i - base for i in indices}
+    return [listed["kind"] if i in chosen else listed["other"] for i in range(n_layers)]
 
 
 def compress_layout(kinds: list[dict]) -> list[dict]:

@@ -75,6 +75,12 @@ def _split(xs, sizes, index: int, dim: int = 0):
     return xs[0].split(list(sizes), dim=dim)[index]
 
 
+@op("flatten", 1, lambda shapes: (math.prod(shapes[0]),))
+def _flatten(xs):
+    """One vector of the same values, e.g. a per-head parameter stored as [1, 1, H, 1]."""
+    return xs[0].reshape(-1)
+
+
 def _unpermute_shape(shapes, heads: int):
     (shape,) = shapes
     if shape[0] % (2 * heads):

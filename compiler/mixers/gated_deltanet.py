@@ -12,6 +12,9 @@
 
     o [B, L, Hv, Dv] -> rmsnorm(o) * w * silu(z) -> out_proj -> [B, L, D]
 
+Both forms below also take one decay per key channel, g [.., Hv, Dk] (S_t = diag(exp(g_t)) S_{t-1}):
+Kimi Delta Attention (kda.py) is this module with other projections and gates.
+
 Two execution forms of the same recurrence, chosen by the entry point:
   prefill  chunked parallel (`chunk_gated_delta_rule`): within a chunk of Lc = `chunk_size`
            tokens the writes are solved at once (a unit lower-triangular system, the WY form), and
@@ -54,15 +57,19 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked parallel gated delta rule, float32.
 
-    q, k [B, Hv, L, Dk] (q already scaled), v [B, Hv, L, Dv], g, beta [B, Hv, L],
-    initial_state [B, Hv, Dk, Dv] -> (o [B, Hv, L, Dv], final state [B, Hv, Dk, Dv]).
+    q, k [B, Hv, L, Dk] (q already scaled), v [B, Hv, L, Dv], beta [B, Hv, L],
+    g [B, Hv, L] (one decay per head: Gated DeltaNet) or [B, Hv, L, Dk] (one per key channel:
+    Kimi Delta Attention), initial_state [B, Hv, Dk, Dv] -> (o [B, Hv, L, Dv], final state).
 
-    Per chunk (Lc tokens) with cumulative decay G_i = g_1 + ... + g_i and start state S0, the writes
-    u_i = beta_i (v_i - k_i^T S'_{i-1}) solve (I + A) U = beta V - beta exp(G) K S0 with
-    A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i); then
-        O   = exp(G) Q S0 + (Q K^T * exp(G_i - G_j))_{j <= i} U
-        S_end = exp(G_Lc) S0 + (K * exp(G_Lc - G))^T U.
-    Zero padding to whole chunks (g = beta = 0) leaves the state unchanged.
+    Per chunk (Lc tokens) with cumulative decay G_i = g_1 + ... + g_i (per channel c) and start
+    state S0, the writes u_i = beta_i (v_i - k_i^T S'_{i-1}) solve (I + A) U = beta V - beta
+    (K * exp(G)) S0 with A_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc) (j < i); then
+        O   = (Q * exp(G)) S0 + P U,     P_ij = sum_c q_ic k_jc exp(G_ic - G_jc) (j <= i)
+        S_end = diag(exp(G_Lc)) S0 + (K * exp(G_Lc - G))^T U.
+    With one decay per head the exponent leaves the channel sum (A = beta (K K^T) * exp(G_i - G_j)),
+    so every chunk is done at once; per channel the [Lc, Lc, Dk] decay products are formed one
+    chunk at a time (memory O(Lc^2 Dk) per head, independent of L). Zero padding to whole
+    chunks (g = beta = 0) leaves the state unchanged.
 
     A custom op: the sequential loop over chunks runs eagerly inside, so the compiled prefill
     graph keeps one op for it whatever the (dynamic) prompt length.
@@ -72,30 +79,47 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Lc = chunk_size
     n = -(-L // Lc)
     pad = n * Lc - L
+    channelwise = g.dim() == 4
+    if not channelwise:
+        g = g[..., None]  # [B, Hv, L, 1]: the same decay on every key channel
     if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
     q, k, v = q.reshape(B, H, n, Lc, Dk), k.reshape(B, H, n, Lc, Dk), v.reshape(B, H, n, Lc, Dv)
-    G = g.reshape(B, H, n, Lc).cumsum(-1)
+    G = g.reshape(B, H, n, Lc, g.shape[-1]).cumsum(-2)  # [B, Hv, n, Lc, 1 or Dk]
     beta = beta.reshape(B, H, n, Lc)
 
     idx = torch.arange(Lc, device=q.device)
     above = idx[:, None] < idx[None, :]  # [Lc, Lc]: j > i
     # The [.., Lc, Lc] blocks dominate memory (O(L * Lc)): built in place, one temporary at a time.
-    # exp(G_i - G_j) on and below the diagonal; masked before exp so it never overflows
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(above, float("-inf")).exp_()
-    A = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta[..., None])  # zero above the diagonal
+    # exp(G_i - G_j) on and below the diagonal, masked before exp so it never overflows
+    if channelwise:
+        A = q.new_empty(B, H, n, Lc, Lc)
+        attn = q.new_empty(B, H, n, Lc, Lc)
+        for i in range(n):
+            Gi = G[:, :, i]
+            decay = (Gi[..., :, None, :] - Gi[..., None, :, :]).masked_fill_(above[..., None], float("-inf")) \
+                .exp_()  # [B, Hv, Lc, Lc, Dk]
+            kd = decay.mul_(k[:, :, i, None, :, :])  # exp(G_i - G_j) k_j
+            A[:, :, i] = (kd @ k[:, :, i, :, :, None])[..., 0]
+            attn[:, :, i] = (kd @ q[:, :, i, :, :, None])[..., 0]
+            del decay, kd
+        A.mul_(beta[..., None])
+    else:
+        Gs = G[..., 0]
+        decay = (Gs[..., :, None] - Gs[..., None, :]).masked_fill_(above, float("-inf")).exp_()
+        A = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta[..., None])  # zero above the diagonal
+        attn = (q @ k.transpose(-1, -2)).mul_(decay)  # [B, Hv, n, Lc, Lc]
+        del decay
     eG = G.exp()
-    rhs = torch.cat((v * beta[..., None], k * (beta * eG)[..., None]), dim=-1)  # [B, Hv, n, Lc, Dv+Dk]
+    rhs = torch.cat((v * beta[..., None], k * eG * beta[..., None]), dim=-1)  # [B, Hv, n, Lc, Dv+Dk]
     # solve (I + strictly-lower A) W = rhs: a unit-triangular solve reads only A's strict lower part
     w = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
     del A, rhs
     wv, wk = w.split([Dv, Dk], dim=-1)  # U = wv - wk @ S0
-    attn = (q @ k.transpose(-1, -2)).mul_(decay)  # [B, Hv, n, Lc, Lc]
-    del decay
-    q_dec = q * eG[..., None]
-    k_dec = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = eG[..., -1, None, None]  # [B, Hv, n, 1, 1]
+    q_dec = q * eG
+    k_dec = k * (G[..., -1:, :] - G).exp()
+    chunk_decay = eG[..., -1, :, None]  # [B, Hv, n, 1 or Dk, 1]: scales the state's key rows
 
     S = initial_state.to(torch.float32).clone()
     o = torch.empty(B, H, n, Lc, Dv, dtype=torch.float32, device=q.device)
@@ -117,10 +141,10 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the recurrence, float32.
 
-    q, k [B, Hv, Dk] (q already scaled), v [B, Hv, Dv], g, beta [B, Hv], state [B, Hv, Dk, Dv]
-    -> (o [B, Hv, Dv], new state [B, Hv, Dk, Dv]).
+    q, k [B, Hv, Dk] (q already scaled), v [B, Hv, Dv], beta [B, Hv], g [B, Hv] (per head) or
+    [B, Hv, Dk] (per key channel), state [B, Hv, Dk, Dv] -> (o [B, Hv, Dv], new state [B, Hv, Dk, Dv]).
     """
-    S = state * g.exp()[..., None, None]
+    S = state * (g[..., None] if g.dim() == 3 else g[..., None, None]).exp()
     delta = beta[..., None] * (v - (k[..., None] * S).sum(-2))  # [B, H, V]
     S = S + k[..., None] * delta[..., None, :]
     return (q[..., None] * S).sum(-2), S
@@ -130,17 +154,47 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def causal_conv_prefill(mixed: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> torch.Tensor:
+    """SiLU(causal depthwise conv) from a zero history (a prefill starts new sequences).
+
+    mixed [B, Cc, L], weight [Cc, 1, W] -> [B, Cc, L]; leaves the last W-1 inputs in
+    conv_cache [B, Cc, W-1].
+    """
+    W = weight.shape[-1]
+    padded = F.pad(mixed, (W - 1, 0))
+    conv_cache.copy_(padded[:, :, padded.shape[2] - (W - 1):])
+    return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=padded.shape[1]))
+
+
+def causal_conv_step(new: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> torch.Tensor:
+    """One decode step of the same conv: new [B, Cc, 1] -> [B, Cc]; shifts conv_cache [B, Cc, W-1]."""
+    window = torch.cat((conv_cache.to(new.dtype), new), dim=-1)  # [B, Cc, W]
+    conv_cache.copy_(window[:, :, 1:])
+    return F.silu((window * weight[:, 0].to(window.dtype)).sum(-1))
+
+
 # ---------------------------------------------------------------------------- modules
 
+def check_conv_and_chunk(spec) -> Optional[str]:
+    """The conv width and chunk size checks every delta-rule Spec shares."""
+    if spec.conv_kernel < 2:
+        return f"conv_kernel={spec.conv_kernel} must be >= 2"
+    if spec.chunk_size <= 0:
+        return f"chunk_size={spec.chunk_size} must be positive"
+    return None
+
+
 class GatedRMSNorm(nn.Module):
-    """y = rmsnorm(x) * w * silu(z) over the last dim, plain weight (not zero-centred).
+    """y = rmsnorm(x) * w * act(z) over the last dim, plain weight (not zero-centred); act is
+    silu (Gated DeltaNet) or sigmoid (Kimi Delta Attention).
 
     x, z [..., Dv] -> [..., Dv]; normalised in float32, gated in float32, cast back.
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, gate: str = "silu"):
         super().__init__()
         self.eps = eps
+        self.act = {"silu": F.silu, "sigmoid": torch.sigmoid}[gate]
         self.weight = nn.Parameter(torch.empty(dim))
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -149,7 +203,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return ((self.weight * y).float() * F.silu(z.float())).to(x.dtype)
+        return ((self.weight * y).float() * self.act(z.float())).to(x.dtype)
 
 
 @register("mixer", "gated_deltanet")
@@ -177,11 +231,7 @@ class GatedDeltaNet(Mixer):
                         f"(each key head serves n_v_heads / n_k_heads value heads)")
             if self.k_head_dim <= 0 or self.v_head_dim <= 0:
                 return f"k_head_dim={self.k_head_dim} and v_head_dim={self.v_head_dim} must be positive"
-            if self.conv_kernel < 2:
-                return f"conv_kernel={self.conv_kernel} must be >= 2"
-            if self.chunk_size <= 0:
-                return f"chunk_size={self.chunk_size} must be positive"
-            return None
+            return check_conv_and_chunk(self)
 
         @property
         def conv_dim(self) -> int:
@@ -194,7 +244,8 @@ class GatedDeltaNet(Mixer):
         self.Hk, self.Hv, self.Dk, self.Dv = s.n_k_heads, s.n_v_heads, s.k_head_dim, s.v_head_dim
         self.kernel, self.chunk_size = s.conv_kernel, s.chunk_size
         key, value = s.n_k_heads * s.k_head_dim, s.n_v_heads * s.v_head_dim
-        self.split = [key, key, value, value, s.n_v_heads, s.n_v_heads]  # q k v z b a
+        self.qkv_split = [key, key, value]  # the conv channels [q | k | v]
+        self.split = [s.conv_dim, value, s.n_v_heads, s.n_v_heads]  # in_proj rows: qkv z b a
         self.in_proj = nn.Linear(model.dim, sum(self.split), bias=False)
         self.conv_weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
         self.A_log = nn.Parameter(torch.empty(s.n_v_heads))
@@ -245,6 +296,13 @@ class GatedDeltaNet(Mixer):
                 "state": CacheField((max_batch, self.Hv, self.Dk, self.Dv), torch.float32, grows=False)}
 
     # ------------------------------------------------------------------ pieces
+    # (KimiDeltaAttention overrides _project and _gates; the rest is the same recurrence)
+
+    def _project(self, x: torch.Tensor):
+        """x [B, L, D] -> conv input [B, L, Cc], output gate z [B, L, Hv*Dv], decay g [B, L, Hv]
+        (log space, float32), beta [B, L, Hv] (float32)."""
+        qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        return (qkv, z, *self._gates(b, a))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """b, a [..., Hv] -> decay g (log space, float32), beta (float32)."""
@@ -254,7 +312,7 @@ class GatedDeltaNet(Mixer):
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [B, L, Cc] -> q, k [B, Hv, L, Dk] (normalised, q scaled), v [B, Hv, L, Dv], float32."""
         B, L, _ = qkv.shape
-        q, k, v = qkv.float().split(self.split[:3], dim=-1)
+        q, k, v = qkv.float().split(self.qkv_split, dim=-1)
         rep = self.Hv // self.Hk
         q = l2norm(q.view(B, L, self.Hk, self.Dk)) * self.Dk ** -0.5
         k = l2norm(k.view(B, L, self.Hk, self.Dk))
@@ -274,14 +332,9 @@ class GatedDeltaNet(Mixer):
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
         the last W-1 positions and the final recurrent state in the cache."""
-        B, L, _ = x.shape
-        q, k, v, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, Cc, L]
-        padded = F.pad(mixed, (self.kernel - 1, 0))  # zero history: a prefill starts from scratch
-        cache["conv"].copy_(padded[:, :, padded.shape[2] - (self.kernel - 1):])
-        conv = F.silu(F.conv1d(padded, self.conv_weight.to(padded.dtype), groups=padded.shape[1]))
+        qkv, z, g, beta = self._project(x)
+        conv = causal_conv_prefill(qkv.transpose(1, 2), self.conv_weight, cache["conv"])  # [B, Cc, L]
         q, k, v = self._heads(conv.transpose(1, 2))
-        g, beta = self._gates(b, a)
         zero = torch.zeros_like(cache["state"])
         o, state = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), zero,
                                           self.chunk_size)
@@ -290,13 +343,10 @@ class GatedDeltaNet(Mixer):
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""
-        q, k, v, z, b, a = self.in_proj(x).split(self.split, dim=-1)
-        new = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, Cc, 1]
-        window = torch.cat((cache["conv"].to(new.dtype), new), dim=-1)  # [B, Cc, W]
-        cache["conv"].copy_(window[:, :, 1:])
-        conv = F.silu((window * self.conv_weight[:, 0].to(window.dtype)).sum(-1))  # [B, Cc]
+        qkv, z, g, beta = self._project(x)
+        conv = causal_conv_step(qkv.transpose(1, 2), self.conv_weight, cache["conv"])  # [B, Cc]
         q, k, v = self._heads(conv[:, None, :])
-        g, beta = self._gates(b[:, 0], a[:, 0])
-        o, state = recurrent_gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g, beta, cache["state"])
+        o, state = recurrent_gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, 0], beta[:, 0],
+                                              cache["state"])
         cache["state"].copy_(state)
         return self._out(o[:, :, None], z, x.dtype)

@@ -17,7 +17,10 @@ per-token latent, which is all the cache keeps.
         o      = o_lat @ W_UV^T                             [B, H, Dv] -> wo
       which equals the expanded form: q_nope . (W_UK latent) = (q_nope W_UK) . latent.
 
-RoPE pairs are interleaved (2i, 2i+1) in DeepSeek checkpoints (`rope_interleaved`). The softmax
+RoPE pairs are interleaved (2i, 2i+1) in DeepSeek checkpoints (`rope_interleaved`). With
+`rope: false` (Kimi Linear's MLA layers) the R "rope" channels are kept, q_rope and the shared
+k_rope still score against each other, but nothing is rotated: position enters only through the
+causal mask (and the linear layers around it). The softmax
 scale is (Dn + R)^-0.5 times the rope's softmax_scale_factor (YaRN mscale^2).
 """
 from __future__ import annotations
@@ -91,6 +94,7 @@ class MLA(Mixer):
         qk_rope_dim: int = "???"  # type: ignore[assignment]  # R: rotated channels (k_rope is shared)
         v_head_dim: int = "???"  # type: ignore[assignment]  # Dv
         rope_interleaved: bool = True  # rotary pairs (2i, 2i+1), as DeepSeek checkpoints store them
+        rope: bool = True  # false: the R channels are not rotated (NoPE MLA, Kimi Linear)
         bias: bool = False  # biases on wq_a, wkv_a and wo (never on wq, wq_b, wkv_b)
         latent_norm_eps: float = 1e-6  # eps of q_norm and kv_norm
         softmax_scale: Optional[float] = None  # null: (qk_nope_dim + qk_rope_dim) ** -0.5
@@ -102,8 +106,10 @@ class MLA(Mixer):
                 return f"{bad} must be positive"
             if self.q_lora_rank is not None and self.q_lora_rank <= 0:
                 return f"q_lora_rank={self.q_lora_rank} must be positive (or null for a full-rank query)"
-            if self.qk_rope_dim <= 0 or self.qk_rope_dim % 2:
+            if self.rope and (self.qk_rope_dim <= 0 or self.qk_rope_dim % 2):
                 return f"qk_rope_dim={self.qk_rope_dim} must be a positive even number"
+            if self.qk_rope_dim < 0:
+                return f"qk_rope_dim={self.qk_rope_dim} must be >= 0"
             return None
 
     def __init__(self, spec: "MLA.Spec", model):
@@ -129,7 +135,11 @@ class MLA(Mixer):
         self.wo = nn.Linear(s.n_heads * s.v_head_dim, D, bias=s.bias)
 
     def rope_dims(self) -> list[int]:
-        return [self.rot]
+        return [self.rot] if self.spec.rope else []
+
+    def _cos_sin(self, ctx: dict):
+        """The rope tables this layer reads from ctx, or (None, None) without rope."""
+        return ctx["rope"][self.rope] if self.spec.rope else (None, None)
 
     def shard(self, plan) -> bool:
         """Heads split over the ranks: the query up-projection (wq_b, or wq) and wkv_b by head,
@@ -174,7 +184,7 @@ class MLA(Mixer):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 q_resid: Optional[torch.Tensor] = None):
-        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] ->
+        """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] (None: no rotation) ->
         q_nope [B, H, L, Dn], q_rope [B, H, L, R], kv [B, 1, L, C + R] (what the cache holds).
         q_resid: query_residual(x) when the caller has it already (DSA's indexer reads it too)."""
         B, L, _ = x.shape
@@ -184,9 +194,10 @@ class MLA(Mixer):
         q = q.view(B, L, self.n_heads, self.nope + self.rot).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rot], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.rank, self.rot], dim=-1)
-        il = self.spec.rope_interleaved
-        q_rope = apply_rotary(q_rope, cos, sin, il)
-        k_rope = apply_rotary(k_rope[:, None], cos, sin, il)  # [B, 1, L, R]
+        k_rope = k_rope[:, None]  # [B, 1, L, R]
+        if cos is not None:
+            il = self.spec.rope_interleaved
+            q_rope, k_rope = apply_rotary(q_rope, cos, sin, il), apply_rotary(k_rope, cos, sin, il)
         kv = torch.cat((self.kv_norm(latent)[:, None], k_rope), dim=-1)
         return q_nope, q_rope, kv
 
@@ -206,15 +217,17 @@ class MLA(Mixer):
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1. Expanded form."""
-        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        cos, sin = self._cos_sin(ctx)  # [L, R/2]
         q_nope, q_rope, kv = self.project(x, cos, sin)
         write_prefill(cache["kv"], kv)
         return self.wo(self.attend_expanded(q_nope, q_rope, kv, causal=True))
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; one cache slot per row. Absorbed form."""
-        cos, sin = ctx["rope"][self.rope]  # [B, R/2]
-        q_nope, q_rope, kv = self.project(x, cos[:, None, None], sin[:, None, None])
+        cos, sin = self._cos_sin(ctx)  # [B, R/2]
+        if cos is not None:
+            cos, sin = cos[:, None, None], sin[:, None, None]
+        q_nope, q_rope, kv = self.project(x, cos, sin)
         pos = ctx["pos"]
         write_decode(cache["kv"], kv, pos)
         cached = cache["kv"].to(q_nope.dtype)
