@@ -2,6 +2,10 @@
 
     ids [B, L] -> embed -> streams.expand -> layers[0..n) -> streams.collapse -> norm -> head
 
+Model-level options of the spec: `embed_scale` multiplies the embeddings (Gemma: sqrt(dim), as a
+scalar in the embedding dtype, as transformers does), `logit_softcap` squashes the logits to
+softcap * tanh(logits / softcap) (Gemma 2).
+
 Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in engine/mtp.py.
 """
 from __future__ import annotations
@@ -19,6 +23,21 @@ from .residual.prenorm import residual_kind
 from .spec import DTYPES, ModelSpec
 
 
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose output is multiplied by `scale` (None: 1) cast to the weight dtype."""
+
+    def __init__(self, num: int, dim: int, scale: float | None):
+        super().__init__(num, dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        if self.scale is None:
+            return out
+        # rounded to the weight dtype first (bfloat16 sqrt(3584) = 60.0, not 59.87), as the references do
+        return out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+
+
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -27,7 +46,7 @@ class Decoder(nn.Module):
         # rope slot -> schedule: `rope`, plus the spec's extra `ropes` (mixers pick one by rope_slot)
         self.rope_impls = {"rope": self.rope_impl, **{name: make_rope(r) for name, r in spec.ropes.items()}}
         ctx = BuildContext(spec, self.rope_impl)
-        self.embed = nn.Embedding(spec.vocab_size, spec.dim)
+        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embed_scale)
         self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
@@ -66,7 +85,10 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Last residual state [..., D] (or streams) -> logits [..., V] in float32."""
-        return self.head(self.final_hidden(h)).float()
+        logits = self.head(self.final_hidden(h)).float()
+        if self.spec.logit_softcap is not None:
+            logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
+        return logits
 
 
 def build_model(spec: ModelSpec) -> Decoder:
