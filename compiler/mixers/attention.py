@@ -188,31 +188,31 @@ class Attention(Mixer):
     # ------------------------------------------------------------------ attention
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """q [B, H, Lq, Dh], k [B, Hkv, Lk, Dh], visible (bool, broadcastable to [B, H, Lq, Lk]) ->
-        scaled (and soft-capped) logits [B, H, Lq, Lk] float32, -inf where not visible."""
-        B, H, Lq, Dh = q.shape
+        """q [B, H, L, Dh], k [B, Hkv, T, Dh], visible (bool, broadcastable to [B, H, L, T]) ->
+        scaled (and soft-capped) logits [B, H, L, T] float32, -inf where not visible."""
+        B, H, L, Dh = q.shape
         g = H // self.n_kv_heads  # the query heads of one KV head side by side
-        logits = torch.matmul(q.reshape(B, self.n_kv_heads, g * Lq, Dh), k.transpose(-1, -2))
-        logits = logits.view(B, H, Lq, -1).float() * self.scale
+        logits = torch.matmul(q.reshape(B, self.n_kv_heads, g * L, Dh), k.transpose(-1, -2))
+        logits = logits.view(B, H, L, -1).float() * self.scale
         if self.spec.softcap is not None:
             logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
         return logits.masked_fill(~visible, float("-inf"))
 
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores [B, H, Lq, Lk] -> the softmax over the keys (and the sink, when learned), float32."""
+        """scores [B, H, L, T] -> the softmax over the keys (and the sink, when learned), float32."""
         if self.spec.sinks:
             return softmax_with_sink(scores, self.sink.weight.view(1, -1, 1, 1))
         return scores.softmax(dim=-1)
 
     def mix(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """probs [B, H, Lq, Lk], v [B, Hkv, Lk, Dh] -> o [B, H, Lq, Dh] in v's dtype."""
-        B, H, Lq, Lk = probs.shape
+        """probs [B, H, L, T], v [B, Hkv, T, Dh] -> o [B, H, L, Dh] in v's dtype."""
+        B, H, L, T = probs.shape
         g = H // self.n_kv_heads
-        o = torch.matmul(probs.to(v.dtype).reshape(B, self.n_kv_heads, g * Lq, Lk), v)
-        return o.view(B, H, Lq, -1)
+        o = torch.matmul(probs.to(v.dtype).reshape(B, self.n_kv_heads, g * L, T), v)
+        return o.view(B, H, L, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """q [B, H, Lq, Dh] over k, v [B, Hkv, Lk, Dh] where `visible` [.., Lq, Lk] -> [B, H, Lq, Dh]."""
+        """q [B, H, L, Dh] over k, v [B, Hkv, T, Dh] where `visible` [.., L, T] -> [B, H, L, Dh]."""
         if self.explicit:
             return self.mix(self.probabilities(self.scores(q, k, visible)), v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
