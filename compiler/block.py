@@ -2,6 +2,13 @@
 
     Block:  h -> mixer_residual(mixer_norm -> mixer) -> ffn_residual(ffn_norm -> ffn) -> h
 
+Where the norms sit is the model's `sublayer_norms`:
+    pre       norm -> sub-layer                     (mixer_norm, ffn_norm; Llama)
+    sandwich  norm -> sub-layer -> norm             (+ mixer_post_norm, ffn_post_norm; Gemma 2/3)
+    post      sub-layer -> norm                     (mixer_post_norm, ffn_post_norm only; OLMo 2:
+              mixer_norm and ffn_norm are identities)
+The post norms act on the sub-layer output before the residual folds it in; absent (None) under pre.
+
 Two entry points, `prefill` and `decode`, call the same-named entry points of the mixer and FFN:
 the entry point decides the algorithm, never the sequence length.
 """
@@ -36,9 +43,10 @@ class Block(nn.Module):
         super().__init__()
         spec = ctx.spec
         res = residual_kind(spec.residual)
-        self.mixer_norm = make_norm(spec.norm, spec.dim)
+        pre, post = spec.sublayer_norms != "post", spec.sublayer_norms != "pre"
+        self.mixer_norm = make_norm(spec.norm, spec.dim) if pre else nn.Identity()
         self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
-        self.ffn_norm = make_norm(spec.norm, spec.dim)
+        self.ffn_norm = make_norm(spec.norm, spec.dim) if pre else nn.Identity()
         self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
         self.mixer_residual = res.connection(spec.residual, ctx)
         self.ffn_residual = res.connection(spec.residual, ctx)
@@ -46,23 +54,30 @@ class Block(nn.Module):
         # sharding driver (parallel/plan.py) sets an all-reduce here, one per such sub-layer
         self.mixer_reduce: nn.Module | None = None
         self.ffn_reduce: nn.Module | None = None
+        self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post else None
+        self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post else None
 
-    def _mixed(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.mixer_reduce is None else self.mixer_reduce(y)
-
-    def _fed(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.ffn_reduce is None else self.ffn_reduce(y)
+    @staticmethod
+    def _out(y: torch.Tensor, reduce, norm) -> torch.Tensor:
+        """A sub-layer's output: summed over ranks first (a sharded sub-layer), then post-normed."""
+        if reduce is not None:
+            y = reduce(y)
+        return y if norm is None else norm(y)
 
     def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] -> same shape."""
         x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self._mixed(self.mixer.prefill(self.mixer_norm(x), cache, ctx)), aux)
+        y = self._out(self.mixer.prefill(self.mixer_norm(x), cache, ctx), self.mixer_reduce, self.mixer_post_norm)
+        h = self.mixer_residual.exit(h, y, aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self._fed(self.ffn.prefill(self.ffn_norm(x), ctx)), aux)
+        y = self._out(self.ffn.prefill(self.ffn_norm(x), ctx), self.ffn_reduce, self.ffn_post_norm)
+        return self.ffn_residual.exit(h, y, aux)
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         x, aux = self.mixer_residual.enter(h)
-        h = self.mixer_residual.exit(h, self._mixed(self.mixer.decode(self.mixer_norm(x), cache, ctx)), aux)
+        y = self._out(self.mixer.decode(self.mixer_norm(x), cache, ctx), self.mixer_reduce, self.mixer_post_norm)
+        h = self.mixer_residual.exit(h, y, aux)
         x, aux = self.ffn_residual.enter(h)
-        return self.ffn_residual.exit(h, self._fed(self.ffn.decode(self.ffn_norm(x), ctx)), aux)
+        y = self._out(self.ffn.decode(self.ffn_norm(x), ctx), self.ffn_reduce, self.ffn_post_norm)
+        return self.ffn_residual.exit(h, y, aux)

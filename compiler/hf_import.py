@@ -16,6 +16,10 @@ from and which config.json key fills which zoo key. Nothing here names a family.
           greedy: {ffns.moe.n_group: 1, ffns.moe.topk_group: 1}
           group_limited_greedy: {ffns.moe.group_score: max}
     rope: rope                   # zoo key that receives the rope spec
+    # per layer kind (Gemma 3): rope_parameters holds one dict per layer type; `params` names the
+    # one a slot reads; older configs give the slot's theta in its own key (`legacy_theta`)
+    rope: {to: rope, params: full_attention, theta_default: 1.0e6}
+    ropes: {local: {params: sliding_attention, legacy_theta: rope_local_base_freq, theta_default: 1.0e4}}
     layout_from:                 # per-layer kinds -> `layout` (compressed into a pattern or runs)
       key: layer_types           #   a list with one kind name per layer, or else
       every_nth: {key: full_attention_interval, kind: full_attention, other: linear_attention}
@@ -48,8 +52,8 @@ _ABSENT = object()
 # conf/hf/ files that are not import maps: the quantization table and the keys every config has
 QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
 COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
-IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "set", "rope", "layout_from", "irrelevant",
-                   "cases"}
+IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "set", "rope", "ropes", "layout_from",
+                   "irrelevant", "cases"}
 # config.json keys the rope reader consumes (rope_from_hf), and the keys it reads inside
 # rope_parameters / rope_scaling for each rope type
 ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
@@ -110,6 +114,9 @@ def covered_keys(spec: dict) -> dict[str, str]:
         out[k] = f"irrelevant ({why})"
     if spec.get("rope"):
         out.update({k: "rope" for k in ROPE_KEYS})
+    for rope in [spec["rope"]] + list((spec.get("ropes") or {}).values()) if spec.get("rope") else []:
+        if isinstance(rope, dict) and rope.get("legacy_theta"):
+            out[rope["legacy_theta"]] = "rope (an older config's theta for this slot)"
     for rule in (spec.get("layout_from") or []) if isinstance(spec.get("layout_from"), list) else \
             [spec["layout_from"]] if spec.get("layout_from") else []:
         for k in _keys_of(rule["key"]):
@@ -346,6 +353,27 @@ def cases_from_hf(config: dict, cases: dict, where: str, file: str) -> dict:
     return out
 
 
+def _rope_view(config: dict, rule: dict, where: str, file: str) -> dict:
+    """The part of config.json one rope slot reads: config.json itself, or (rule `params: T`) a
+    view whose rope_parameters are rope_parameters[T] (transformers 5 nests them per layer type);
+    an older config without that nesting gives `legacy_theta`'s value (no scaling) when the rule
+    names one, else its own rope_theta / rope_scaling."""
+    sub = rule.get("params")
+    if sub is None:
+        return config
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(sub), dict):
+        return {**config, "rope_parameters": params[sub]}
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{where}: rope_parameters has no entry {sub!r} (has {sorted(params)}; see {file})")
+    if rule.get("legacy_theta"):
+        view = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        if config.get(rule["legacy_theta"]) is not None:
+            view["rope_theta"] = config[rule["legacy_theta"]]
+        return view
+    return config
+
+
 def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> DictConfig:
     """A composed zoo config (DictConfig) reproducing config.json's architecture."""
     specs = import_specs()
@@ -382,8 +410,13 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
         # `rope: KEY` or `rope: {to: KEY, theta_default: X}` (the value a config.json without
         # rope_theta means, as the family's transformers config class defaults it)
         rope = spec["rope"] if isinstance(spec["rope"], dict) else {"to": spec["rope"]}
-        OmegaConf.update(cfg, rope["to"], rope_from_hf(config, where, rope.get("theta_default", _ABSENT),
+        view = _rope_view(config, rope, where, spec["file"])
+        OmegaConf.update(cfg, rope["to"], rope_from_hf(view, where, rope.get("theta_default", _ABSENT),
                                                        spec["file"], _field_subkeys(spec)), merge=False)
+    for slot, rope in (spec.get("ropes") or {}).items():  # extra rope slots (per layer kind)
+        view = _rope_view(config, rope, where, spec["file"])
+        OmegaConf.update(cfg, f"ropes.{slot}", rope_from_hf(view, where, rope.get("theta_default", _ABSENT),
+                                                            spec["file"], _field_subkeys(spec)), merge=False)
     if spec.get("layout_from"):
         layout = layout_from_hf(config, spec["layout_from"], int(cfg.n_layers), where, spec["file"])
         OmegaConf.update(cfg, "layout", layout, merge=False)

@@ -2,6 +2,11 @@
 
     ids [B, L] -> embed -> streams.expand -> layers[0..n) -> streams.collapse -> norm -> head
 
+Model-level options of the spec: `embed_scale` multiplies the embeddings (Gemma: sqrt(dim), as a
+scalar in the embedding dtype, as transformers does; Granite's embedding_multiplier),
+`logits_scaling` divides the logits (Granite), `logit_softcap` squashes them to
+softcap * tanh(logits / softcap) (Gemma 2).
+
 Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in engine/mtp.py.
 """
 from __future__ import annotations
@@ -20,15 +25,19 @@ from .spec import DTYPES, ModelSpec
 
 
 class ScaledEmbedding(nn.Embedding):
-    """nn.Embedding whose output is multiplied by a constant (Granite's embedding_multiplier)."""
+    """nn.Embedding whose output is multiplied by `scale` (None: 1) cast to the weight dtype
+    (Gemma's sqrt(dim), Granite's embedding_multiplier)."""
 
-    def __init__(self, vocab_size: int, dim: int, multiplier: float = 1.0):
-        super().__init__(vocab_size, dim)
-        self.multiplier = multiplier
+    def __init__(self, num: int, dim: int, scale: float | None):
+        super().__init__(num, dim)
+        self.scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = super().forward(ids)
-        return x * self.multiplier if self.multiplier != 1.0 else x
+        out = super().forward(ids)
+        if self.scale is None:
+            return out
+        # rounded to the weight dtype first (bfloat16 sqrt(3584) = 60.0, not 59.87), as the references do
+        return out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
 
 
 class Decoder(nn.Module):
@@ -39,7 +48,7 @@ class Decoder(nn.Module):
         # rope slot -> schedule: `rope`, plus the spec's extra `ropes` (mixers pick one by rope_slot)
         self.rope_impls = {"rope": self.rope_impl, **{name: make_rope(r) for name, r in spec.ropes.items()}}
         ctx = BuildContext(spec, self.rope_impl)
-        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embedding_multiplier)
+        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embed_scale)
         self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
@@ -81,7 +90,10 @@ class Decoder(nn.Module):
         logits = self.head(self.final_hidden(h))
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
-        return logits.float()
+        logits = logits.float()
+        if self.spec.logit_softcap is not None:
+            logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
+        return logits
 
 
 def build_model(spec: ModelSpec) -> Decoder:

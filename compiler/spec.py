@@ -19,6 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import ConfigError
 from .registry import lookup
 
+# ${zoo.sqrt:${dim}} in presets (Gemma's embed_scale follows dim when an import changes it)
+OmegaConf.register_new_resolver("zoo.sqrt", lambda x: float(x) ** 0.5, replace=True)
+
 # ---------------------------------------------------------------------------- schema (YAML)
 
 
@@ -97,10 +100,14 @@ class ConfigSchema:
     # (`rope_slot`), e.g. DeepSeek-V4's compressed layers use their own YaRN schedule
     ropes: Dict[str, Any] = field(default_factory=dict)
     residual: Any = "???"
-    # scalar multipliers (Granite): the embedding output is multiplied by embedding_multiplier,
-    # the logits divided by logits_scaling
-    embedding_multiplier: float = 1.0
-    logits_scaling: float = 1.0
+    # where each block normalises: pre (x + f(norm(x))), sandwich (x + norm(f(norm(x))), Gemma),
+    # post (x + norm(f(x)), OLMo 2); see block.py
+    sublayer_norms: str = "pre"
+    # embeddings * embed_scale, the scale rounded to their dtype (Gemma: sqrt(dim); Granite's
+    # embedding_multiplier); None: unscaled
+    embed_scale: Optional[float] = None
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    logit_softcap: Optional[float] = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
     mixers: Dict[str, Any] = field(default_factory=dict)
     ffns: Dict[str, Any] = field(default_factory=dict)
     layout: List[RunSchema] = field(default_factory=list)
@@ -112,6 +119,7 @@ class ConfigSchema:
 # ---------------------------------------------------------------------------- resolved spec
 
 DTYPES = ("float32", "bfloat16", "float16")
+SUBLAYER_NORMS = ("pre", "sandwich", "post")
 
 
 @dataclass(frozen=True)
@@ -145,8 +153,10 @@ class ModelSpec:
     mtp: Optional[MTPSchema] = None
     mtp_layers: tuple[LayerSpec, ...] = ()  # the MTP blocks (indices n_layers..), per `mtp`
     ropes: Dict[str, Any] = field(default_factory=dict)  # extra rope slots (see ConfigSchema.ropes)
-    embedding_multiplier: float = 1.0  # see ConfigSchema
+    sublayer_norms: str = "pre"  # see ConfigSchema
+    embed_scale: Optional[float] = None
     logits_scaling: float = 1.0
+    logit_softcap: Optional[float] = None
 
     @property
     def n_layers(self) -> int:
@@ -236,6 +246,11 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")
 
+    if top.sublayer_norms not in SUBLAYER_NORMS:
+        raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")
+    for key in ("embed_scale", "logit_softcap"):
+        if top[key] is not None and top[key] <= 0:
+            raise _fail(source, f"{key}: must be positive (or null), got {top[key]}")
     norm = _validate_kind("norm", top.norm, "norm", source, model)
     rope = _validate_kind("rope", top.rope, "rope", source, model)
     residual = _validate_kind("residual", top.residual, "residual", source, model)
@@ -266,7 +281,8 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         max_position=top.max_position, norm=norm, rope=rope, residual=residual, mixers=mixers,
         ffns=ffns, layers=tuple(layers), runtime=rt, checkpoint=OmegaConf.to_object(top.checkpoint),
         source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
-        embedding_multiplier=top.embedding_multiplier, logits_scaling=top.logits_scaling,
+        sublayer_norms=top.sublayer_norms, embed_scale=top.embed_scale, logits_scaling=top.logits_scaling,
+        logit_softcap=top.logit_softcap,
     )
 
 

@@ -81,6 +81,39 @@ def _flatten(xs):
     return xs[0].reshape(-1)
 
 
+def _transpose_shape(shapes, deinterleave: bool = False):
+    (shape,) = shapes
+    if len(shape) < 2:
+        raise ValueError(f"cannot transpose a {len(shape)}-D tensor {list(shape)}")
+    out = (*shape[:-2], shape[-1], shape[-2])
+    if deinterleave and out[-2] % 2:
+        raise ValueError(f"cannot de-interleave {out[-2]} rows into two halves")
+    return out
+
+
+@op("transpose", 1, _transpose_shape)
+def _transpose(xs, deinterleave: bool = False):
+    """[..., I, O] (checkpoints storing x @ W) -> [..., O, I]; with deinterleave, the O rows
+    (a0 b0 a1 b1 ...) are regrouped as (a0 a1 ... b0 b1 ...): gpt-oss's fused gate/up columns."""
+    w = xs[0].transpose(-1, -2)
+    return _deinterleave([w], dim=-2) if deinterleave else w.contiguous()
+
+
+def _deinterleave_shape(shapes, dim: int = -1):
+    (shape,) = shapes
+    if shape[dim] % 2:
+        raise ValueError(f"cannot de-interleave {shape[dim]} entries (dim {dim} of {list(shape)}) into two halves")
+    return tuple(shape)
+
+
+@op("deinterleave", 1, _deinterleave_shape)
+def _deinterleave(xs, dim: int = -1):
+    """Entries (a0 b0 a1 b1 ...) along `dim` -> (a0 a1 ... b0 b1 ...)."""
+    x = xs[0]
+    idx = torch.arange(x.shape[dim], device=x.device)
+    return x.index_select(dim, torch.cat((idx[0::2], idx[1::2]))).contiguous()
+
+
 def _unpermute_shape(shapes, heads: int):
     (shape,) = shapes
     if shape[0] % (2 * heads):

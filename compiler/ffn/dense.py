@@ -1,7 +1,9 @@
-"""Dense feed-forward networks. SwiGLU: y = w2(silu(x w1) * (x w3)), with w1|w3 fused as w13.
+"""Dense feed-forward networks. SwiGLU: y = w2(act(x w1) * (x w3)), with w1|w3 fused as w13.
 
-`swiglu_limit` (DeepSeek-V4) clamps the pre-activations first: the gate from above at +limit, the
-up projection to [-limit, limit].
+`activation` is the gate's: silu (SwiGLU) or gelu_tanh (GeGLU with the tanh approximation, Gemma).
+`swiglu_limit` (DeepSeek-V4, gpt-oss) clamps the pre-activations first: the gate from above at
++limit, the up projection to [-limit, limit]. gpt-oss's variant (MoE experts, see moe.py) also
+sharpens the gate, gate * sigmoid(alpha * gate), and offsets the up projection: (up + 1).
 """
 from __future__ import annotations
 
@@ -17,11 +19,22 @@ from ..parallel.plan import span
 from ..registry import register
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
-    """silu(gate) * up, with the optional DeepSeek-V4 clamp (see the module docstring)."""
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None, activation: str = "silu",
+           alpha: Optional[float] = None, up_offset: float = 0.0) -> torch.Tensor:
+    """act(gate) * (up + up_offset), with the optional clamp and gpt-oss's gate sharpness alpha
+    (gate * sigmoid(alpha * gate) in place of silu); see the module docstring."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+    if alpha is not None:
+        act = gate * torch.sigmoid(alpha * gate)
+    elif activation == "gelu_tanh":
+        act = F.gelu(gate, approximate="tanh")
+    else:
+        act = F.silu(gate)
+    return act * (up + up_offset if up_offset else up)
 
 
 @register("ffn", "swiglu")
@@ -34,8 +47,11 @@ class SwiGLU(FFN):
         ffn_dim: int = "???"  # type: ignore[assignment]
         bias: bool = False
         swiglu_limit: Optional[float] = None  # clamp gate <= limit, up to [-limit, limit] (DeepSeek-V4)
+        activation: str = "silu"  # the gate's: silu | gelu_tanh (GeGLU, Gemma)
 
         def check(self, model: dict) -> Optional[str]:
+            if self.activation not in ACTIVATIONS:
+                return f"activation={self.activation!r}: expected one of {list(ACTIVATIONS)}"
             if self.swiglu_limit is not None and self.swiglu_limit <= 0:
                 return f"swiglu_limit must be positive (or null), got {self.swiglu_limit}"
             return None if self.ffn_dim > 0 else f"ffn_dim must be positive, got {self.ffn_dim}"
@@ -44,6 +60,7 @@ class SwiGLU(FFN):
         super().__init__()
         self.ffn_dim = spec.ffn_dim
         self.limit = spec.swiglu_limit
+        self.activation = spec.activation
         self.w13 = nn.Linear(model.dim, 2 * spec.ffn_dim, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_dim, model.dim, bias=spec.bias)
 
@@ -62,7 +79,7 @@ class SwiGLU(FFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(swiglu(gate, up, self.limit))
+        return self.w2(swiglu(gate, up, self.limit, self.activation))
 
     def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self(x)

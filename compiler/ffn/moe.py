@@ -29,6 +29,13 @@ The routings the shipped families use, as combinations of these options:
   sigmoid + selection bias           scoring sigmoid, score_correction_bias, group_score top2_sum,
                                      shared experts (DeepSeek-V3 noaux_tc, GLM-4.5 with n_group 1)
 
+Biased router and experts (gpt-oss), independent of the routing options above:
+  router_bias           a learned bias added to the router logits before scoring (and so before
+                        selection and weighting alike): router.bias [E]
+  expert_bias           every routed expert's projections carry biases: w13_bias [E, 2F], w2_bias [E, D]
+  swiglu_alpha,         gpt-oss's clamped SwiGLU in the experts: (up + swiglu_up_offset) *
+  swiglu_up_offset      gate * sigmoid(swiglu_alpha * gate), after the swiglu_limit clamp (dense.swiglu)
+
 Expert weights are stacked: w13 [E, 2F, D] (gate rows, then up rows) and w2 [E, D, F]; checkpoint
 rules fill them expert by expert (`stack: expert`). Neither entry point loops over experts in
 the graph:
@@ -50,6 +57,7 @@ from torch import nn
 
 from .dense import SwiGLU, swiglu
 from ..contracts import FFN
+from ..errors import ConfigError
 from ..parallel.plan import span
 from ..registry import register
 
@@ -91,11 +99,13 @@ class Router(nn.Module):
 
     keep_float32 = True
 
-    def __init__(self, n_experts: int, dim: int, score_bias: bool, hash_table: Optional["TokenHash"] = None):
+    def __init__(self, n_experts: int, dim: int, score_bias: bool, hash_table: Optional["TokenHash"] = None,
+                 logit_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         self.score_bias = nn.Parameter(torch.empty(n_experts)) if score_bias else None
         self.hash = hash_table
+        self.bias = nn.Parameter(torch.empty(n_experts)) if logit_bias else None  # router_bias
 
 
 class TokenHash(nn.Module):
@@ -146,6 +156,10 @@ class MoE(FFN):
         shared_ffn_dim: Optional[int] = None  # None: n_shared_experts * ffn_dim
         shared_expert_gate: bool = False  # shared output * sigmoid(x @ shared_gate^T)
         swiglu_limit: Optional[float] = None  # clamp of every expert's pre-activations (DeepSeek-V4)
+        router_bias: bool = False  # learned bias on the router logits (gpt-oss)
+        expert_bias: bool = False  # routed experts' projections with biases (gpt-oss)
+        swiglu_alpha: Optional[float] = None  # experts' gate * sigmoid(alpha * gate) instead of silu (gpt-oss)
+        swiglu_up_offset: float = 0.0  # experts' (up + offset) (gpt-oss: 1)
 
         def resolve(self, model: dict) -> "MoE.Spec":
             shared = self.shared_ffn_dim
@@ -167,6 +181,8 @@ class MoE(FFN):
                         "n_group (which only steer a learned selection) must be false and 1")
             if self.swiglu_limit is not None and self.swiglu_limit <= 0:
                 return f"swiglu_limit must be positive (or null), got {self.swiglu_limit}"
+            if self.swiglu_alpha is not None and self.swiglu_alpha <= 0:
+                return f"swiglu_alpha must be positive (or null), got {self.swiglu_alpha}"
             if self.group_score not in GROUP_SCORES:
                 return f"group_score={self.group_score!r}: expected one of {list(GROUP_SCORES)}"
             if self.n_group <= 0 or self.n_experts % self.n_group:
@@ -191,9 +207,11 @@ class MoE(FFN):
         s, D = spec, model.dim
         self.n_experts, self.top_k, self.ffn_dim = s.n_experts, s.top_k, s.ffn_dim
         table = TokenHash(model.spec.vocab_size, s.top_k, s.n_experts) if s.routing == "hash" else None
-        self.router = Router(s.n_experts, D, s.score_correction_bias, table)
+        self.router = Router(s.n_experts, D, s.score_correction_bias, table, logit_bias=s.router_bias)
         self.w13 = nn.Parameter(torch.empty(s.n_experts, 2 * s.ffn_dim, D))
         self.w2 = nn.Parameter(torch.empty(s.n_experts, D, s.ffn_dim))
+        self.w13_bias = nn.Parameter(torch.empty(s.n_experts, 2 * s.ffn_dim)) if s.expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(s.n_experts, D)) if s.expert_bias else None
         self.shared = SwiGLU(SwiGLU.Spec(ffn_dim=s.shared_ffn_dim, swiglu_limit=s.swiglu_limit), model) \
             if s.shared_ffn_dim else None
         self.shared_gate = nn.Linear(D, 1, bias=False) if s.shared_expert_gate else None
@@ -211,6 +229,9 @@ class MoE(FFN):
         mesh = plan.mesh
         if mesh.size == 1:
             return False
+        if self.w13_bias is not None:
+            raise ConfigError("runtime.parallel: experts with biases (expert_bias, gpt-oss) have no sharding plan "
+                              "yet; run them with tp=1 ep=1")
         E, F_ = self.n_experts, self.ffn_dim
         e = plan.units(E, "n_experts", parts=mesh.ep, index=mesh.expert_group)
         parts, index = mesh.expert_split
@@ -237,8 +258,9 @@ class MoE(FFN):
     # ------------------------------------------------------------------ analysis (analysis.py)
 
     def routed_parameters(self) -> int:
-        """Parameters of all routed experts: E * (2F*D + D*F)."""
-        return self.w13.numel() + self.w2.numel()
+        """Parameters of all routed experts: E * (2F*D + D*F) (+ E * (2F + D) biases)."""
+        biases = 0 if self.w13_bias is None else self.w13_bias.numel() + self.w2_bias.numel()
+        return self.w13.numel() + self.w2.numel() + biases
 
     def active_parameters(self, matmul_only: bool = False) -> int:
         """Parameters one token touches: top_k of the E routed experts, the router (its weight
@@ -246,8 +268,11 @@ class MoE(FFN):
         not multiplied), the shared experts and their gate. matmul_only: >= 2-D multiplied weights."""
         routed = self.routed_parameters() * self.top_k // self.n_experts
         n = routed + self.router.weight.numel()
+        if matmul_only and self.w13_bias is not None:  # the chosen experts' biases are added, not multiplied
+            n -= (self.w13_bias.numel() + self.w2_bias.numel()) * self.top_k // self.n_experts
         if not matmul_only:
             n += 0 if self.router.score_bias is None else self.router.score_bias.numel()
+            n += 0 if self.router.bias is None else self.router.bias.numel()
             n += 0 if self.router.hash is None else self.router.hash.active_parameters()
         for part in (self.shared, self.shared_gate):
             if part is not None:
@@ -266,7 +291,8 @@ class MoE(FFN):
         """x [T, D], ids [T] token ids (read by hash routing only) -> (weights [T, K] float32,
         idx [T, K] int64). Scores in float32."""
         s = self.spec
-        logits = F.linear(x.float(), self.router.weight.float())
+        bias = None if self.router.bias is None else self.router.bias.float()
+        logits = F.linear(x.float(), self.router.weight.float(), bias)
         if s.scoring == "softmax":
             scores = logits.softmax(-1)
         elif s.scoring == "sigmoid":
@@ -296,6 +322,12 @@ class MoE(FFN):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * s.routed_scaling_factor, idx
 
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        """Experts' pre-activations [..., 2F] (gate | up) -> [..., F]."""
+        s = self.spec
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        return swiglu(gate, up, s.swiglu_limit, alpha=s.swiglu_alpha, up_offset=s.swiglu_up_offset)
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         y = self.shared(x)
         if self.shared_gate is not None:
@@ -318,9 +350,12 @@ class MoE(FFN):
             idx = idx.clamp(max=self.w13.shape[0] - 1)  # any local expert: its output weighs 0
         w13 = self.w13[idx]  # [T, K, 2F, D]
         h = torch.matmul(w13, xt[:, None, :, None]).squeeze(-1)  # [T, K, 2F]
-        gate, up = h.split(self.ffn_dim, dim=-1)
-        a = swiglu(gate, up, self.spec.swiglu_limit)  # [T, K, F]
+        if self.w13_bias is not None:
+            h = h + self.w13_bias[idx]
+        a = self._act(h)  # [T, K, F]
         y = torch.matmul(self.w2[idx], a[..., None]).squeeze(-1)  # [T, K, D]
+        if self.w2_bias is not None:
+            y = y + self.w2_bias[idx]
         routed = (y.float() * weights[..., None]).sum(1)
         return self._finish(x, routed)
 
@@ -337,8 +372,12 @@ class MoE(FFN):
             0, flat, torch.ones_like(flat))
         offs = counts[:E].cumsum(0)
         h = expert_mm(xt[token], self.w13, offs)  # [T*K, 2F]
-        gate, up = h.split(self.ffn_dim, dim=-1)
-        y = expert_mm(swiglu(gate, up, self.spec.swiglu_limit), self.w2, offs)  # [T*K, D]
+        expert = flat[order].clamp(max=E - 1)  # expert of each sorted pair (others: discarded)
+        if self.w13_bias is not None:
+            h = h + self.w13_bias[expert]
+        y = expert_mm(self._act(h), self.w2, offs)  # [T*K, D]
+        if self.w2_bias is not None:
+            y = y + self.w2_bias[expert]
         # back to (token, k) order by a gather, then a sum over k: a scatter-add into tokens
         # compiles to atomic adds on CPU (7x slower here)
         arange = torch.arange(order.numel(), device=x.device)

@@ -8,14 +8,29 @@
 Cache per layer: k, v [max_batch, Hkv, max_seq, Dh] (gpt-fast's static layout: SDPA reads it
 without a copy; one slot per position).
 
-Options (Qwen3-Next gated attention):
+Options:
   output_gate  the q rows of wqkv hold [query Dh | gate Dh] per head (the checkpoint's q_proj
                layout, split by a view); the attention output is multiplied by sigmoid(gate)
-               before wo: wqkv [(2H + 2Hkv) * Dh, D]
-  qk_norm      q and k normalised per head over Dh (before RoPE) by the model's norm kind
-               (q_norm, k_norm [Dh]; zero-centred when the model's norm is)
+               before wo: wqkv [(2H + 2Hkv) * Dh, D] (Qwen3-Next)
+  qk_norm      q and k normalised (before RoPE) by the model's norm kind (zero-centred when the
+               model's norm is): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3,
+               Gemma 3) or over the whole projection (projection; q_norm [H*Dh], k_norm [Hkv*Dh]; OLMo 2)
+  window       sliding window W: a token sees itself and the W - 1 before it (Mistral, Gemma,
+               gpt-oss local layers). The cache is then a ring of Sw = min(W, max_seq) slots
+               (kv_cache.py): O(W) per layer whatever the context, and a decode step reads Sw slots
+  softcap      attention logits squashed to softcap * tanh(logits / softcap) (Gemma 2)
+  sinks        one learned logit per head joins each softmax, with no value (gpt-oss; the softmax
+               of sink_attention.py): sink.weight [H], float32
+  rope_slot    which rope schedule the layer reads (Gemma 3: local layers their own theta)
+  scale_dim    softmax scale scale_dim ** -0.5 instead of head_dim ** -0.5 (Gemma's
+               query_pre_attn_scalar); softmax_scale, when given, wins
 
 rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin table asked for.
+
+Without softcap or sinks both entry points call SDPA (a window is a boolean mask); with either,
+`scores` -> `probabilities` -> `mix` spell the same attention out (one place a probe can read the
+probabilities from). Prefill attends within the prompt ([L, L] scores, the window masked), then
+keeps the last Sw keys; prompts longer than the window are fine.
 """
 from __future__ import annotations
 
@@ -29,11 +44,15 @@ from torch import nn
 
 from ..contracts import Mixer
 from ..engine.cache import CacheField
-from .kv_cache import decode_mask, write_decode, write_prefill
+from ..errors import ConfigError
+from .kv_cache import decode_mask, write_decode, write_prefill, write_ring
+from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm
 from ..parallel.plan import span
 from ..registry import register
-from ..position.rope import apply_rotary, rope_key
+from ..position.rope import apply_rotary, make_rope, rope_key
+
+QK_NORM_OVER = ("head", "projection")
 
 
 @register("mixer", "gqa")
@@ -50,7 +69,13 @@ class Attention(Mixer):
         out_bias: bool = False
         softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
         output_gate: bool = False  # q rows hold [query | gate] per head; output * sigmoid(gate)
-        qk_norm: bool = False  # per-head norm (the model's norm kind) on q and k before RoPE
+        qk_norm: bool = False  # norm (the model's norm kind) on q and k before RoPE
+        qk_norm_over: str = "head"  # head: over Dh per head | projection: over all H*Dh (Hkv*Dh) channels
+        window: Optional[int] = None  # sliding window W (itself + W - 1 before); None: full causal
+        softcap: Optional[float] = None  # attention logits -> softcap * tanh(logits / softcap)
+        sinks: bool = False  # a learned per-head logit in every softmax (sink.weight [H])
+        rope_slot: str = "rope"  # which rope schedule: `rope`, or a name in the model's `ropes`
+        scale_dim: Optional[float] = None  # softmax scale scale_dim ** -0.5; None: head_dim
 
         def resolve(self, model: dict) -> "Attention.Spec":
             head_dim = self.head_dim
@@ -66,6 +91,17 @@ class Attention(Mixer):
                         f"(give head_dim explicitly if that is intended)")
             if self.n_heads % self.n_kv_heads:
                 return f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}"
+            if self.qk_norm_over not in QK_NORM_OVER:
+                return f"qk_norm_over={self.qk_norm_over!r}: expected one of {list(QK_NORM_OVER)}"
+            if self.window is not None and self.window <= 0:
+                return f"window must be a positive number of tokens (or null), got {self.window}"
+            if self.softcap is not None and self.softcap <= 0:
+                return f"softcap must be positive (or null), got {self.softcap}"
+            if self.scale_dim is not None and self.scale_dim <= 0:
+                return f"scale_dim must be positive (or null), got {self.scale_dim}"
+            slots = model.get("rope_slots", ["rope"])
+            if self.rope_slot not in slots:
+                return f"rope_slot={self.rope_slot!r} is not one of the model's rope slots {list(slots)}"
             rot = self.head_dim * self.rotary_fraction
             if rot != int(rot) or int(rot) % 2:
                 return (f"rotary_fraction={self.rotary_fraction} of head_dim={self.head_dim} "
@@ -81,15 +117,21 @@ class Attention(Mixer):
         self.spec = spec
         s = spec
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
-        self.rope = rope_key(self.rot_dim)
-        self.scale = (s.softmax_scale or s.head_dim ** -0.5) * model.rope_impl.softmax_scale_factor()
+        self.rope_slot, self.window = s.rope_slot, s.window
+        self.rope = rope_key(self.rot_dim, s.rope_slot)
+        rope_impl = model.rope_impl if s.rope_slot == "rope" else make_rope(model.spec.ropes[s.rope_slot])
+        self.scale = (s.softmax_scale or (s.scale_dim or s.head_dim) ** -0.5) * rope_impl.softmax_scale_factor()
+        self.explicit = s.softcap is not None or s.sinks  # SDPA can express neither
         q_rows = (2 if s.output_gate else 1) * s.n_heads
         qkv_out = (q_rows + 2 * s.n_kv_heads) * s.head_dim
         self.wqkv = nn.Linear(model.dim, qkv_out, bias=s.qkv_bias)
         self.wo = nn.Linear(s.n_heads * s.head_dim, model.dim, bias=s.out_bias)
         if s.qk_norm:
-            self.q_norm = make_norm(model.spec.norm, s.head_dim)
-            self.k_norm = make_norm(model.spec.norm, s.head_dim)
+            whole = s.qk_norm_over == "projection"
+            self.q_norm = make_norm(model.spec.norm, s.head_dim * (s.n_heads if whole else 1))
+            self.k_norm = make_norm(model.spec.norm, s.head_dim * (s.n_kv_heads if whole else 1))
+        if s.sinks:
+            self.sink = AttentionSink(s.n_heads)
 
     def rope_dims(self) -> list[int]:
         return [self.rot_dim] if self.rot_dim else []
@@ -103,18 +145,33 @@ class Attention(Mixer):
         kvh = plan.units(Hkv, "n_kv_heads", replicate=True)
         qw = (2 if self.spec.output_gate else 1) * Dh  # q rows per head ([query | gate] when gated)
         rows = [span(0, qh, qw), span(H * qw, kvh, Dh), span(H * qw + Hkv * Dh, kvh, Dh)]
+        if self.spec.qk_norm and self.spec.qk_norm_over == "projection":
+            raise ConfigError("runtime.parallel: q/k norm over the whole projection (qk_norm_over: projection) "
+                              "normalises across heads, which tensor parallelism splits; it has no sharding plan yet")
         plan.column(self.wqkv, rows)
         plan.row(self.wo, [span(0, qh, Dh)])
+        if self.spec.sinks:
+            plan.param(self.sink, "weight", {0: [qh]})
         self.n_heads, self.n_kv_heads = qh[1] - qh[0], kvh[1] - kvh[0]
         return True
 
     def attention_flops(self, context):
-        """Per token at `context` cached tokens: q.k scores and the weighted sum of v."""
-        return 4 * self.n_heads * self.head_dim * np.asarray(context)
+        """Per token at `context` cached tokens: q.k scores and the weighted sum of v (over at
+        most `window` keys)."""
+        context = np.asarray(context)
+        seen = context if self.window is None else np.minimum(context, self.window)
+        return 4 * self.n_heads * self.head_dim * seen
+
+    def slots(self, max_seq: int) -> int:
+        """Cache slots per sequence: max_seq, or the ring's Sw = min(window, max_seq)."""
+        return max_seq if self.window is None else min(self.window, max_seq)
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
-        shape = (max_batch, self.n_kv_heads, max_seq, self.head_dim)
-        return {"k": CacheField(shape, dtype, grows=True), "v": CacheField(shape, dtype, grows=True)}
+        """k, v [B, Hkv, S, Dh]: one slot per position (grows), or a ring of Sw slots: a constant
+        per-sequence state, the last Sw keys."""
+        shape = (max_batch, self.n_kv_heads, self.slots(max_seq), self.head_dim)
+        grows = self.window is None
+        return {"k": CacheField(shape, dtype, grows=grows), "v": CacheField(shape, dtype, grows=grows)}
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh],
@@ -127,9 +184,11 @@ class Attention(Mixer):
         if gated:
             qg = q.view(B, L, H, 2 * Dh)
             q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, L, H * Dh)
+        if self.spec.qk_norm and self.spec.qk_norm_over == "projection":
+            q, k = self.q_norm(q.reshape(B, L, H * Dh)), self.k_norm(k)
         q = q.reshape(B, L, H, Dh)
-        k = k.view(B, L, Hkv, Dh)
-        if self.spec.qk_norm:
+        k = k.reshape(B, L, Hkv, Dh)
+        if self.spec.qk_norm and self.spec.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.transpose(1, 2)
         k = k.transpose(1, 2)
@@ -151,18 +210,66 @@ class Attention(Mixer):
             o = o * torch.sigmoid(gate)
         return self.wo(o)
 
+    # ------------------------------------------------------------------ attention
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, Dh], k [B, Hkv, T, Dh], visible (bool, broadcastable to [B, H, L, T]) ->
+        scaled (and soft-capped) logits [B, H, L, T] float32, -inf where not visible."""
+        B, H, L, Dh = q.shape
+        g = H // self.n_kv_heads  # the query heads of one KV head side by side
+        logits = torch.matmul(q.reshape(B, self.n_kv_heads, g * L, Dh), k.transpose(-1, -2))
+        logits = logits.view(B, H, L, -1).float() * self.scale
+        if self.spec.softcap is not None:
+            logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+        return logits.masked_fill(~visible, float("-inf"))
+
+    def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [B, H, L, T] -> the softmax over the keys (and the sink, when learned), float32."""
+        if self.spec.sinks:
+            return softmax_with_sink(scores, self.sink.weight.view(1, -1, 1, 1))
+        return scores.softmax(dim=-1)
+
+    def mix(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """probs [B, H, L, T], v [B, Hkv, T, Dh] -> o [B, H, L, Dh] in v's dtype."""
+        B, H, L, T = probs.shape
+        g = H // self.n_kv_heads
+        o = torch.matmul(probs.to(v.dtype).reshape(B, self.n_kv_heads, g * L, T), v)
+        return o.view(B, H, L, -1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, Dh] over k, v [B, Hkv, T, Dh] where `visible` [.., L, T] -> [B, H, L, Dh]."""
+        if self.explicit:
+            return self.mix(self.probabilities(self.scores(q, k, visible)), v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
+                                              enable_gqa=self.n_heads != self.n_kv_heads)
+
+    def prompt_mask(self, L: int, device) -> torch.Tensor:
+        """[L, L] bool: query t sees key s iff s <= t (and t - s < window)."""
+        t = torch.arange(L, device=device)
+        diff = t[:, None] - t[None, :]
+        visible = diff >= 0
+        return visible if self.window is None else visible & (diff < self.window)
+
+    # ------------------------------------------------------------------ entry points
+
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1."""
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills cache slots 0..L-1 (a ring: the
+        last Sw positions)."""
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)  # [L, R/2]
         q, k, v, gate = self._project(x, cos, sin)
-        write_prefill(cache["k"], k)
-        write_prefill(cache["v"], v)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        write = write_prefill if self.window is None else write_ring
+        write(cache["k"], k)
+        write(cache["v"], v)
+        if self.window is None and not self.explicit:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            o = self.attend(q, k, v, self.prompt_mask(x.shape[1], x.device))
         return self._out(o, gate)
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row."""
+        """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row
+        (pos, or pos % Sw in a ring)."""
         if self.rot_dim:
             cos, sin = ctx["rope"][self.rope]  # [B, R/2]
             cos, sin = cos[:, None, None], sin[:, None, None]
@@ -170,9 +277,9 @@ class Attention(Mixer):
             cos = sin = None
         q, k, v, gate = self._project(x, cos, sin)
         pos = ctx["pos"]
-        write_decode(cache["k"], k, pos)
-        write_decode(cache["v"], v, pos)
+        S = cache["k"].shape[2]
+        slot = pos if self.window is None else pos % S
+        write_decode(cache["k"], k, slot)
+        write_decode(cache["v"], v, slot)
         kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=decode_mask(pos, kc.shape[2]),
-                                           scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._out(o, gate)
+        return self._out(self.attend(q, kc, vc, decode_mask(pos, S)), gate)

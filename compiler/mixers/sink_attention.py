@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kv_cache import decode_mask, write_decode
+from .kv_cache import decode_mask, write_decode, write_ring
 from ..contracts import Mixer
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
@@ -192,14 +192,7 @@ class SinkAttention(Mixer):
         scores = torch.einsum("bhld,blwd->bhlw", q, keys) * self.scale
         return keys, scores.masked_fill(key < 0, float("-inf"))
 
-    def write_ring(self, cache: torch.Tensor, kv: torch.Tensor) -> None:
-        """cache [B, 1, Sw, Dh] <- the last Sw of kv [B, 1, L, Dh] (positions 0..L-1): slot s gets
-        the latest position p < L with p % Sw == s; slots no position reached are left as they are."""
-        Sw, L = cache.shape[2], kv.shape[2]
-        s = torch.arange(Sw, device=kv.device)
-        valid = s < L
-        p = torch.where(valid, s + Sw * torch.div(L - 1 - s, Sw, rounding_mode="floor"), 0)
-        cache.copy_(torch.where(valid[:, None], kv.index_select(2, p).to(cache.dtype), cache))
+    write_ring = staticmethod(write_ring)  # kv_cache.write_ring (compressed layers pass it on)
 
     # ------------------------------------------------------------------ entry points
 
