@@ -91,7 +91,7 @@ def test_structure(references):
     assert [layer.mixer_name for layer in smol.spec.layers] == ["attn", "nope", "attn", "attn", "nope"]
     assert [layer.mixer.rope_dims() for layer in smol.module.layers] == [[12], [], [12], [12], []]
     granite = zoo.from_pretrained(str(references["granite"][1]), compile=False, max_seq=16)
-    assert granite.module.embed.multiplier == 3.0 and granite.spec.logits_scaling == 2.5
+    assert granite.module.embed.scale == 3.0 and granite.spec.logits_scaling == 2.5
     assert granite.module.layers[0].mixer.scale == pytest.approx(0.21)
     assert granite.spec.residual.scale == 0.45
     phi = zoo.from_pretrained(str(references["phi3"][1]), compile=False, max_seq=16)
