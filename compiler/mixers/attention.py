@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import Mixer
+from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from .kv_cache import decode_mask, write_decode, write_prefill
+from .scores import causal_mask, dot_scores, head_rows, masked_softmax
 from ..norm.norms import make_norm
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
@@ -141,6 +142,18 @@ class Attention(Mixer):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         return self._out(o, gate)
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None)) -> AttentionMaps:
+        """prefill's attention as probabilities (contracts.AttentionProbe): its projection, norms,
+        RoPE and scale, its causal mask. x [B, L, D] -> maps [B, h, L, L]; query head j reads KV
+        head j // (H / Hkv)."""
+        cos, sin = ctx["rope"][self.rope]
+        q, k, _, _ = self._project(x, cos, sin)
+        rows = head_rows(heads, self.n_heads)
+        kv = torch.arange(rows.start, rows.stop, device=x.device) // (self.n_heads // self.n_kv_heads)
+        logits = dot_scores(q[:, rows.start:rows.stop], k[:, kv], self.scale)
+        logits, probs = masked_softmax(logits, causal_mask(x.shape[1], x.device))
+        return AttentionMaps(probs, logits)
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row."""

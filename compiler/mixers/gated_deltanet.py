@@ -247,22 +247,34 @@ class GatedDeltaNet(Mixer):
 
     # ------------------------------------------------------------------ entry points
 
-    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
-        the last W-1 positions and the final recurrent state in the cache."""
-        B, L, _ = x.shape
+    def _prefill_recurrence(self, x: torch.Tensor):
+        """x [B, L, D] (new sequences) -> (the conv input after zero history [B, Cc, W-1+L], the
+        final state from zero [B, Hv, Dk, Dv], o [B, Hv, L, Dv], decay g and beta [B, Hv, L], z)."""
         q, k, v, z, b, a = self.in_proj(x).split(self.split, dim=-1)
         mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)  # [B, Cc, L]
         padded = F.pad(mixed, (self.kernel - 1, 0))  # zero history: a prefill starts from scratch
-        cache["conv"].copy_(padded[:, :, padded.shape[2] - (self.kernel - 1):])
         conv = F.silu(F.conv1d(padded, self.conv_weight.to(padded.dtype), groups=padded.shape[1]))
         q, k, v = self._heads(conv.transpose(1, 2))
-        g, beta = self._gates(b, a)
-        zero = torch.zeros_like(cache["state"])
-        o, state = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), zero,
-                                          self.chunk_size)
+        g, beta = (t.transpose(1, 2) for t in self._gates(b, a))
+        zero = q.new_zeros(x.shape[0], self.Hv, self.Dk, self.Dv)
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, zero, self.chunk_size)
+        return padded, state, o, g, beta, z
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
+        the last W-1 positions and the final recurrent state in the cache."""
+        padded, state, o, _, _, z = self._prefill_recurrence(x)
+        cache["conv"].copy_(padded[:, :, padded.shape[2] - (self.kernel - 1):])
         cache["state"].copy_(state)
         return self._out(o, z, x.dtype)
+
+    def mixer_statistics(self, x: torch.Tensor, ctx: dict) -> dict[str, torch.Tensor]:
+        """prefill's recurrence, summarised per value head [B, Hv] (contracts.MixerStatistics):
+        decay, the mean share exp(g) of the state kept per token; write, the mean beta; state_norm,
+        the final state's Frobenius norm; output_norm, the mean |o_t|."""
+        _, state, o, g, beta, _ = self._prefill_recurrence(x)
+        return {"decay": g.exp().mean(-1), "write": beta.mean(-1), "state_norm": state.flatten(-2).norm(dim=-1),
+                "output_norm": o.norm(dim=-1).mean(-1)}
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""
