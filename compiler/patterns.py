@@ -22,7 +22,8 @@ Scores per (layer, head), averaged over the queries t >= 1 (query 0 sees only it
   and where a kind has them: learned_sink (a learned sink's share), entries (compressed
   entries' share), dsa_captured (the share of dense causal softmax mass held by the indexer's
   picks, over the queries that see more than Ks keys).
-distance: per layer, the mean scaled q.k logit at each distance |t - s| (RoPE's decay).
+distance: per layer, the mean scaled q.k logit at each distance |t - s| (RoPE's decay), over
+keys s >= 1 (position 0's sink logits would otherwise dominate every query's farthest key).
 
 Memory: one head group's [B, h, L, L] float32 map is at most `budget` bytes (h >= 1), and about
 eight such tensors are alive at once (logits, probabilities, the probe's masking temporaries,
@@ -235,7 +236,7 @@ def analyze(engine, ids: torch.Tensor, n_repeat: int = 0, budget: int = DEFAULT_
                 scores = head_scores(maps, n_repeat)
                 for name, v in scores.items():
                     per_head.setdefault(name, []).extend(v.tolist())
-                s, c = distance_sums(maps.logits)
+                s, c = distance_sums(maps.logits[..., 1:, 1:])  # without the sink's column (see below)
                 total, count = total + s, count + c
                 if L <= MAP_MAX:
                     _keep_maps(out, i, start, maps, scores)
