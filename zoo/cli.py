@@ -7,6 +7,7 @@
     zoo diff "llama3_8b" "llama3_8b residual=mhc"      (conf names + overrides, dirs or Hub ids)
     zoo import <repo id | dir> [name=NAME] [out=FILE]
     zoo check weights=<dir | repo id> [conf=NAME]
+    zoo patterns (conf=NAME | weights=...) [text="..."] [repeat=N] [seed=S] [output=json] [plot=DIR]
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
@@ -25,7 +26,8 @@ from typing import Optional, Sequence
 from .compiler.errors import ZooError
 
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
-            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out", "markdown"}
+            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out", "markdown",
+            "text", "repeat"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
@@ -250,6 +252,30 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
     return 0 if plan.ok and not data else 1
 
 
+def cmd_patterns(opts: dict, overrides: list[str]) -> int:
+    """Attention sinks, previous-token and induction heads, ... (zoo/patterns.py), eagerly."""
+    from .patterns import DEFAULT_REPEAT, plot_patterns, print_patterns, run, token_labels
+
+    repeat = int(opts.get("repeat", DEFAULT_REPEAT))
+    extra = ["runtime.compile=false"]  # the probes run the layers eagerly: nothing to compile
+    if "text" not in opts and not any(o.startswith("runtime.max_seq=") for o in overrides):
+        extra.append(f"runtime.max_seq={1 + 2 * repeat}")
+    model = _load(opts, [*overrides, *extra], dry=False, progress=opts.get("output") != "json")
+    seed = int(opts.get("seed", 0))
+    patterns = run(model, opts.get("text"), repeat, seed)
+    labels = token_labels(model, patterns.tokens)
+    if "plot" in opts:
+        files = plot_patterns(patterns, labels, opts["plot"], title=model.spec.name)
+        print("wrote " + " ".join(str(f) for f in files), file=sys.stderr)
+    if opts.get("output") == "json":
+        import json
+
+        print(json.dumps({"model": model.spec.name, **patterns.to_json()}))
+    else:
+        print_patterns(patterns, labels)
+    return 0
+
+
 def cmd_configs(opts: dict, overrides: list[str]) -> int:
     from .compiler.config import available_configs
 
@@ -301,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
-                "configs": cmd_configs, "families": cmd_families}
+                "configs": cmd_configs, "families": cmd_families, "patterns": cmd_patterns}
     positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache}
     if command not in handlers and command not in positional_handlers:
         known = ", ".join([*handlers, *positional_handlers])

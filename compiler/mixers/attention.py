@@ -42,10 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import Mixer
+from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from ..errors import ConfigError
 from .kv_cache import decode_mask, write_decode, write_prefill, write_ring
+from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm
 from ..parallel.plan import span
@@ -266,6 +267,23 @@ class Attention(Mixer):
         else:
             o = self.attend(q, k, v, self.prompt_mask(x.shape[1], x.device))
         return self._out(o, gate)
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None)) -> AttentionMaps:
+        """prefill's attention as probabilities (contracts.AttentionProbe): its projection, norms,
+        RoPE, scale, soft-cap, causal/window mask and sinks. x [B, L, D] -> maps [B, h, L, L]
+        (extras "sink" [B, h, L] with learned sinks); query head j reads KV head j // (H / Hkv)."""
+        cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)
+        q, k, _, _ = self._project(x, cos, sin)
+        rows = head_rows(heads, self.n_heads)
+        kv = torch.arange(rows.start, rows.stop, device=x.device) // (self.n_heads // self.n_kv_heads)
+        logits = dot_scores(q[:, rows.start:rows.stop], k[:, kv], self.scale)
+        if self.spec.softcap is not None:
+            logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+        logits = logits.masked_fill(~self.prompt_mask(x.shape[1], x.device), float("-inf"))
+        if not self.spec.sinks:
+            return AttentionMaps(torch.softmax(logits, dim=-1), logits)
+        probs = softmax_with_sink(logits, self.sink.weight[rows.start:rows.stop].view(1, -1, 1, 1))
+        return AttentionMaps(probs, logits, {"sink": 1.0 - probs.sum(-1)})
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row

@@ -46,7 +46,9 @@ from .kv_cache import decode_mask, write_decode, write_prefill
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
 from ..registry import register
-from .sink_attention import SinkAttention, rope_tail, softmax_with_sink
+from .scores import head_rows
+from .sink_attention import SinkAttention, rope_tail, softmax_with_sink, window_to_tokens
+from ..contracts import AttentionMaps
 
 
 class PositionBias(nn.Module):
@@ -208,10 +210,12 @@ class CompressedAttention(SinkAttention):
     def _start(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.cat((cos, sin), dim=-1).float()
 
-    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills the window ring, the block ring, the
-        entries of the complete blocks, and the start of the last (partial) block."""
-        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+    def prefill_attention(self, x: torch.Tensor, cache: dict, cos: torch.Tensor, sin: torch.Tensor):
+        """prefill up to its softmax (shared with attention_probe): x [B, L, D] at positions
+        0..L-1, cos/sin [L, R/2]; fills the window ring, the block ring, the entries of the complete
+        blocks and the start of the last (partial) block. -> window keys [B, L, Sw, Dh], entries
+        [B, N, Dh], logits [B, H, L, Sw + N] (window then entries, -inf where not attended) and
+        their probabilities (float32; the sink holds the rest)."""
         L, m = x.shape[1], self.ratio
         q_resid = self.query_residual(x)
         q, kv = self.project(x, cos, sin, q_resid)
@@ -228,11 +232,31 @@ class CompressedAttention(SinkAttention):
         chosen = self.select_prefill(x, q_resid, cache, cos, sin, visible)  # [B, L, n]
         keys, scores = self.window_scores(q, kv, cache["kv"].shape[2])
         ce = torch.einsum("bhld,bnd->bhln", q, entries) * self.scale
-        ce = ce.masked_fill(~chosen[:, None], float("-inf"))
-        probs = softmax_with_sink(torch.cat((scores, ce), dim=-1), self.sink.weight.view(1, -1, 1, 1))
+        logits = torch.cat((scores, ce.masked_fill(~chosen[:, None], float("-inf"))), dim=-1)
+        return keys, entries, logits, softmax_with_sink(logits, self.sink.weight.view(1, -1, 1, 1))
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills the caches (see prefill_attention)."""
+        cos, sin = ctx["rope"][self.rope]  # [L, R/2]
+        keys, entries, _, probs = self.prefill_attention(x, cache, cos, sin)
         pw, pc = probs.to(keys.dtype).split([keys.shape[2], entries.shape[1]], dim=-1)
         o = torch.einsum("bhlw,blwd->bhld", pw, keys) + torch.einsum("bhln,bnd->bhld", pc, entries)
         return self.out(o, cos, sin)
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None)) -> AttentionMaps:
+        """prefill's attention as probabilities (contracts.AttentionProbe), run on a scratch cache
+        sized for the prompt (entries past L // m are never visible to it): the window part per
+        token [B, h, L, L]; extras "sink" [B, h, L] and "entries" [B, h, L, Ne] (the chosen
+        compressed entries' shares)."""
+        cos, sin = ctx["rope"][self.rope]
+        B, L, _ = x.shape
+        scratch = {name: torch.zeros(f.shape, dtype=f.dtype, device=x.device)
+                   for name, f in self.cache_fields(B, L, x.dtype).items()}
+        keys, _, logits, probs = self.prefill_attention(x, scratch, cos, sin)
+        rows = head_rows(heads, self.n_heads)
+        probs, logits, Sw = probs[:, rows.start:rows.stop], logits[:, rows.start:rows.stop].float(), keys.shape[2]
+        return AttentionMaps(window_to_tokens(probs[..., :Sw], 0.0), window_to_tokens(logits[..., :Sw], float("-inf")),
+                             {"sink": 1 - probs.sum(-1), "entries": probs[..., Sw:]})
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes the window ring slot, the

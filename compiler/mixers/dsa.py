@@ -41,6 +41,8 @@ from torch import nn
 from .kv_cache import write_decode, write_prefill
 from ..engine.cache import CacheField
 from .mla import MLA, absorb_query, expand_values, expanded_attention
+from .scores import causal_mask, masked_softmax
+from ..contracts import AttentionMaps
 from ..norm.norms import LayerNorm
 from ..registry import register
 from ..position.rope import apply_rotary
@@ -271,18 +273,40 @@ class DSA(MLA):
 
     # ------------------------------------------------------------------ entry points
 
+    def prefill_selection(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, L, D] (positions 0..L-1), cos/sin [L, R/2] -> MLA's q_nope, q_rope, kv (mla.py),
+        the indexer keys [B, L, Di] and each query's chosen slots [B, L, Ks] (prefill and probe)."""
+        q_resid = self.query_residual(x)
+        q_nope, q_rope, kv = self.project(x, cos, sin, q_resid=q_resid)
+        keys = self.indexer.keys(x, cos, sin)
+        slots = self.indexer.select_prefill_slots(x, q_resid, keys, cos, sin)  # [B, L, Ks]
+        return q_nope, q_rope, kv, keys, slots
+
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills slots 0..L-1 of both caches. Each
         query attends over the Ks latents the indexer chose for it (see selected_attention)."""
         cos, sin = ctx["rope"][self.rope]  # [L, R/2]
-        q_resid = self.query_residual(x)
-        q_nope, q_rope, kv = self.project(x, cos, sin, q_resid=q_resid)
-        keys = self.indexer.keys(x, cos, sin)
+        q_nope, q_rope, kv, keys, slots = self.prefill_selection(x, cos, sin)
         write_prefill(cache["kv"], kv)
         write_prefill(cache["index_k"][:, None], keys[:, None])  # [B, S, Di] viewed as one head
-        slots = self.indexer.select_prefill_slots(x, q_resid, keys, cos, sin)  # [B, L, Ks]
         return self.wo(selected_attention(q_nope, q_rope, kv[:, 0], self.wkv_b.weight, slots, self.scale,
                                           self.gather_from, ATTENTION_CHUNK))
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None),
+                        absorbed: bool = False) -> AttentionMaps:
+        """prefill's sparse attention as probabilities (contracts.AttentionProbe): the indexer's
+        picks and MLA's scores (mla.MLA.probe_logits), softmax over the picked keys only. logits
+        are the dense causal scores; extras "picks" [B, L, Ks] (-1 where fewer than Ks keys are
+        visible) and "captured" [B, h, L], the share of the dense causal softmax the picks hold."""
+        cos, sin = ctx["rope"][self.rope]
+        q_nope, q_rope, kv, _, slots = self.prefill_selection(x, cos, sin)
+        t = torch.arange(x.shape[1], device=x.device)
+        logits, dense = masked_softmax(self.probe_logits(q_nope, q_rope, kv, heads, absorbed),
+                                       causal_mask(x.shape[1], x.device))
+        chosen = choice_mask(slots)[:, None]  # [B, 1, L, L]
+        probs = torch.softmax(logits.masked_fill(~chosen, float("-inf")), dim=-1)
+        picks = torch.where(slots <= t[:, None], slots, -1)
+        return AttentionMaps(probs, logits, {"picks": picks, "captured": (dense * chosen).sum(-1)})
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; one slot per row in both caches.

@@ -329,17 +329,33 @@ class GatedDeltaNet(Mixer):
 
     # ------------------------------------------------------------------ entry points
 
-    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
-        the last W-1 positions and the final recurrent state in the cache."""
+    def _prefill_recurrence(self, x: torch.Tensor, cache: dict):
+        """x [B, L, D] (new sequences) -> (the final state from zero [B, Hv, Dk, Dv], o [B, Hv, L, Dv],
+        decay g [B, Hv, L] (or [B, Hv, L, Dk] per channel), beta [B, Hv, L], z); the conv inputs of
+        the last W-1 positions go to cache["conv"]."""
         qkv, z, g, beta = self._project(x)
         conv = causal_conv_prefill(qkv.transpose(1, 2), self.conv_weight, cache["conv"])  # [B, Cc, L]
         q, k, v = self._heads(conv.transpose(1, 2))
-        zero = torch.zeros_like(cache["state"])
-        o, state = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), zero,
-                                          self.chunk_size)
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, torch.zeros_like(cache["state"]), self.chunk_size)
+        return state, o, g, beta, z
+
+    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] (new sequences, positions 0..L-1) -> [B, L, D]; leaves the conv inputs of
+        the last W-1 positions and the final recurrent state in the cache."""
+        state, o, _, _, z = self._prefill_recurrence(x, cache)
         cache["state"].copy_(state)
         return self._out(o, z, x.dtype)
+
+    def mixer_statistics(self, x: torch.Tensor, ctx: dict) -> dict[str, torch.Tensor]:
+        """prefill's recurrence, summarised per value head [B, Hv] (contracts.MixerStatistics):
+        decay, the mean share exp(g) of the state kept per token (and channel, per-channel decay); write, the mean beta; state_norm,
+        the final state's Frobenius norm; output_norm, the mean |o_t|."""
+        scratch = {name: torch.zeros(f.shape, dtype=f.dtype, device=x.device)  # the layer's cache stays as it is
+                   for name, f in self.cache_fields(x.shape[0], x.shape[1], x.dtype).items()}
+        state, o, g, beta, _ = self._prefill_recurrence(x, scratch)
+        return {"decay": g.exp().flatten(2).mean(-1), "write": beta.mean(-1),
+                "state_norm": state.flatten(-2).norm(dim=-1), "output_norm": o.norm(dim=-1).mean(-1)}
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""

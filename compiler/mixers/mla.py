@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import decode_mask, write_decode, write_prefill
-from ..contracts import Mixer
+from .scores import causal_mask, dot_scores, head_rows, masked_softmax
+from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
 from ..parallel.plan import span
@@ -48,18 +49,25 @@ def _split_wkv_b(wkv_b: torch.Tensor, n_heads: int, nope: int) -> tuple[torch.Te
     return w[:, :nope], w[:, nope:]
 
 
-def expanded_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, wkv_b: torch.Tensor,
-                       scale: float, mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
-    """Per-head K/V expanded from the latent (the prefill form). q_nope [B, H, L, Dn], q_rope
-    [B, H, L, R], kv [B, 1, S, C + R], wkv_b [H * (Dn + Dv), C] -> [B, L, H * Dv]."""
+def expanded_qkv(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, wkv_b: torch.Tensor):
+    """Per-head K/V expanded from the latent: q_nope [B, H, L, Dn], q_rope [B, H, L, R], kv
+    [B, 1, S, C + R], wkv_b [H * (Dn + Dv), C] -> q, k [B, H, *, Dn + R], v [B, H, S, Dv]."""
     B, H, L, nope = q_nope.shape
     C = wkv_b.shape[1]
     latent, k_rope = kv.split([C, kv.shape[-1] - C], dim=-1)
     k_nope, v = F.linear(latent[:, 0], wkv_b).view(B, -1, H, wkv_b.shape[0] // H).transpose(1, 2) \
         .split([nope, wkv_b.shape[0] // H - nope], dim=-1)
-    v_dim = v.shape[-1]
     k = torch.cat((k_nope, k_rope.expand(-1, H, -1, -1)), dim=-1)
-    q = torch.cat((q_nope, q_rope), dim=-1)
+    return torch.cat((q_nope, q_rope), dim=-1), k, v
+
+
+def expanded_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, wkv_b: torch.Tensor,
+                       scale: float, mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
+    """Per-head K/V expanded from the latent (the prefill form). q_nope [B, H, L, Dn], q_rope
+    [B, H, L, R], kv [B, 1, S, C + R], wkv_b [H * (Dn + Dv), C] -> [B, L, H * Dv]."""
+    B, H, L, _ = q_nope.shape
+    q, k, v = expanded_qkv(q_nope, q_rope, kv, wkv_b)
+    v_dim = v.shape[-1]
     if v_dim < k.shape[-1]:
         # zero-padded to the q/k width: the fused (flash) kernels need one head width; with
         # two, the compiler falls back to a materialised-scores softmax (10x slower on CPU)
@@ -212,6 +220,29 @@ class MLA(Mixer):
         o_lat = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, is_causal=causal,
                                                scale=self.scale, enable_gqa=True)  # [B, H, L, C]
         return expand_values(o_lat, self.wkv_b.weight, self.nope)
+
+    def probe_logits(self, q_nope, q_rope, kv, heads: slice, absorbed: bool) -> torch.Tensor:
+        """Scaled q.k [B, h, L, S] of query heads `heads` (q_* [B, H, L, *]) over the latents kv
+        [B, 1, S, C + R], in the expanded form (what prefill's kernel gets) or the absorbed one
+        (decode's); the two agree up to rounding."""
+        rows = head_rows(heads, self.n_heads)
+        sel = slice(rows.start, rows.stop)
+        wkv_b = self.wkv_b.weight.view(self.n_heads, -1, self.rank)[sel].reshape(-1, self.rank)
+        q_nope, q_rope = q_nope[:, sel], q_rope[:, sel]
+        if absorbed:
+            return dot_scores(absorb_query(q_nope, q_rope, wkv_b), kv, self.scale)
+        q, k, _ = expanded_qkv(q_nope, q_rope, kv, wkv_b)
+        return dot_scores(q, k, self.scale)
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None),
+                        absorbed: bool = False) -> AttentionMaps:
+        """prefill's attention as probabilities (contracts.AttentionProbe): its projection, RoPE,
+        scale and causal mask, scored in the expanded form or (absorbed) the decode form."""
+        cos, sin = ctx["rope"][self.rope]
+        q_nope, q_rope, kv = self.project(x, cos, sin)
+        logits = self.probe_logits(q_nope, q_rope, kv, heads, absorbed)
+        logits, probs = masked_softmax(logits, causal_mask(x.shape[1], x.device))
+        return AttentionMaps(probs, logits)
 
     # ------------------------------------------------------------------ entry points
 

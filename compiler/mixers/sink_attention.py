@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from .kv_cache import decode_mask, write_decode, write_ring
-from ..contracts import Mixer
+from .scores import head_rows
+from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
 from ..registry import register
@@ -55,6 +56,16 @@ def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     [..., S] (float32) of a softmax over [scores | sink] with the sink's column dropped."""
     logits = torch.cat((scores.float(), sink.float().expand(*scores.shape[:-1], 1)), dim=-1)
     return logits.softmax(dim=-1)[..., :-1]
+
+
+def window_to_tokens(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """Per-query window columns [B, h, L, Sw] (column w: key t - Sw + 1 + w, as window_scores lays
+    them out) -> per-token columns [B, h, L, L]; `fill` outside each query's window."""
+    B, h, L, Sw = x.shape
+    t = torch.arange(L, device=x.device)
+    col = t[None, :] - t[:, None] + Sw - 1  # key s of query t sits in window column s - t + Sw - 1
+    inside = (col >= 0) & (col < Sw)
+    return x.gather(-1, col.clamp(0, Sw - 1).expand(B, h, L, L)).masked_fill(~inside, fill)
 
 
 class AttentionSink(nn.Module):
@@ -191,6 +202,19 @@ class SinkAttention(Mixer):
         keys = kv[:, 0][:, key.clamp(min=0)]  # [B, L, Sw, Dh]
         scores = torch.einsum("bhld,blwd->bhlw", q, keys) * self.scale
         return keys, scores.masked_fill(key < 0, float("-inf"))
+
+    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None)) -> AttentionMaps:
+        """prefill's attention as probabilities (contracts.AttentionProbe): its projection, RoPE,
+        window scores and sink softmax, laid out per token [B, h, L, L]; extras "sink" [B, h, L].
+        A window of min(window, L) slots sees what prefill's min(window, max_seq) does."""
+        cos, sin = ctx["rope"][self.rope]
+        q, kv = self.project(x, cos, sin)
+        rows = head_rows(heads, self.n_heads)
+        sel = slice(rows.start, rows.stop)
+        _, scores = self.window_scores(q[:, sel], kv, self.slots(x.shape[1]))
+        probs = softmax_with_sink(scores, self.sink.weight[sel].view(1, -1, 1, 1))
+        return AttentionMaps(window_to_tokens(probs, 0.0), window_to_tokens(scores.float(), float("-inf")),
+                             {"sink": 1 - probs.sum(-1)})
 
     write_ring = staticmethod(write_ring)  # kv_cache.write_ring (compressed layers pass it on)
 

@@ -97,6 +97,11 @@ class HyperConnection(_StreamProjection):
         comb = sinkhorn((comb_w * s_comb + comb_b).unflatten(-1, (n, n)), self.iters, self.eps)
         return pre, post, comb
 
+    def mixing(self, h: torch.Tensor) -> torch.Tensor:
+        """streams [..., N, D] -> comb [..., N, N], the doubly stochastic stream mixing that `exit`
+        applies (contracts.StreamMixing; `zoo patterns`)."""
+        return self.weights(h)[2]
+
     def enter(self, h: torch.Tensor):
         """streams [..., N, D] -> (sub-layer input [..., D], (post, comb))."""
         pre, post, comb = self.weights(h)
