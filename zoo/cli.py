@@ -8,6 +8,8 @@
     zoo import <repo id | dir> [name=NAME] [out=FILE]
     zoo check weights=<dir | repo id> [conf=NAME]
     zoo patterns (conf=NAME | weights=...) [text="..."] [repeat=N] [seed=S] [output=json] [plot=DIR]
+    zoo serve (conf=NAME | weights=...) [host=127.0.0.1] [port=8000] [max_batch=8] [max_seq=...]
+              [api_key=KEY] [max_queue=64] [model_name=NAME]     (OpenAI-compatible HTTP server)
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
@@ -28,6 +30,7 @@ from .compiler.errors import ZooError
 ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
             "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out", "markdown",
             "text", "repeat"}
+SERVE_KEYS = ZOO_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
@@ -121,6 +124,19 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
                    temperature=float(opts.get("temperature", 0.0)), top_k=top_k, top_p=top_p,
                    generator=gen, stream=emit, eos_ids=sorted(set(model.eos_ids) | set(tok.eos_ids)))
     out.write(stream.flush() + "\n")
+    return 0
+
+
+def cmd_serve(opts: dict, overrides: list[str]) -> int:
+    from .serve.api import serve
+
+    if not any(o.startswith("runtime.max_batch=") for o in overrides):
+        overrides = [*overrides, "runtime.max_batch=8"]  # rows of the continuous batch
+    model = _load(opts, overrides, dry=False, progress=True)
+    name = opts.get("model_name") or opts.get("conf") or Path(opts["weights"].rstrip("/")).name
+    api_key = opts.get("api_key") or None
+    serve(model, model_name=name, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 8000)),
+          api_key=api_key, max_queue=int(opts.get("max_queue", 64)), log_level=opts.get("log_level", "info"))
     return 0
 
 
@@ -327,7 +343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
-                "configs": cmd_configs, "families": cmd_families, "patterns": cmd_patterns}
+                "configs": cmd_configs, "families": cmd_families, "patterns": cmd_patterns,
+                "serve": cmd_serve}
     positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache}
     if command not in handlers and command not in positional_handlers:
         known = ", ".join([*handlers, *positional_handlers])
@@ -340,7 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             positional = [a for a in rest if "=" not in a.split(" ")[0] or " " in a]
             opts, overrides = parse_args([a for a in rest if a not in positional], ANALYSIS_KEYS)
             return positional_handlers[command](opts, overrides, positional)
-        opts, overrides = parse_args(rest, ANALYSIS_KEYS if command == "report" else ZOO_KEYS)
+        keys = {"report": ANALYSIS_KEYS, "serve": SERVE_KEYS}.get(command, ZOO_KEYS)
+        opts, overrides = parse_args(rest, keys)
         return handlers[command](opts, overrides)
     except ZooError as e:
         print(f"zoo {command}: error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -278,7 +279,7 @@ def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device
     eos, tok = (), None
     if weights is not None:
         source = open_source(str(weights))
-        eos = _eos_ids(source.config())
+        eos = _eos_ids(source.config(), source)
         tok = load_tokenizer_for(source)
         weights = source
     return build_from_config(cfg, source_desc, weights, seed=seed, dry=dry, progress=progress,
@@ -308,7 +309,7 @@ def from_pretrained_config(path_or_repo_id: str, overrides: Sequence[str] = (), 
         cfg = apply_overrides(cfg, overrides, source.description)
     _runtime_overrides(cfg, **runtime)
     return build_from_config(cfg, source.description, source, dry=dry, progress=progress,
-                             eos_ids=_eos_ids(config), tokenizer=load_tokenizer_for(source))
+                             eos_ids=_eos_ids(config, source), tokenizer=load_tokenizer_for(source))
 
 
 def load_tokenizer_for(source):
@@ -326,11 +327,18 @@ def load_tokenizer_for(source):
     return None
 
 
-def _eos_ids(config: dict) -> list[int]:
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+def _eos_ids(config: dict, source=None) -> list[int]:
+    """Every end token: config.json's (or GGUF metadata's) eos_token_id, an int or a list, plus a
+    checkpoint directory's generation_config.json eos_token_id (Llama 3 ends chat turns with
+    <|eot_id|>, listed only there)."""
+    found = []
+    directory = getattr(source, "directory", None)
+    gen = directory / "generation_config.json" if directory is not None else None
+    for eos in (config.get("eos_token_id"),
+                json.loads(gen.read_text()).get("eos_token_id") if gen is not None and gen.is_file() else None):
+        if eos is not None:
+            found += [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return sorted(set(found))
 
 
 __all__ = ["Model", "build", "from_pretrained", "build_from_config", "shape_check", "InputError"]

@@ -57,6 +57,11 @@ class Engine:
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # next slot per row
         self.length = 0  # tokens in the cache (all rows advance together)
         self.batch = 0  # rows in use since the last prefill
+        # per-row state for continuous batching (prefill_row / decode_rows / release_row): tokens
+        # in each row's cache on the host (None: free), and a device mask that sends free rows
+        # back to position 0 after each step
+        self.row_len: list[int | None] = [None] * max_batch
+        self._active = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.compiled = compile
         key = f"zoo-max_seq={max_seq}"
         t0 = time.perf_counter()
@@ -89,6 +94,8 @@ class Engine:
         self.pos.zero_()
         self.length = 0
         self.batch = 0
+        self.row_len = [None] * self.max_batch
+        self._active.zero_()
 
     # ------------------------------------------------------------------ checks
 
@@ -137,6 +144,7 @@ class Engine:
         logits = self.model.logits(h[:, -1:] if last_only else h)
         self.pos.fill_(L)
         self.length = L
+        self._mark_rows(range(B), L)
         if return_mtp:
             return logits[:B], [m[:B] for m in mtp_prefill(self, ids, h)]
         return logits[:B]
@@ -194,7 +202,9 @@ class Engine:
         # could no longer queue the next one); an out-of-range id still fails loudly, in the
         # embedding's device-side bounds check
         self._check_ids(tok, "decode", check_range=tok.device.type == "cpu")
-        return self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+        logits = self._decode(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+        self.row_len[: self.batch] = [self.length] * self.batch
+        return logits
 
     def _decode(self, tok: torch.Tensor) -> torch.Tensor:
         """tok [max_batch] -> logits [max_batch, V]; advances every row by one position.
@@ -222,6 +232,75 @@ class Engine:
                 h = self._run_decode(block, h, cache, ctx)
         logits = model.logits(h[:, 0])
         pos.add_(1)
+        return logits
+
+    # ------------------------------------------------------------------ rows
+
+    def _mark_rows(self, rows, length: int | None) -> None:
+        for r in rows:
+            self.row_len[r] = length
+        self._active.copy_(torch.tensor([n is not None for n in self.row_len], dtype=torch.long))
+
+    def free_rows(self) -> list[int]:
+        """Rows no sequence holds: prefill_row may start one there."""
+        return [r for r, n in enumerate(self.row_len) if n is None]
+
+    @torch.no_grad()
+    def prefill_row(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """Start a sequence in one free row without touching the others: ids [L] (positions
+        0..L-1) -> logits [V] float32 of the last position.
+
+        The prefill graph runs at batch 1 on views of that row of every cache field (whatever
+        the mixer keeps: all fields are batch first, contracts.Mixer.cache_fields), so it is one
+        graph for every row and length (a second one for 1-token prompts), and nothing is
+        copied. The row is zeroed first, as prefill's reset does for a whole batch.
+        """
+        if not 0 <= row < self.max_batch:
+            raise InputError(f"prefill_row: row {row} must be in 0..{self.max_batch - 1} (max_batch={self.max_batch})")
+        if self.row_len[row] is not None:
+            raise InputError(f"prefill_row: row {row} is in use ({self.row_len[row]} tokens); release_row it first")
+        if ids.dim() != 1 or not 1 <= ids.shape[0] <= self.max_seq:
+            raise InputError(f"prefill_row: expected ids of shape [seq_len] with seq_len in 1..max_seq="
+                             f"{self.max_seq}, got {tuple(ids.shape)}")
+        self._check_ids(ids, "prefill_row")
+        ids = ids.to(self.device, torch.long).reshape(1, -1).clone(memory_format=torch.contiguous_format)
+        model = self.model
+        views = [{name: t[row:row + 1] for name, t in layer.items()} for layer in self.caches]
+        for layer in views:
+            for t in layer.values():
+                t.zero_()
+        h = model.streams.expand(model.embed(ids))
+        ctx = self._prefill_ctx(ids, h)
+        with self._settings():
+            for block, cache in zip(model.layers, views):
+                h = self._run_prefill(block, h, cache, ctx)
+        self.pos[row] = ids.shape[1]
+        self._mark_rows([row], ids.shape[1])
+        return model.logits(h[0, -1])
+
+    def release_row(self, row: int) -> None:
+        """Free a row at once (its cache is left as is: the next prefill_row there zeroes it)."""
+        self._mark_rows([row], None)
+
+    @torch.no_grad()
+    def decode_rows(self, tok: torch.Tensor) -> torch.Tensor:
+        """One step of every row: tok [max_batch] (any id for free rows) -> logits [max_batch, V].
+
+        The same static decode graph as `decode` (CUDA-graph replay on GPU): free rows compute
+        garbage at position 0 of their own row, which nobody reads and the next prefill_row
+        there overwrites. Each sequence advances by one position; a full row is refused.
+        """
+        if tok.dim() != 1 or tok.shape[0] != self.max_batch:
+            raise InputError(f"decode_rows: expected tokens of shape [{self.max_batch}] (max_batch), "
+                             f"got {tuple(tok.shape)}")
+        full = [r for r, n in enumerate(self.row_len) if n is not None and n >= self.max_seq]
+        if full:
+            raise InputError(f"decode_rows: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
+                             f"(or rebuild with a larger runtime.max_seq)")
+        self._check_ids(tok, "decode_rows", check_range=tok.device.type == "cpu")
+        logits = self._decode(tok.to(self.device, torch.long))
+        self.pos.mul_(self._active)
+        self.row_len = [None if n is None else n + 1 for n in self.row_len]
         return logits
 
     # ------------------------------------------------------------------ compile

@@ -1,0 +1,44 @@
+"""A tiny random Llama checkpoint with a real tokenizer (byte-level BPE trained here with the
+`tokenizers` library), a ChatML chat template and end tokens in config.json and
+generation_config.json: what the serve tests talk to."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["The capital of France is Paris. The capital of Italy is Rome.",
+          "Once upon a time there was a small model that answered every question.",
+          "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8 9 10 one two three four five"] * 20
+
+
+def write_tiny_llama(path: Path, vocab_size: int = 384) -> Path:
+    """A save_pretrained directory: config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, generation_config.json. The model's vocabulary is the tokenizer's."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, eos_token_id=eot, bos_token_id=None,
+                                   pad_token_id=None, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False}))
+    # the list only generation_config.json has (as Llama 3's <|eot_id|>)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, im_end]}))
+    return path

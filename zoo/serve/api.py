@@ -1,0 +1,482 @@
+"""The OpenAI-compatible HTTP layer (FastAPI). Requests are parsed and checked here, turned into
+scheduler Sequences (one per choice) and answered from the events the scheduler thread sends.
+
+Every error is an OpenAI-style object {"error": {"message", "type", "param", "code"}}: 400 for
+bad input (malformed JSON, missing or mistyped fields, out-of-range values, a prompt plus
+max_tokens over max_seq: code context_length_exceeded), 401 for a wrong or missing key, 404 for an
+unknown model or route, 429 with Retry-After when the waiting queue is full.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..compiler.errors import ZooError
+from .metrics import Metrics
+from .scheduler import Event, QueueFull, SamplingParams, Scheduler, Sequence
+
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+# ---------------------------------------------------------------------------- field checks
+
+_MISSING = object()
+
+
+def _field(body: dict, key: str, types, default=_MISSING, what: str = ""):
+    """body[key] checked against `types` (bool is never an int here); default when absent/null."""
+    value = body.get(key, None)
+    if value is None:
+        if default is _MISSING:
+            raise APIError(400, f"missing required field {key!r}", param=key, code="missing_field")
+        return default
+    types = types if isinstance(types, tuple) else (types,)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = " or ".join(t.__name__ for t in types)
+        raise APIError(400, f"{key!r} must be {what or names}, got {json.dumps(value)[:80]}", param=key,
+                       code="invalid_type")
+    return value
+
+
+def _range(key: str, value, ok: bool, expected: str):
+    if not ok:
+        raise APIError(400, f"{key!r} must be {expected}, got {value}", param=key, code="invalid_value")
+    return value
+
+
+class Server:
+    """What the endpoints share: the model, its scheduler and metrics, the served name."""
+
+    def __init__(self, model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64):
+        self.model, self.name, self.api_key = model, model_name, api_key
+        self.tokenizer = model.tokenizer
+        self.max_seq, self.vocab = model.engine.max_seq, model.engine.vocab_size
+        self.max_batch = model.engine.max_batch
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(model, max_queue=max_queue, metrics=self.metrics)
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- request -> sequences
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, body: dict) -> None:
+        name = _field(body, "model", str)
+        if name != self.name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer and this model has none: send token ids to "
+                                f"/v1/completions", code="no_tokenizer")
+        return self.tokenizer
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = _field(body, "messages", list)
+        if not messages:
+            raise APIError(400, "'messages' must not be empty", param="messages", code="invalid_value")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages",
+                               code="invalid_type")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text can be served
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   param="messages", code="invalid_value")
+                content = "".join(p["text"] for p in content)
+            if content is not None and not isinstance(content, str):
+                raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                               param="messages", code="invalid_type")
+            clean.append({**m, "content": content or ""})
+        tok = self.need_tokenizer("/v1/chat/completions")
+        try:
+            text = tok.apply_chat_template(clean, add_generation_prompt=True)
+        except ZooError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return tok.encode(text, add_special_tokens=False)  # the template writes its own BOS
+
+    def completion_prompts(self, body: dict) -> list[list[int]]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool)
+                                                         for p in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            prompts = prompt
+        else:
+            raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of those",
+                           param="prompt", code="invalid_type" if prompt is not None else "missing_field")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self.need_tokenizer("a text prompt").encode(p))
+                continue
+            if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise APIError(400, "a token-id prompt must be a non-empty list of integers", param="prompt",
+                               code="invalid_type")
+            bad = [t for t in p if not 0 <= t < self.vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})",
+                               param="prompt", code="invalid_value")
+            out.append(list(p))
+        return out
+
+    def sampling(self, body: dict, prompt_len: int, chat: bool) -> tuple[list[SamplingParams], int]:
+        """-> one SamplingParams per choice (n of them), and n."""
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _field(body, key, int, None)
+        if max_tokens is None:
+            max_tokens = self.max_seq - prompt_len
+        _range(key, max_tokens, max_tokens >= 1, "an integer >= 1")
+        if prompt_len + max_tokens > self.max_seq:
+            raise APIError(400, f"this model's maximum context length is {self.max_seq} tokens; the request has "
+                                f"{prompt_len} prompt tokens and asks for {max_tokens} more",
+                           param=key, code="context_length_exceeded")
+        temperature = float(_field(body, "temperature", float, 1.0))
+        _range("temperature", temperature, 0 <= temperature <= 2, "a number in [0, 2]")
+        top_p = float(_field(body, "top_p", float, 1.0))
+        _range("top_p", top_p, 0 < top_p <= 1, "a number in (0, 1]")
+        top_k = _field(body, "top_k", int, -1)
+        _range("top_k", top_k, top_k >= -1, "an integer >= 1 (or 0 / -1 for none)")
+        seed = _field(body, "seed", int, None)
+        n = _field(body, "n", int, 1)
+        _range("n", n, 1 <= n <= self.max_batch, f"an integer in 1..{self.max_batch} (max_batch)")
+        stop = _field(body, "stop", (str, list), [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+            raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP} strings", param="stop",
+                           code="invalid_value")
+        if stop:
+            self.need_tokenizer("'stop'")
+        if chat:
+            want = _field(body, "logprobs", bool, False)
+            k = _field(body, "top_logprobs", int, 0)
+            _range("top_logprobs", k, 0 <= k <= MAX_TOP_LOGPROBS, f"an integer in 0..{MAX_TOP_LOGPROBS}")
+            logprobs = k if want else None
+        else:
+            logprobs = _field(body, "logprobs", int, None)
+            if logprobs is not None:
+                _range("logprobs", logprobs, 0 <= logprobs <= MAX_TOP_LOGPROBS, f"an integer in 0..{MAX_TOP_LOGPROBS}")
+            if _field(body, "echo", bool, False):
+                raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
+        ignore_eos = _field(body, "ignore_eos", bool, False)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 top_k=top_k if top_k > 0 else None,
+                                 seed=None if seed is None else seed + i, stop=tuple(stop), logprobs=logprobs,
+                                 ignore_eos=ignore_eos) for i in range(n)]
+        return params, n
+
+    def token_text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok], skip_special_tokens=False) if self.tokenizer else str(tok)
+
+
+# ---------------------------------------------------------------------------- running requests
+
+class Run:
+    """The choices of one request in flight: one event queue fed by the scheduler thread."""
+
+    def __init__(self, server: Server, prompts: list[list[int]], params: list[SamplingParams]):
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.seqs = []
+        for i, (prompt, p) in enumerate((pr, p) for pr in prompts for p in params):
+            self.seqs.append(Sequence(prompt, p, self._sink(i), tokenizer=server.tokenizer))
+
+    def _sink(self, i: int):
+        def sink(ev: Event) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
+        return sink
+
+    def submit(self) -> None:
+        try:
+            self.server.scheduler.submit(self.seqs)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from e
+        self.server.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def cancel(self) -> None:
+        for s in self.seqs:
+            if s.finish_reason is None:
+                self.server.scheduler.cancel(s)
+
+    def usage(self) -> dict:
+        out = sum(len(s.tokens) for s in self.seqs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out,
+                "total_tokens": self.prompt_tokens + out}
+
+    async def events(self, request: Request):
+        """(choice, event) until every choice is done; cancels everything if the client leaves."""
+        left = len(self.seqs)
+        try:
+            while left:
+                try:
+                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if ev.kind == "done":
+                    left -= 1
+                    if ev.finish_reason in ("error", "cancelled"):
+                        raise APIError(500 if ev.finish_reason == "error" else 503,
+                                       f"generation failed: {ev.error or 'the server is shutting down'}",
+                                       type="server_error", code=ev.finish_reason)
+                yield i, ev
+        finally:
+            self.cancel()  # no-op for finished choices
+
+
+def _chat_logprob(server: Server, ev: Event) -> dict:
+    def entry(tok, lp):
+        s = server.token_text(tok)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    return {**entry(ev.token, ev.logprob), "top_logprobs": [entry(t, lp) for t, lp in (ev.top or [])]}
+
+
+class Choice:
+    """What a non-streamed choice accumulates."""
+
+    def __init__(self):
+        self.text, self.tokens, self.lps, self.finish = "", [], [], None
+
+
+async def _collect(server: Server, run: Run, request: Request) -> list[Choice]:
+    choices = [Choice() for _ in run.seqs]
+    async for i, ev in run.events(request):
+        c = choices[i]
+        c.text += ev.text
+        if ev.kind == "token":
+            c.tokens.append(ev.token)
+            if ev.logprob is not None:
+                c.lps.append(ev)
+        else:
+            c.finish = ev.finish_reason
+    return choices
+
+
+def _completion_logprobs(server: Server, c: Choice) -> Optional[dict]:
+    if not c.lps:
+        return None
+    tokens = [server.token_text(ev.token) for ev in c.lps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [ev.logprob for ev in c.lps],
+            "top_logprobs": [{server.token_text(t): lp for t, lp in (ev.top or [])} for ev in c.lps],
+            "text_offset": offsets}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------------- the app
+
+def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64) -> FastAPI:
+    server = Server(model, model_name, api_key=api_key, max_queue=max_queue)
+    server.scheduler.warmup()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        yield
+        server.scheduler.stop()
+
+    app = FastAPI(title="zoo serve", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        server.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    async def body_of(request: Request) -> dict:
+        server.check_auth(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        server.check_model(body)
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": server.scheduler.running, "waiting": server.scheduler.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": server.name, "object": "model", "created": server.created, "owned_by": "zoo",
+                "max_model_len": server.max_seq}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str, request: Request):
+        server.check_auth(request)
+        if name != server.name:
+            raise APIError(404, f"model {name!r} does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        prompt = server.chat_prompt(body)
+        params, _ = server.sampling(body, len(prompt), chat=True)
+        return await respond(request, body, [prompt], params, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        prompts = server.completion_prompts(body)
+        params, _ = server.sampling(body, max(len(p) for p in prompts), chat=False)
+        for p in prompts:
+            if not p:
+                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return await respond(request, body, prompts, params, chat=False)
+
+    async def respond(request: Request, body: dict, prompts, params, chat: bool):
+        stream = _field(body, "stream", bool, False)
+        opts = _field(body, "stream_options", dict, {})
+        include_usage = bool(opts.get("include_usage", False)) and stream
+        want_ids = _field(body, "return_token_ids", bool, server.tokenizer is None)
+        run = Run(server, prompts, params)
+        run.submit()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": server.name}
+        if not stream:
+            choices = await _collect(server, run, request)
+            out = []
+            for i, c in enumerate(choices):
+                if chat:
+                    item = {"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": {"content": [_chat_logprob(server, ev) for ev in c.lps]} if c.lps else None,
+                            "finish_reason": c.finish}
+                else:
+                    item = {"index": i, "text": c.text, "logprobs": _completion_logprobs(server, c),
+                            "finish_reason": c.finish}
+                if want_ids:
+                    item["token_ids"] = c.tokens
+                out.append(item)
+            return {**head, "choices": out, "usage": run.usage()}
+
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(i: int, text: Optional[str], ev: Optional[Event] = None, finish=None, role=False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": i, "delta": delta,
+                          "logprobs": {"content": [_chat_logprob(server, ev)]} if ev is not None and
+                          ev.logprob is not None else None, "finish_reason": finish}
+            else:
+                lp = None
+                if ev is not None and ev.logprob is not None:
+                    t = server.token_text(ev.token)
+                    lp = {"tokens": [t], "token_logprobs": [ev.logprob],
+                          "top_logprobs": [{server.token_text(k): v for k, v in (ev.top or [])}]}
+                choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            if want_ids and ev is not None and ev.token is not None:
+                choice["token_ids"] = [ev.token]
+            return _sse({**head, "choices": [choice], **extra})
+
+        async def sse():
+            try:
+                if chat:
+                    for i in range(len(run.seqs)):
+                        yield chunk(i, None, role=True)
+                async for i, ev in run.events(request):
+                    if ev.kind == "token":
+                        if ev.text or ev.logprob is not None or want_ids:
+                            yield chunk(i, ev.text, ev)
+                    else:
+                        if ev.text:
+                            yield chunk(i, ev.text)
+                        yield chunk(i, None, finish=ev.finish_reason)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": run.usage()})
+                yield "data: [DONE]\n\n"
+            except APIError as e:
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+                yield "data: [DONE]\n\n"
+            finally:
+                run.cancel()
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+          max_queue: int = 64, log_level: str = "info") -> None:
+    """Build the app and run it with uvicorn until interrupted (SIGINT/SIGTERM)."""
+    import uvicorn
+
+    app = create_app(model, model_name, api_key=api_key, max_queue=max_queue)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,40 @@
+"""Prometheus metrics of one server (its own registry, so servers in one process do not mix)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("zoo_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("zoo_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("zoo_generation_tokens", "tokens generated", registry=r)
+        self.finished_seqs = Counter("zoo_sequences_finished", "sequences ended, by reason", ["reason"],
+                                     registry=r)
+        self.queue_depth = Gauge("zoo_queue_depth", "sequences waiting for a row", registry=r)
+        self.running = Gauge("zoo_running_sequences", "rows in use", registry=r)
+        self.occupancy = Gauge("zoo_batch_occupancy", "fraction of the static batch's rows in use", registry=r)
+        self.ttft = Histogram("zoo_time_to_first_token_seconds", "submission to first token", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("zoo_inter_token_latency_seconds", "time between a sequence's tokens",
+                             buckets=_LATENCY, registry=r)
+
+    # called by the scheduler thread
+    def token(self, seconds: float, first: bool) -> None:
+        self.generation_tokens.inc()
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def finished(self, reason: str) -> None:
+        self.finished_seqs.labels(reason).inc()
+
+    def gauges(self, waiting: int, running: int, max_batch: int) -> None:
+        self.queue_depth.set(waiting)
+        self.running.set(running)
+        self.occupancy.set(running / max_batch)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,246 @@
+"""Continuous batching: one thread owns the model and steps every row of the static batch.
+
+Between decode steps the scheduler admits waiting sequences into free rows (Engine.prefill_row
+prefills one row without touching the others), then runs one decode step over all max_batch rows
+(Engine.decode_rows: one static graph; free rows compute garbage nobody reads) and hands each
+running sequence its next token. A sequence that ends (an end token, a stop string, max_tokens, a
+full row) or is cancelled (its client went away) frees its row at once.
+
+Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
+and request give the same text whatever else runs beside it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..sampling import sample
+from .text import StopText
+
+log = logging.getLogger("zoo.serve")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one choice is generated with (validated by the API layer)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    logprobs: Optional[int] = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    ignore_eos: bool = False
+
+
+@dataclass
+class Event:
+    """What a sequence reports to its consumer, from the scheduler thread.
+
+    kind "token": one generated token (text: what can be shown now; may be "" while a possible
+    stop string is held back). kind "done": the end, with finish_reason "stop" | "length" |
+    "cancelled" | "error" and any text released at the end.
+    """
+
+    kind: str
+    text: str = ""
+    token: Optional[int] = None
+    logprob: Optional[float] = None
+    top: Optional[list[tuple[int, float]]] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Sequence:
+    """One choice of one request: prompt ids, sampling settings, where its events go."""
+
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    tokenizer: object = None
+    tokens: list[int] = field(default_factory=list)
+    row: Optional[int] = None
+    cancelled: bool = False
+    finish_reason: Optional[str] = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+
+    def __post_init__(self):
+        self.text = StopText(self.tokenizer, self.params.stop)
+        self.generator = torch.Generator()
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
+        else:
+            self.generator.seed()
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue sequences: come back later."""
+
+
+class Scheduler:
+    """Owns model.engine's rows. `start()` runs `step()` on a dedicated thread; tests may call
+    `step()` themselves instead (then no thread is started)."""
+
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None):
+        self.engine = model.engine
+        tok = getattr(model, "tokenizer", None)
+        self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._rows: dict[int, Sequence] = {}
+        self._cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
+        self.engine.reset()
+
+    # ------------------------------------------------------------------ from any thread
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue the choices of one request together (all or none)."""
+        with self._cv:
+            if len(self._waiting) + len(seqs) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting (max_queue={self.max_queue})")
+            self._waiting.extend(seqs)
+            self._gauges()
+            self._cv.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: the sequence ends (and frees its row) at the next step."""
+        with self._cv:
+            seq.cancelled = True
+            self._cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def warmup(self) -> None:
+        """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving."""
+        for n in (min(2, self.engine.max_seq), 1):
+            self.engine.prefill_row(0, torch.zeros(n, dtype=torch.long))
+            self.engine.release_row(0)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="zoo-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the model thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not self._rows:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a bug must not take the server down: fail what was running
+                log.exception("scheduler step failed")
+                for row in list(self._rows):
+                    self._finish(row, "error", error=f"{type(e).__name__}: {e}")
+        for row in list(self._rows):
+            self._finish(row, "cancelled")
+        with self._cv:
+            while self._waiting:
+                self._waiting.popleft().sink(Event("done", finish_reason="cancelled"))
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Admit waiting sequences into free rows, then one decode step. False when idle."""
+        e = self.engine
+        for row, s in list(self._rows.items()):  # rows of cancelled sequences first: admissions reuse them
+            if s.cancelled:
+                self._finish(row, "cancelled")
+        admitted = []
+        with self._cv:
+            kept = collections.deque(s for s in self._waiting if not s.cancelled)
+            for s in self._waiting:
+                if s.cancelled:
+                    s.sink(Event("done", finish_reason="cancelled"))
+            self._waiting = kept
+            free = e.free_rows()
+            while self._waiting and free:
+                s = self._waiting.popleft()
+                s.row = free.pop(0)
+                admitted.append(s)
+            self._gauges()
+        for s in admitted:
+            try:
+                logits = e.prefill_row(s.row, torch.tensor(s.prompt, dtype=torch.long))
+            except Exception as err:
+                e.release_row(s.row) if e.row_len[s.row] is not None else None
+                s.sink(Event("done", finish_reason="error", error=str(err)))
+                continue
+            self._rows[s.row] = s
+            self._advance(s.row, logits)
+        if not self._rows:
+            self._gauges()
+            return bool(admitted)
+        logits = e.decode_rows(self._tok)
+        for row in list(self._rows):
+            self._advance(row, logits[row])
+        self._gauges()
+        return True
+
+    def _advance(self, row: int, logits: torch.Tensor) -> None:
+        """logits [V] of a running sequence -> its next token, events, maybe its end."""
+        s, p = self._rows[row], self._rows[row].params
+        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
+        lp = top = None
+        if p.logprobs is not None:
+            logp = logits.float().log_softmax(-1)
+            lp = float(logp[tok])
+            if p.logprobs > 0:
+                v, i = logp.topk(min(p.logprobs, logp.shape[-1]))
+                top = list(zip(i.tolist(), v.tolist()))
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.token(now - (s.last_token or s.submitted), first=s.first_token is None)
+        s.first_token = s.first_token or now
+        s.last_token = now
+        s.tokens.append(tok)
+        self._tok[row] = tok
+        end = tok in self.eos and not p.ignore_eos
+        text, stopped = ("", False) if end else s.text.feed(tok)
+        s.sink(Event("token", text=text, token=tok, logprob=lp, top=top))
+        if end or stopped:
+            self._finish(row, "stop")
+        elif len(s.tokens) >= p.max_tokens or self.engine.row_len[row] >= self.engine.max_seq:
+            self._finish(row, "length")
+
+    def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
+        s = self._rows.pop(row)
+        self.engine.release_row(row)
+        s.finish_reason = reason
+        rest = s.text.finish() if reason in ("stop", "length") else ""
+        if self.metrics is not None:
+            self.metrics.finished(reason)
+        s.sink(Event("done", text=rest, finish_reason=reason, error=error))
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.gauges(len(self._waiting), len(self._rows), self.engine.max_batch)
