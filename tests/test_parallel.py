@@ -77,7 +77,9 @@ LAYOUTS = {
         "glm5": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"]},
 }
 # compiled: every model on 2 ranks, DeepSeek-V3 (MLA + experts over ep=2, their F over 2) on 4
-COMPILED = {2: ["llama", "deepseek_v3", "qwen3_next", "glm5"], 4: ["deepseek_v3"]}
+# compiled with the collectives inside the graphs at 2 ranks (every family); 4 ranks run eagerly
+# (each rank compiles its own graphs: 4x the compile time for the same graphs, CI time)
+COMPILED = {2: ["llama", "deepseek_v3", "qwen3_next", "glm5"], 4: []}
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,8 @@ def test_two_ranks_compiled_equal_one_process(references, two_ranks_compiled):
 
 def test_four_ranks_equal_one_process(references, four_ranks):
     _check(references, four_ranks, 4, "eager")
-    _check(references, four_ranks, 4, "compiled")
+    if COMPILED[4]:
+        _check(references, four_ranks, 4, "compiled")
 
 
 def test_ranks_that_disagree_are_refused(two_ranks):
