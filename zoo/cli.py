@@ -26,7 +26,7 @@ ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_
             "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype"}
-RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
+RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group"}
 
 
 def _usage() -> str:
