@@ -131,16 +131,7 @@ def main(argv=None) -> int:
         else:
             path = str(Path(tmp) / "ckpt")
             bench.CASES["llama40m"][0](Path(path))
-        runs: dict[str, list[dict]] = {e: [] for e in engines}
-        for r in range(args.rounds):  # engines alternate, so a busy spell hits them all alike
-            for e in engines:
-                print(f"round {r + 1}/{args.rounds}: {e} ...", file=sys.stderr, flush=True)
-                runs[e].append(run_worker(e, path, args))
-    for e, got in runs.items():
-        best = dict(max(got, key=lambda x: x["decode_tok_s"]))
-        best["prefill_tok_s"] = max(x["prefill_tok_s"] for x in got)
-        best["decode_runs"] = [round(x["decode_tok_s"], 1) for x in got]
-        results[e] = best
+        results.update(bench.take_turns(engines, args.rounds, lambda e: run_worker(e, path, args)))
     base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
     print(f"{args.case}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, {args.new_tokens} new")
     print(f"| engine | decode tok/s | prefill tok/s |" + (f" decode / {base} | prefill / {base} |" if base else ""))

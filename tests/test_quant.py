@@ -30,7 +30,7 @@ from zoo.compiler.errors import ConfigError  # noqa: E402
 from zoo.compiler.quant.linear import QuantLinear  # noqa: E402
 from zoo.report import build_rows  # noqa: E402
 from tests.helpers import assert_logits_close, check_decode_equals_prefill, save_reference  # noqa: E402
-from tests.test_gguf_load import DIMS, THETA, llama_cpp_permute, write_llama_gguf  # noqa: E402
+from tests.test_gguf_load import llama_cpp_permute, random_llama, write_llama_gguf  # noqa: E402,F401 (a fixture)
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,18 +102,10 @@ def test_bad_quant_settings_name_the_key():
 
 
 @pytest.fixture(scope="module")
-def q4_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                   rope_parameters={"rope_type": "default", "rope_theta": THETA},
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, q4_llama) -> Path:
-    """Every linear Q4_1 (q/k rows permuted as llama.cpp stores them), the embedding Q8_0."""
-    cfg, sd = q4_llama.config, q4_llama.state_dict()
+def q4_gguf(tmp_path_factory, random_llama) -> Path:
+    """test_gguf_load's random Llama with every linear Q4_1 (q/k rows permuted as llama.cpp stores
+    them), the embedding Q8_0."""
+    cfg, sd = random_llama.config, random_llama.state_dict()
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -124,7 +116,7 @@ def q4_gguf(tmp_path_factory, q4_llama) -> Path:
             t = sd[f"model.layers.{i}.{hf}.weight"]
             t = llama_cpp_permute(t, heads[part]) if part in heads else t
             override[f"blk.{i}.{part}.weight"] = (gguf.quants.quantize(t.numpy(), Q.Q4_1), Q.Q4_1)
-    return write_llama_gguf(tmp_path_factory.mktemp("q4") / "q4.gguf", q4_llama, override_type=override)
+    return write_llama_gguf(tmp_path_factory.mktemp("q4") / "q4.gguf", random_llama, override_type=override)
 
 
 @pytest.fixture(scope="module")
