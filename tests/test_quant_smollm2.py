@@ -78,10 +78,10 @@ def results(gguf_path, chunks) -> dict[str, tuple[float, torch.Tensor]]:
         if name == "int4":
             out["int4_report"] = m.info.load.tensors
         del m
-    for name, (ppl, preds) in out.items():
-        if name != "int4_report":
-            agree = (preds == out["float32"][1]).float().mean().item() if name != "float32" else 1.0
-            print(f"{name:12s} perplexity {ppl:8.4f}  top-1 agreement with zoo float32 {agree:.4f}")
+    for name in ("transformers", *MODES):
+        ppl, preds = out[name]
+        agree = (preds == out["float32"][1]).float().mean().item()
+        print(f"{name:12s} perplexity {ppl:8.4f}  top-1 agreement with zoo float32 {agree:.4f}")
     return out
 
 
