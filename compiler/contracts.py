@@ -223,6 +223,16 @@ class ExtraTokenFlops(Protocol):
 
 
 @runtime_checkable
+class KeepsLinearsFloat(Protocol):
+    """A module whose nn.Linear children named here must stay floating point under
+    `runtime.quant` (compiler/quant), because it reads their `.weight` directly (MLA's absorbed
+    wkv_b) instead of calling them. Any other nn.Linear of any kind may become a QuantLinear,
+    which computes the same forward(x) [..., I] -> [..., O] and has no float `.weight`."""
+
+    float_linears: dict[str, str]  # child name -> why it stays float (shown in the build report)
+
+
+@runtime_checkable
 class OwnInit(Protocol):
     """A module with its own random/neutral initialisation (norms, gates, stream projections)."""
 

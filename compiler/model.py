@@ -57,7 +57,8 @@ class Decoder(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.spec.tie_embeddings:
+        # a quantized head (compiler/quant) holds its own quantized copy of the embedding
+        if self.spec.tie_embeddings and isinstance(self.head, nn.Linear):
             self.head.weight = self.embed.weight
 
     def rope_slots(self) -> list[tuple[str, int]]:

@@ -63,6 +63,10 @@ class RuntimeSchema:
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    # weight-only quantization of the linears (compiler/quant): null (float), int8 (per output
+    # channel) or int4 (groups of quant_group inputs, asymmetric)
+    quant: Optional[str] = None
+    quant_group: int = 32  # 32 | 64 | 128 (int4 only); 32 keeps GGUF Q4_0/Q4_1 blocks as stored
 
 
 @dataclass
@@ -120,6 +124,8 @@ class ConfigSchema:
 
 DTYPES = ("float32", "bfloat16", "float16")
 SUBLAYER_NORMS = ("pre", "sandwich", "post")
+QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
+QUANT_GROUPS = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,10 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         value = getattr(rt, key)
         if value is not None and value not in DTYPES:
             raise _fail(source, f"runtime.{key}: expected one of {list(DTYPES)}, got {value!r}")
+    if rt.quant is not None and rt.quant not in QUANT_MODES:
+        raise _fail(source, f"runtime.quant: expected one of {list(QUANT_MODES)} or null, got {rt.quant!r}")
+    if rt.quant_group not in QUANT_GROUPS:
+        raise _fail(source, f"runtime.quant_group: expected one of {list(QUANT_GROUPS)}, got {rt.quant_group!r}")
     if rt.max_batch <= 0 or rt.max_seq <= 0:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")

@@ -168,12 +168,13 @@ def _timed(fn, repeats: int = 1):
     return best, out
 
 
-def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = True) -> dict:
+def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = True, quant: str | None = None,
+               quant_group: int | None = None) -> dict:
     import zoo
 
     dt = getattr(torch, dtype)
     t0 = time.perf_counter()
-    m = zoo.from_pretrained(path, dtype=dt, compile=compile, max_seq=prompt + new)
+    m = zoo.from_pretrained(path, dtype=dt, compile=compile, max_seq=prompt + new, quant=quant, quant_group=quant_group)
     total = time.perf_counter() - t0
     compile_s = dict(m.info.compile_seconds)
     ids = torch.randint(0, m.spec.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
@@ -260,6 +261,22 @@ def worker_hf(path: str, prompt: int, new: int, dtype: str, static: bool) -> dic
 
 # ----------------------------------------------------------------------------- driver
 
+def take_turns(kinds: list[str], rounds: int, run) -> dict[str, dict]:
+    """run(kind) -> result, for every engine in turn, `rounds` times (engines alternate, so a busy
+    spell hits them all alike); each engine's best decode run, with its best prefill rate."""
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind in runs:
+            print(f"round {r + 1}/{rounds}: {kind} ...", file=sys.stderr, flush=True)
+            runs[kind].append(run(kind))
+    best = {}
+    for kind, got in runs.items():
+        best[kind] = dict(max(got, key=lambda x: x["decode_tok_s"]))
+        best[kind]["prefill_tok_s"] = max(x["prefill_tok_s"] for x in got)
+        best[kind]["decode_runs"] = [x["decode_tok_s"] for x in got]
+    return best
+
+
 def run_worker(kind: str, path: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path), "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
@@ -307,16 +324,7 @@ def main(argv=None) -> int:
         path = Path(tmp) / "ckpt"
         writer(path)
         results["checkpoint_bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        runs: dict[str, list[dict]] = {kind: [] for kind in args.engines.split(",")}
-        for r in range(args.rounds):  # engines alternate, so a busy spell hits them all alike
-            for kind in runs:
-                print(f"round {r + 1}/{args.rounds}: {kind} ...", file=sys.stderr, flush=True)
-                runs[kind].append(run_worker(kind, path, args))
-        for kind, got in runs.items():
-            best = dict(max(got, key=lambda x: x["decode_tok_s"]))
-            best["prefill_tok_s"] = max(x["prefill_tok_s"] for x in got)
-            best["decode_runs"] = [x["decode_tok_s"] for x in got]
-            results[kind] = best
+        results.update(take_turns(args.engines.split(","), args.rounds, lambda kind: run_worker(kind, path, args)))
         results["rounds"] = args.rounds
     results["read_bandwidth"] = read_bandwidth()
     if "zoo" in results:

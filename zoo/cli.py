@@ -33,7 +33,7 @@ ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_
 SERVE_KEYS = ZOO_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level"}
 # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
 ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
-RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype"}
+RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group"}
 
 
 def _usage() -> str:

@@ -32,7 +32,8 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         ("parameters", f"{info.params:,}  ({info.params})"),
         *([("mtp", _mtp_row(model))] if spec.mtp_layers else []),
         ("residual", _residual_row(model)),
-        ("weights", f"{human_bytes(info.param_bytes)} in {rt.dtype}"),
+        ("weights", f"{human_bytes(info.param_bytes)} in {rt.dtype}"
+                    + (f", linears {info.quant.summary()}" if info.quant else "")),
         ("cache per token", f"{info.cache_bytes_per_token:,} B  (grows with context, "
                             f"{rt.cache_dtype or rt.dtype})"),
         ("state per sequence", f"{info.state_bytes_per_sequence:,} B  (constant)"),
@@ -51,14 +52,41 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
     if info.load is not None:
         rows.append(("weights loaded", f"{info.load.tensors_read} tensors, {human_bytes(info.load.bytes_read)} "
                                        f"in {info.load.seconds:.2f} s"))
+        for what, names in _by_outcome(info.load.tensors).items():
+            rows.append(("  " + what, f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {_names(names)}"))
         for name, why in info.load.ignored[:10]:
             rows.append(("  skipped", f"{name}: {why}"))
         if len(info.load.ignored) > 10:
             rows.append(("  skipped", f"... {len(info.load.ignored) - 10} more"))
+    if info.quant is not None:
+        for pattern, why in _by_pattern(info.quant.kept_float).items():
+            rows.append(("  float", f"{pattern}: {why}"))
     if shapes:
         rows.append(("shape check", f"prefill logits {list(shapes['prefill'])}, decode logits "
                                     f"{list(shapes['decode']) if shapes['decode'] else '-'}"))
     return rows
+
+
+def _by_outcome(tensors: dict[str, str]) -> dict[str, list[str]]:
+    """Per-tensor load outcomes grouped: "kept Q4_1 blocks as int4 g32" -> [names]."""
+    out: dict[str, list[str]] = {}
+    for name, what in tensors.items():
+        out.setdefault(what, []).append(name)
+    return out
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def _by_pattern(kept: dict[str, str]) -> dict[str, str]:
+    """Parameter paths with layer indices folded ("layers.{i}.ffn_norm.weight") -> why."""
+    import re
+
+    out: dict[str, str] = {}
+    for name, why in kept.items():
+        out.setdefault(re.sub(r"\.\d+\.", ".{i}.", name), why)
+    return out
 
 
 def _mtp_row(model) -> str:

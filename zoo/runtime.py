@@ -23,6 +23,7 @@ from .compiler.engine.graphs import Engine
 from .compiler.hf_import import import_config
 from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
                             torch_dtype)
+from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
 from .compiler.spec import ModelSpec, validate
 
 from .sampling import sample
@@ -57,6 +58,7 @@ class BuildInfo:
     load: Optional[LoadReport] = None
     load_seconds: float = 0.0
     parallel: Optional[dict] = None  # tp, ep, rank, size, head: this rank's share (params are per rank)
+    quant: Optional[QuantReport] = None  # which linears are quantized, what stays float and why
 
     @property
     def needed_bytes(self) -> int:
@@ -159,14 +161,16 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if mesh is not None:
         device = mesh.device
     params = count_parameters(meta_model)
-    param_bytes = parameter_bytes(meta_model)
+    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
+        if rt.quant else None
+    param_bytes = parameter_bytes(meta_model) + quantized_bytes(meta_model)
     from .compiler.engine.cache import plan_caches
 
     plan = plan_caches(meta_model, rt.max_batch, rt.max_seq, cache_dtype)
     info = BuildInfo(params=params, param_bytes=param_bytes, cache_bytes=plan.total_bytes(),
                      cache_bytes_per_token=plan.bytes_per_token(),
                      state_bytes_per_sequence=plan.state_bytes_per_sequence(),
-                     available_bytes=available_memory(device), device=str(device), dry=False)
+                     available_bytes=available_memory(device), device=str(device), dry=False, quant=quant)
     if mesh is not None:
         info.parallel = {"tp": mesh.tp, "ep": mesh.ep, "rank": mesh.rank, "size": mesh.size, "head": slices[1]}
     fits = info.needed_bytes <= info.available_bytes
@@ -194,6 +198,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
         # drawn where the weights live: an 8B model on a GPU never passes through host memory
         # (the numbers depend on the device's generator; the same seed repeats on one device)
         module.init_weights(torch.Generator(device=device).manual_seed(seed))
+        fill_tied(module)
     info.load_seconds = time.perf_counter() - t0
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
                     compile=rt.compile, cuda_graph=rt.cuda_graph)
@@ -263,16 +268,19 @@ def _progress_bar(total: int, enabled: bool):
 
 def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device=None, dtype=None,
           compile: Optional[bool] = None, max_batch: Optional[int] = None, max_seq: Optional[int] = None,
-          cache_dtype=None, seed: int = 0, dry: Optional[bool] = False, progress: bool = False) -> Model:
+          cache_dtype=None, seed: int = 0, dry: Optional[bool] = False, progress: bool = False,
+          quant: Optional[str] = None, quant_group: Optional[int] = None) -> Model:
     """Build conf/NAME.yaml (with Hydra overrides).
 
+    quant: "int8" | "int4" weight-only quantization (quant_group 32 | 64 | 128 for int4), i.e.
+    runtime.quant / runtime.quant_group.
     weights: a checkpoint (directory, .gguf file, Hub repo id, pkg://PACKAGE/FILE). None loads the
     config's `checkpoint.weights` when it names some (except for dry builds, which read no
     weights) and random weights otherwise; `checkpoint.weights=null` forces random weights.
     """
     cfg = compose(conf_name, overrides)
     _runtime_overrides(cfg, device=device, dtype=dtype, compile=compile, max_batch=max_batch,
-                       max_seq=max_seq, cache_dtype=cache_dtype)
+                       max_seq=max_seq, cache_dtype=cache_dtype, quant=quant, quant_group=quant_group)
     source_desc = f"conf/{conf_name}.yaml" + (f" (overrides {list(overrides)})" if overrides else "")
     if weights is None and dry is not True:
         weights = OmegaConf.select(cfg, "checkpoint.weights", default=None)
@@ -288,14 +296,17 @@ def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device
 
 def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, compile: bool = True,
                     max_batch: int = 1, max_seq: Optional[int] = None, revision: Optional[str] = None,
-                    overrides: Sequence[str] = (), cache_dtype=None, progress: bool = False) -> Model:
+                    overrides: Sequence[str] = (), cache_dtype=None, progress: bool = False,
+                    quant: Optional[str] = None, quant_group: Optional[int] = None) -> Model:
     """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes.
 
-    max_seq defaults to the model's context length, capped at 4096.
+    max_seq defaults to the model's context length, capped at 4096. quant: "int8" | "int4"
+    weight-only quantization at load (quant_group 32 | 64 | 128 for int4); a GGUF file's Q4_0 /
+    Q4_1 blocks stay as stored under int4 with group 32.
     """
     return from_pretrained_config(path_or_repo_id, overrides, revision=revision, dry=False, progress=progress,
                                   device=device, dtype=dtype, compile=compile, max_batch=max_batch,
-                                  max_seq=max_seq, cache_dtype=cache_dtype)
+                                  max_seq=max_seq, cache_dtype=cache_dtype, quant=quant, quant_group=quant_group)
 
 
 def from_pretrained_config(path_or_repo_id: str, overrides: Sequence[str] = (), *, revision=None,

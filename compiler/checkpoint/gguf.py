@@ -94,6 +94,15 @@ class GGUFSource:
         # F32 dequantizes to a read-only view of the memory map; torch needs its own writable copy.
         return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
+    def read_blocks(self, name: str) -> torch.Tensor:
+        """A block-quantized tensor's stored bytes, uint8 [rows, bytes per row] (rows: the torch
+        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py)."""
+        t = self._open_tensors()[name]
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
+        rows = _torch_shape(t.shape)[0]
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+
     def config(self) -> dict:
         """A Hugging Face config.json-style dict, mapped from the file's metadata by
         conf/gguf/{general.architecture}.yaml (see that file for the vocabulary).

@@ -12,20 +12,42 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .ops import get_op
+from .ops import get_op, is_row_op
 from .rules import Rule, Stage, fill
-from .source import Source, TensorInfo
+from .source import Source, StoredBlocks, TensorInfo
 
 # Stored dtypes that are codes, not values: they only reach a parameter through an op.
 _NEEDS_OP = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
 _MAX_LISTED = 20
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """A module that takes its weight through `load_weight` instead of holding it as a parameter
+    (a quantized linear, compiler/quant): the plan addresses it as `{module}.weight`.
+
+    tied_to: a parameter whose stored tensor this weight copies (a tied head), or None."""
+
+    weight_shape: tuple[int, ...]
+    tied_to: Optional[str]
+
+    def accepts_blocks(self, ggml_type: str) -> bool:
+        """True when `load_weight` takes the stored blocks of that type unconverted."""
+
+    def load_weight(self, value) -> str:
+        """Fill from a float tensor or StoredBlocks; returns what was done (for the report)."""
+
+
+def weight_sinks(model: nn.Module) -> dict[str, WeightSink]:
+    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, WeightSink)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +75,7 @@ class Assignment:
     node: Node
     rule: str
     part: Optional[object] = None  # parallel.plan.Slice: the part of node this rank reads (None: all)
+    blocks: Optional[str] = None  # GGML type whose stored bytes go unconverted to a WeightSink
 
 
 @dataclass
@@ -77,6 +100,8 @@ class LoadReport:
     bytes_read: int = 0
     seconds: float = 0.0
     ignored: list[tuple[str, str]] = field(default_factory=list)
+    # stored tensor -> what the load did with it ("BF16 -> float32", "kept Q4_1 blocks as int4 g32")
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 def _listing(items: list[str]) -> str:
@@ -168,10 +193,14 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
                               + _listing(problems["unexpected"]))
 
     params = dict(model.named_parameters(remove_duplicate=False))
+    sinks = weight_sinks(model)
     canonical = {}
     first_name: dict[int, str] = {}
     for name, p in params.items():
         canonical[name] = first_name.setdefault(id(p), name)
+    canonical.update({name: name for name in sinks})
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    shapes.update({name: tuple(s.weight_shape) for name, s in sinks.items()})
 
     assignments: list[Assignment] = []
     errors = problems["mismatched"]
@@ -185,16 +214,17 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             node = _derive(rule, inputs, target, i if len(rule.targets) > 1 else None, desc)
             index = int(binds[rule.stack]) if rule.stack else None
             assignments.append(Assignment(canonical[target], index, node, rule.where))
+    assignments = _sink_assignments(assignments, sinks, canonical, source)
 
     by_param: dict[str, list[Assignment]] = defaultdict(list)
     for a in assignments:
         by_param[a.param].append(a)
-    for name, p in params.items():
+    for name, shape in shapes.items():
         if canonical[name] != name:
             continue
         got = by_param.get(name, [])
         if not got:
-            problems["missing"].append(f"parameter {name} {list(p.shape)} is not filled by any rule")
+            problems["missing"].append(f"parameter {name} {list(shape)} is not filled by any rule")
             continue
         whole = [a for a in got if a.index is None]
         rows = [a for a in got if a.index is not None]
@@ -202,7 +232,11 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             errors.append(f"parameter {name} is filled {len(got)} times: from "
                           f"{[a.node.name for a in got][:4]}")
             continue
-        full = slices[name].full if name in slices else tuple(p.shape)
+        if rows and name in sinks:
+            errors.append(f"parameter {name} is a quantized weight, which takes whole tensors, not rows")
+            continue
+        floating = name in sinks or params[name].dtype.is_floating_point
+        full = slices[name].full if name in slices else shape  # a sliced parameter: checked whole
         for a in got:
             want = full if a.index is None else full[1:]
             if a.index is not None and not 0 <= a.index < full[0]:
@@ -210,14 +244,14 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             elif a.node.shape != want:
                 errors.append(f"{a.node.name}: shape {list(a.node.shape)} does not fit parameter {name} "
                               f"(expected {list(want)}; rule {a.rule})")
-            elif a.node.dtype in _NEEDS_OP and p.dtype.is_floating_point:
+            elif a.node.dtype in _NEEDS_OP and floating:
                 errors.append(f"{a.node.name}: stored as {a.node.dtype}, which needs a dequantization rule "
                               f"before it can fill {name}")
         if rows:
             seen = sorted(a.index for a in rows)
             if seen != list(range(full[0])):
                 dup = sorted({i for i in seen if seen.count(i) > 1})
-                missing = sorted(set(range(p.shape[0])) - set(seen))
+                missing = sorted(set(range(full[0])) - set(seen))
                 errors.append(f"parameter {name} rows: missing {missing[:8]}, duplicated {dup[:8]}")
     found = problems["invalid"] + problems["missing"] + problems["mismatched"]
     if found and strict:
@@ -253,7 +287,7 @@ def _parts(assignments: list[Assignment], slices: dict) -> list[Assignment]:
         if part is None:
             out.append(a)
         elif a.index is None:
-            out.append(Assignment(a.param, None, a.node, a.rule, part))
+            out.append(replace(a, part=part))
         else:
             rows, index = part.ranges(0), a.index
             if rows is not None:
@@ -262,7 +296,7 @@ def _parts(assignments: list[Assignment], slices: dict) -> list[Assignment]:
                     continue
                 index = local.index(index)
             row = part.without(0)
-            out.append(Assignment(a.param, index, a.node, a.rule, row if row.cuts or row.zero else None))
+            out.append(replace(a, index=index, part=row if row.cuts or row.zero else None))
     return out
 
 
@@ -304,7 +338,7 @@ def _cat_parts(node: Node, part) -> Optional[list]:
 
 def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor:
     """This rank's part of a node, reading only that part of stored tensors where it can."""
-    if node.op is None and getattr(source, "read_part", None) is not None and node.name not in memo:
+    if node.op is None and getattr(source, "read_part", None) is not None and (node.name, False) not in memo:
         if not part.cuts:
             return _evaluate(node, source, memo)
         t = source.read_part(node.name, part)
@@ -321,16 +355,76 @@ def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor
     return part.apply(_evaluate(node, source, memo))
 
 
-def _evaluate(node: Node, source: Source, memo: dict[str, torch.Tensor]) -> torch.Tensor:
+def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dict, source: Source
+                      ) -> list[Assignment]:
+    """Assignments into weight sinks learn whether the stored blocks can go to them unconverted
+    (one block type the sink takes, only row-wise ops on the way, a source that reads bytes), and
+    tied sinks get the assignment of the parameter they copy."""
+    by_param = {a.param: a for a in assignments if a.index is None}
+    for name, sink in sinks.items():
+        src = by_param.get(canonical.get(sink.tied_to)) if sink.tied_to else None
+        if src is not None and name not in by_param:
+            assignments.append(Assignment(name, None, src.node, f"{src.rule} (quantized copy of {sink.tied_to})"))
+    out = []
+    for a in assignments:
+        if a.param in sinks:
+            types = {s.dtype for s in a.node.stored()}
+            (kind,) = types if len(types) == 1 else (None,)
+            if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
+                    and hasattr(source, "read_blocks") and len(a.node.shape) == 2):
+                a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
+        out.append(a)
+    return out
+
+
+def _rows_only(node: Node) -> bool:
+    """Whether every op from the stored tensors to `node` moves whole rows (dim 0) only."""
     if node.op is None:
-        if node.name not in memo:
-            t = source.read(node.name)
-            if tuple(t.shape) != node.shape:
+        return True
+    return is_row_op(node.op, dict(node.args)) and all(_rows_only(x) for x in node.inputs)
+
+
+def _evaluate(node: Node, source: Source, memo: dict, blocks: bool = False) -> torch.Tensor:
+    """The value of `node` (blocks: its stored bytes [rows, bytes per row] through row-wise ops)."""
+    if node.op is None:
+        key = (node.name, blocks)
+        if key not in memo:
+            t = source.read_blocks(node.name) if blocks else source.read(node.name)
+            want = node.shape[:1] if blocks else node.shape
+            if tuple(t.shape[:len(want)]) != want:
                 raise CheckpointError(f"{node.info.file}: tensor {node.name!r} has shape {list(t.shape)} "
                                       f"but its header says {list(node.shape)}")
-            memo[node.name] = t
-        return memo[node.name]
-    return get_op(node.op, node.name).apply([_evaluate(x, source, memo) for x in node.inputs], **dict(node.args))
+            memo[key] = t
+        return memo[key]
+    return get_op(node.op, node.name).apply([_evaluate(x, source, memo, blocks) for x in node.inputs],
+                                            **dict(node.args))
+
+
+def _describe(stored_dtype: str, dest: torch.Tensor) -> str:
+    to = str(dest.dtype).removeprefix("torch.")
+    return f"{stored_dtype} -> {to}" if stored_dtype in _FLOAT_DTYPES else f"dequantized {stored_dtype} -> {to}"
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Weights quantized at load pass through temporaries of many sizes; glibc keeps what they
+    freed in its heap (its mmap threshold rises after the first large free), so without a trim per
+    shard and per quantized weight the process would keep those pages on top of the quantized model."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 @torch.no_grad()
@@ -338,6 +432,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> 
     """Copy every planned tensor into its parameter (dtype cast and device transfer on copy)."""
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
+    sinks = weight_sinks(model)
     report = LoadReport(ignored=list(plan.ignored))
     # a stored tensor stays in memory only until the last assignment that uses it is done
     uses: dict[str, int] = defaultdict(int)
@@ -346,30 +441,50 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> 
             uses[s] += 1
     memo: dict[str, torch.Tensor] = {}
     read_into = getattr(source, "read_into", None)
+    shard = None
     for a in plan.assignments:
         stored = a.node.stored()
-        dest = params[a.param] if a.index is None else params[a.param][a.index]
-        # a stored tensor that fills its parameter unchanged is read straight into it: no copy
-        direct = (a.part is None and a.node.op is None and uses[a.node.name] == 1 and read_into is not None
-                  and read_into(a.node.name, dest))
-        if a.part is not None and a.part.zero:
-            dest.zero_()  # another rank adds this (a row-parallel bias)
-        elif a.part is not None:
-            value = _evaluate_part(a.node, a.part, source, memo)
-            dest.copy_(value)
+        if stored[0].info.file != shard or a.param in sinks:  # a quantized weight leaves temporaries
+            shard = stored[0].info.file
+            _release_freed_memory()
+        if a.param in sinks:  # quantized as it is read, or its stored blocks kept
+            if a.part is not None:
+                raise CheckpointError(f"{a.param}: quantized weights are not sharded yet (runtime.quant "
+                                      f"with runtime.parallel)")
+            value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
+            if a.blocks is not None:
+                value = StoredBlocks(a.blocks, value, a.node.shape)
+            done = sinks[a.param].load_weight(value)
+            how = {s.name: done if a.blocks is not None else f"{s.dtype} {done}" for s in stored}
             del value
-        elif not direct:
-            value = _evaluate(a.node, source, memo)
-            dest.copy_(value)
-            del value
+        else:
+            dest = params[a.param] if a.index is None else params[a.param][a.index]
+            # a stored tensor that fills its parameter unchanged is read straight into it: no copy
+            direct = (a.part is None and a.node.op is None and uses[a.node.name] == 1 and read_into is not None
+                      and read_into(a.node.name, dest))
+            if a.part is not None and a.part.zero:
+                dest.zero_()  # another rank adds this (a row-parallel bias)
+            elif a.part is not None:
+                value = _evaluate_part(a.node, a.part, source, memo)
+                dest.copy_(value)
+                del value
+            elif not direct:
+                value = _evaluate(a.node, source, memo)
+                dest.copy_(value)
+                del value
+            how = {s.name: _describe(s.dtype, dest) for s in stored}
+        for name, h in how.items():
+            report.tensors[name] = h if name not in report.tensors else f"{report.tensors[name]}; {h}"
         for name in {s.name for s in stored}:
             uses[name] -= 1
             if uses[name] == 0:
-                memo.pop(name, None)
+                memo.pop((name, False), None)
+                memo.pop((name, True), None)
         report.params_filled += 1
         if progress is not None:
             progress(sum(s.info.nbytes for s in stored))
     source.close()
+    _release_freed_memory()
     report.tensors_read = len({s.name for a in plan.assignments for s in a.node.stored()})
     report.bytes_read = plan.bytes_to_read
     report.seconds = time.perf_counter() - t0

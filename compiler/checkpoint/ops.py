@@ -175,6 +175,16 @@ def _fp8_block_dequant(xs, block=(128, 128)):
     return value
 
 
+# ops that move whole rows (dim 0) and leave each row as it is: they apply unchanged to a block-
+# quantized tensor's stored bytes [rows, bytes per row] (loader.py keeps such weights quantized)
+_ROW_OPS = {"identity", "unpermute_rope", "split_groups"}
+_ROW_OPS_ON_DIM = {"cat", "split"}  # with dim 0
+
+
+def is_row_op(name: str, args: dict) -> bool:
+    return name in _ROW_OPS or (name in _ROW_OPS_ON_DIM and args.get("dim", 0) == 0)
+
+
 def check_op_args(op_: Op, args: dict, where: str) -> None:
     import inspect
 

@@ -31,6 +31,20 @@ class TensorInfo:
     offset: int = 0
 
 
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A weight in a block format as the checkpoint stores it, handed on unconverted to a
+    `WeightSink` that takes that format (GGUF Q4_0 / Q4_1 into int4 group 32).
+
+    ggml_type: "Q4_0", "Q4_1", ...; data: uint8 [O, bytes per row] (the row's blocks in order:
+    row-wise rule ops such as cat / unpermute_rope apply to it as to the values); shape: (O, I).
+    """
+
+    ggml_type: str
+    data: torch.Tensor
+    shape: tuple[int, ...]
+
+
 class Source(Protocol):
     """What the loader needs from a checkpoint."""
 
@@ -47,6 +61,8 @@ class Source(Protocol):
 
     # optional: read_into(name, out) -> bool fills a contiguous CPU tensor of the stored dtype
     # and shape in place (no temporary copy); False when it cannot
+    # optional: read_blocks(name) -> uint8 [rows, bytes per row], a block-quantized tensor's
+    # stored bytes (GGUF), for weight sinks that keep the format
 
     def config(self) -> dict:
         """The Hugging Face style config dict (config.json, or one derived from metadata)."""

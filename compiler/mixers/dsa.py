@@ -137,6 +137,8 @@ class LightningIndexer(nn.Module):
 
     Shapes: iq [B, L, Hi, Di], ik [B, T, Di], w [B, L, Hi], scores [B, L, T] (float32)."""
 
+    float_linears = {"weights_proj": "its weight's dtype sets the indexer's compute dtype"}
+
     def __init__(self, spec: "DSA.Spec", dim: int):
         super().__init__()
         s = spec

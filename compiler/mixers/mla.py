@@ -92,6 +92,9 @@ def expand_values(o_lat: torch.Tensor, wkv_b: torch.Tensor, nope: int) -> torch.
 
 @register("mixer", "mla")
 class MLA(Mixer):
+    # the absorbed paths read wkv_b's weight (contracts.KeepsLinearsFloat): it stays float when quantized
+    float_linears = {"wkv_b": "read as a matrix by the absorbed attention (not applied as a linear)"}
+
     @dataclass
     class Spec:
         kind: str = "mla"

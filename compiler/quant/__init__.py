@@ -1,0 +1,12 @@
+"""Weight-only quantization (`runtime.quant=int8|int4`, `runtime.quant_group` for int4).
+
+    build on meta -> quantize_linears (QuantLinear in place of eligible nn.Linear) -> plan load
+      -> every weight quantized as it is read (one tensor at a time), or GGUF blocks kept as they are
+
+One mechanism for every family: any `nn.Linear` of any kind may be replaced by a `QuantLinear`
+(linear.py), which computes the same forward(x) [..., I] -> [..., O] from quantized buffers with
+torch's weight-only kernels. What stays floating point, and why, is decided in apply.py and listed
+in the build report: embeddings, norms, routers (they are no nn.Linear), linears inside
+`keep_float32` modules, small projections, and the linears a kind reads `.weight` of directly
+(it names them in `float_linears`, see contracts.KeepsLinearsFloat).
+"""

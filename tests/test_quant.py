@@ -1,0 +1,210 @@
+"""Weight-only quantization (runtime.quant, compiler/quant): formats, loading, the compiled graphs.
+
+- GGUF Q4_0 / Q4_1 blocks become int4 group 32 with the same codes: the kernel's weights equal
+  gguf.quants' reference dequantization (float32 compute: to float32 rounding; bfloat16 compute:
+  within the rounding of the scales to bfloat16); Q8_0 -> int8 per channel, its error measured.
+- A tiny Llama GGUF whose linears are all Q4_1 loads kept (the report says so per tensor), and
+  its compiled int4 graphs match transformers' float32 reading of the same file within the
+  bfloat16 rounding of the activations; decode through the caches == a full prefill; one graph each.
+- int8 / int4 of a random build against the float model with the dequantized weights; the build
+  report lists what stays float.
+- Safetensors quantize as they load: peak RSS <= 1.2 x the quantized model + one shard.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from zoo.compiler.checkpoint.source import StoredBlocks  # noqa: E402
+from zoo.compiler.errors import ConfigError  # noqa: E402
+from zoo.compiler.quant.linear import QuantLinear  # noqa: E402
+from zoo.report import build_rows  # noqa: E402
+from tests.helpers import assert_logits_close, check_decode_equals_prefill, save_reference  # noqa: E402
+from tests.test_gguf_load import llama_cpp_permute, random_llama, write_llama_gguf  # noqa: E402,F401 (a fixture)
+
+Q = gguf.GGMLQuantizationType
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def blocks(w: np.ndarray, qtype) -> StoredBlocks:
+    data = gguf.quants.quantize(w, qtype)
+    return StoredBlocks(qtype.name, torch.from_numpy(data.copy()), tuple(w.shape))
+
+
+@torch.no_grad()
+def kernel_weight(q: QuantLinear) -> torch.Tensor:
+    """The weight [O, I] the quantized matmul applies, read back through the kernel itself."""
+    eye = torch.eye(q.in_features, dtype=q.compute_dtype)
+    return q(eye).float().t()
+
+
+# -- formats ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_blocks_are_int4_group32_exactly(qtype):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 96)) * 0.05 + rng.standard_normal((48, 1)) * 0.02).astype(np.float32)
+    b = blocks(w, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(b.data.numpy(), qtype).reshape(48, 96))
+    q32 = QuantLinear(96, 48, False, "int4", 32, torch.float32)
+    assert q32.load_weight(b) == f"kept {qtype.name} blocks as int4 g32"
+    got = kernel_weight(q32)
+    # (q - 8) * d + (m + 8 d) against d * q + m: a float32 rounding or two, nothing more
+    assert (got - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max()
+    qbf = QuantLinear(96, 48, False, "int4", 32, torch.bfloat16)
+    qbf.load_weight(b)
+    # bfloat16 compute: the scale and zero rounded to bfloat16 (2^-9 relative), codes unchanged
+    assert (kernel_weight(qbf) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+def test_q8_0_becomes_int8_per_channel_with_a_measured_error():
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
+    b = blocks(w, Q.Q8_0)
+    ref = torch.from_numpy(gguf.quants.dequantize(b.data.numpy(), Q.Q8_0).reshape(64, 128))
+    q = QuantLinear(128, 64, False, "int8", None, torch.float32)
+    assert q.load_weight(b) == "converted Q8_0 -> int8 per channel"
+    err = ((kernel_weight(q) - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.01, err  # measured 0.0047 (per-row scale instead of one per 32 weights)
+
+
+def test_int4_quantize_roundtrip_is_within_half_a_step():
+    torch.manual_seed(0)
+    O = 272  # more than one 256-row chunk, and a partial one: chunks pack as the whole would
+    w = torch.randn(O, 128)
+    for group in (32, 64, 128):
+        q = QuantLinear(128, O, False, "int4", group, torch.float32)
+        q.load_weight(w)
+        step = (w.view(O, -1, group).amax(-1) - w.view(O, -1, group).amin(-1)) / 15
+        err = (kernel_weight(q) - w).abs().view(O, -1, group).amax(-1)
+        assert (err <= step / 2 + 1e-5).all()
+
+
+def test_bad_quant_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"runtime\.quant: expected one of \['int8', 'int4'\].*'int3'"):
+        zoo.build("llama3_8b_tiny", quant="int3", dry=True)
+    with pytest.raises(ConfigError, match=r"runtime\.quant_group: expected one of \[32, 64, 128\].*48"):
+        zoo.build("llama3_8b_tiny", quant="int4", quant_group=48, dry=True)
+
+
+# -- a tiny Llama GGUF whose linears are all Q4_1 ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory, random_llama) -> Path:
+    """test_gguf_load's random Llama with every linear Q4_1 (q/k rows permuted as llama.cpp stores
+    them), the embedding Q8_0."""
+    cfg, sd = random_llama.config, random_llama.state_dict()
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    override = {"output.weight": (gguf.quants.quantize(sd["lm_head.weight"].numpy(), Q.Q8_0), Q.Q8_0)}
+    for i in range(cfg.num_hidden_layers):
+        for part, hf in parts.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            t = llama_cpp_permute(t, heads[part]) if part in heads else t
+            override[f"blk.{i}.{part}.weight"] = (gguf.quants.quantize(t.numpy(), Q.Q4_1), Q.Q4_1)
+    return write_llama_gguf(tmp_path_factory.mktemp("q4") / "q4.gguf", random_llama, override_type=override)
+
+
+@pytest.fixture(scope="module")
+def q4_reference(q4_gguf):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        q4_gguf.parent, gguf_file=q4_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def q4_zoo(q4_gguf):
+    return zoo.from_pretrained(str(q4_gguf), compile=True, max_seq=48, max_batch=2, quant="int4")
+
+
+def test_q4_gguf_is_kept_and_reported_per_tensor(q4_zoo):
+    tensors = q4_zoo.info.load.tensors
+    kept = {n for n, how in tensors.items() if how == "kept Q4_1 blocks as int4 g32"}
+    assert kept == {f"blk.{i}.{p}.weight" for i in range(2) for p in
+                    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    assert tensors["output.weight"] == "converted Q8_0 -> int8 per channel"  # the head is int8
+    assert tensors["token_embd.weight"] == "dequantized Q8_0 -> float32"  # lookups stay float
+    assert tensors["blk.0.attn_norm.weight"] == "F32 -> float32"
+    q = q4_zoo.info.quant
+    assert q.quantized["layers.0.mixer.wqkv"] == "int4 g32" and q.quantized["head"] == "int8 per channel"
+    assert q.kept_float["embed.weight"].startswith("embedding")
+    assert q.kept_float["layers.1.ffn_norm.weight"] == "RMSNorm parameter (no nn.Linear)"
+
+
+def test_q4_gguf_compiled_matches_transformers(q4_zoo, q4_reference):
+    """The kept blocks compute what transformers' dequantized float32 weights do, up to the
+    bfloat16 activations of the kernels; batch 2, decode == prefill, one graph per entry point."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        expected = q4_reference(ids).logits
+    assert_logits_close(q4_zoo.prefill(ids), expected, rtol=2e-2, what="int4 prefill vs transformers")
+    seq = torch.cat((ids, torch.randint(0, 256, (2, 6))), dim=1)
+    check_decode_equals_prefill(q4_zoo, seq, prompt_len=5, rtol=1e-2)
+    assert q4_zoo.engine.graph_counts() == {"prefill": 1, "decode": 1}
+
+
+# -- random builds and safetensors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_random_build_equals_float_model_with_dequantized_weights(mode):
+    m = zoo.build("llama3_8b_tiny", compile=False, max_batch=2, max_seq=32, quant=mode)
+    f = zoo.build("llama3_8b_tiny", compile=False, max_batch=2, max_seq=32)
+    with torch.no_grad():
+        for name, q in m.module.named_modules():
+            if isinstance(q, QuantLinear):
+                f.module.get_submodule(name).weight.copy_(kernel_weight(q))
+    ids = torch.randint(0, 256, (2, 7))
+    assert_logits_close(m.prefill(ids), f.prefill(ids), rtol=1e-2, what=mode)
+    assert m.info.param_bytes < f.info.param_bytes
+    rows = dict(build_rows(m))
+    assert f"linears {mode}" in rows["weights"]
+
+
+def _peak_script(directory: Path, mode: str) -> str:
+    return f"""
+import json, threading, time, psutil, torch, zoo
+zoo.build("llama3_8b_tiny", compile=False)  # imports and lazy set-up out of the measurement
+proc = psutil.Process(); base = proc.memory_info().rss; peak = [base]; stop = []
+def watch():
+    while not stop:
+        peak[0] = max(peak[0], proc.memory_info().rss); time.sleep(0.002)
+t = threading.Thread(target=watch); t.start()
+m = zoo.from_pretrained({str(directory)!r}, compile=False, max_seq=16, quant={mode!r})
+stop.append(1); t.join()
+print(json.dumps({{"growth": peak[0] - base, "bytes": m.info.param_bytes + m.info.cache_bytes}}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_safetensors_quantize_shard_by_shard(tmp_path, mode):
+    """A 12-layer bfloat16 Llama (~100 MB, 20 MB shards): the load's peak RSS growth stays under 1.2 x what the
+    quantized model holds + one shard (no float copy of the whole model)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    ref = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    directory = save_reference(ref, tmp_path / "llama", max_shard_size="20MB")
+    shards = sorted(directory.glob("*.safetensors"))
+    assert len(shards) >= 3
+    out = subprocess.run([sys.executable, "-c", _peak_script(directory, mode)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    largest = max(p.stat().st_size for p in shards)
+    assert r["growth"] <= 1.2 * r["bytes"] + largest, (r, largest)
