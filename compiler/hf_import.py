@@ -271,10 +271,11 @@ def _present(d: dict, *keys: str) -> Any:
 
 
 def _field_subkeys(spec: dict) -> set[str]:
-    """Keys inside rope_parameters / rope_scaling that the import map's `fields` read."""
-    return {k.split(".", 1)[1] for rule in (spec.get("fields") or {}).values()
-            for k in _keys_of(rule["key"] if isinstance(rule, dict) else rule)
-            if k.split(".")[0] in ("rope_parameters", "rope_scaling") and "." in k}
+    """Keys inside rope_parameters / rope_scaling that the import map's `fields` read, or that it
+    lists as irrelevant (`irrelevant: {rope_parameters.mrope_section: why}`)."""
+    keys = [k for rule in (spec.get("fields") or {}).values() for k in _keys_of(rule["key"] if isinstance(rule, dict) else rule)]
+    keys += list(spec.get("irrelevant") or {})
+    return {k.split(".", 1)[1] for k in keys if k.split(".")[0] in ("rope_parameters", "rope_scaling") and "." in k}
 
 
 def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: str = "the import map",

@@ -281,7 +281,7 @@ class GatedDeltaNet(Mixer):
         plan.row(self.out_proj, [span(0, v, Dv)])
         self.Hk, self.Hv = k[1] - k[0], v[1] - v[0]
         key, value = self.Hk * Dk, self.Hv * Dv
-        self.split = [key, key, value, value, self.Hv, self.Hv]
+        self.split = [2 * key + value, value, self.Hv, self.Hv]  # in_proj rows: qkv z b a (local)
         return True
 
     def attention_flops(self, context):
@@ -291,7 +291,7 @@ class GatedDeltaNet(Mixer):
         return 0 * context + 6 * self.Hv * self.Dk * self.Dv
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
-        conv_dim = sum(self.split[:3])  # Cc (of this rank's heads under tensor parallelism)
+        conv_dim = self.conv_weight.shape[0]  # Cc (of this rank's heads under tensor parallelism)
         return {"conv": CacheField((max_batch, conv_dim, self.kernel - 1), dtype, grows=False),
                 "state": CacheField((max_batch, self.Hv, self.Dk, self.Dv), torch.float32, grows=False)}
 

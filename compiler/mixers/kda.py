@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, check_conv_and_chunk
+from ..contracts import no_sharding_plan
 from ..registry import register
 
 
@@ -60,6 +61,10 @@ class KimiDeltaAttention(GatedDeltaNet):
         def conv_dim(self) -> int:
             """Cc: channels of the conv, [q | k | v]."""
             return 3 * self.n_heads * self.head_dim
+
+    def shard(self, plan) -> bool:
+        """No sharding plan yet (Gated DeltaNet's splits a different in_proj layout)."""
+        return no_sharding_plan(self, plan)
 
     def __init__(self, spec: "KimiDeltaAttention.Spec", model):
         nn.Module.__init__(self)
