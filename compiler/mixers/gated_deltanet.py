@@ -281,6 +281,7 @@ class GatedDeltaNet(Mixer):
         plan.row(self.out_proj, [span(0, v, Dv)])
         self.Hk, self.Hv = k[1] - k[0], v[1] - v[0]
         key, value = self.Hk * Dk, self.Hv * Dv
+        self.qkv_split = [key, key, value]  # local conv channels [q | k | v]
         self.split = [2 * key + value, value, self.Hv, self.Hv]  # in_proj rows: qkv z b a (local)
         return True
 
