@@ -15,12 +15,16 @@ from pathlib import Path
 import torch
 
 
+def zoo_cache_root() -> Path:
+    """$ZOO_CACHE_DIR, default ~/.cache/zoo: compiled graphs, built kernels."""
+    return Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo")
+
+
 def compile_cache_dir() -> Path:
-    """Where compiled graphs persist between processes: $ZOO_CACHE_DIR (default ~/.cache/zoo)
-    /compile/torch-<version>. Inductor keys each artifact by its graph, shapes, dtypes and device;
-    delete the folder to clear it."""
-    root = Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo")
-    return root / "compile" / f"torch-{torch.__version__}"
+    """Where compiled graphs persist between processes: <zoo cache>/compile/torch-<version>.
+    Inductor keys each artifact by its graph, shapes, dtypes and device; delete the folder to
+    clear it."""
+    return zoo_cache_root() / "compile" / f"torch-{torch.__version__}"
 
 
 def inductor_cache_dir() -> Path:

@@ -1,0 +1,290 @@
+// Quantized linears for the CPU: y [M, O] = x [M, I] W^T with W stored quantized.
+// Built and loaded by cpu_kernels.py, where the reference in torch ops lives; registered as
+// torch ops so the compiled graphs call them like any aten op.
+//
+//   zoo_quant::int4_linear(x, qs, sm, group)
+//       x  [M, I] float32
+//       qs [O, I/2] uint8, llama.cpp's Q4 block layout: in each block of 32 inputs, byte t holds
+//          input t (low nibble) and input t + 16 (high nibble), q in 0..15
+//       sm [O, 2, I/g] float16: d = sm[o, 0], m = sm[o, 1] per group of g inputs (g a multiple of 32):
+//          W[o, i] = q[o, i] * d[i / g] + m[i / g]     (GGUF Q4_1's values; Q4_0 is m = -8 d)
+//   zoo_quant::int8_linear(x, qw, scale)
+//       qw [O, I] int8, scale [O] float32: W[o, i] = qw[o, i] * scale[o]
+//
+// Few rows (M <= 8, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
+// llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
+// in one instruction), scaled once per block; the m term of int4 uses float sums of x. That
+// reads the codes without widening them to floats, which is what makes a matrix-vector product
+// as fast as the memory: a float32 FMA loop over the widened codes measured 2-3x slower.
+// Many rows (prefill): a chunk of weight rows at a time is dequantized into float32 and
+// multiplied by at::mm (the BLAS GEMM), activations unrounded.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ZOO_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGemvRows = 8;  // up to this many rows of x: integer dots, else dequantize + GEMM
+
+inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
+
+// x [M, I] -> codes xq [M, I] int8 and scales dx [M, I/32]: x ~= xq * dx per block of 32.
+void quantize_rows(const float* x, int64_t M, int64_t I, int8_t* xq, float* dx) {
+  for (int64_t b = 0; b < M * I / kBlock; ++b) {
+    const float* v = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(v[t]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    dx[b] = amax / 127.f;
+    for (int64_t t = 0; t < kBlock; ++t) xq[b * kBlock + t] = static_cast<int8_t>(std::nearbyint(v[t] * id));
+  }
+}
+
+#ifdef ZOO_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 unsigned codes times 32 signed activations -> 8 int32 partial sums, as floats
+inline __m256 dot32(__m256i w_u8, __m256i x_i8) {
+  const __m256i p16 = _mm256_maddubs_epi16(w_u8, x_i8);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// the 32 codes of one Q4 block (16 bytes) as 32 bytes in input order
+inline __m256i q4_codes(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+#endif
+
+// One output of an int4 row over one int8-rounded row of x:
+//   sum_b d[b >> sh] dx[b] sum_{i in b} q[i] xq[i]  +  sum_g m[g] xs[g]
+// d, m: the row's float16 scales (sm[o, 0], sm[o, 1]); sh = log2(blocks per group); xs [ng]: the
+// float sums of x over each group.
+inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t ng, int sh, int64_t nb,
+                    const int8_t* xq, const float* dx, const float* xs) {
+#ifdef ZOO_AVX2
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
+  const uint16_t* mh = reinterpret_cast<const uint16_t*>(m);
+  // four sums: each block's scaled add depends on the previous one into the same sum
+  auto block = [&](int64_t b, __m256 acc) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    const float s = _cvtsh_ss(dh[b >> sh]) * dx[b];
+    return _mm256_fmadd_ps(dot32(q4_codes(qs + 16 * b), xv), _mm256_set1_ps(s), acc);
+  };
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 3 < nb; b += 4) {
+    a0 = block(b, a0);
+    a1 = block(b + 1, a1);
+    a2 = block(b + 2, a2);
+    a3 = block(b + 3, a3);
+  }
+  for (; b < nb; ++b) a0 = block(b, a0);
+  // the m term, 8 groups at a time straight from the float16 values
+  __m256 am = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8)
+    am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g))),
+                         _mm256_loadu_ps(xs + g), am);
+  float tail = 0.f;
+  for (; g < ng; ++g) tail += _cvtsh_ss(mh[g]) * xs[g];
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(_mm256_add_ps(a2, a3), am))) + tail;
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t dot = 0;
+    for (int64_t t = 0; t < 16; ++t)
+      dot += int32_t(qs[16 * b + t] & 0x0F) * xq[b * kBlock + t] + int32_t(qs[16 * b + t] >> 4) * xq[b * kBlock + t + 16];
+    acc += half_to_float(d + (b >> sh)) * dx[b] * float(dot);
+  }
+  for (int64_t g = 0; g < ng; ++g) acc += half_to_float(m + g) * xs[g];
+  return acc;
+#endif
+}
+
+// sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
+inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
+#ifdef ZOO_AVX2
+  auto block = [&](int64_t b, __m256 acc) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    // maddubs multiplies unsigned by signed: |w| times x with w's sign
+    return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), _mm256_set1_ps(dx[b]), acc);
+  };
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 3 < nb; b += 4) {
+    a0 = block(b, a0);
+    a1 = block(b + 1, a1);
+    a2 = block(b + 2, a2);
+    a3 = block(b + 3, a3);
+  }
+  for (; b < nb; ++b) a0 = block(b, a0);
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t dot = 0;
+    for (int64_t t = 0; t < kBlock; ++t) dot += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
+    acc += dx[b] * float(dot);
+  }
+  return acc;
+#endif
+}
+
+// Weight rows [r0, r1) dequantized into out [r1 - r0, I] float32.
+void q4_dequantize(const uint8_t* qs, const at::Half* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
+                   float* out) {
+  const int64_t ng = I / group;
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o) {
+      const uint8_t* q = qs + o * (I / 2);
+      const at::Half* s = sm + o * ng * 2;
+      float* w = out + (o - r0) * I;
+      for (int64_t i = 0; i < I; i += kBlock, q += 16) {
+        const float d = half_to_float(s + i / group), m = half_to_float(s + ng + i / group);
+        for (int64_t t = 0; t < 16; ++t) {
+          w[i + t] = float(q[t] & 0x0F) * d + m;
+          w[i + t + 16] = float(q[t] >> 4) * d + m;
+        }
+      }
+    }
+  });
+}
+
+void int8_dequantize(const int8_t* qw, const float* scale, int64_t I, int64_t r0, int64_t r1, float* out) {
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o)
+      for (int64_t i = 0; i < I; ++i) out[(o - r0) * I + i] = float(qw[o * I + i]) * scale[o];
+  });
+}
+
+// Many rows: y[:, r0:r1] = x @ dequantize(rows r0..r1)^T, a chunk of weight rows at a time so the
+// float32 copy stays small (about 16 MB) whatever the weight's size.
+template <typename Dequant>
+at::Tensor chunked_gemm(const at::Tensor& x, int64_t O, int64_t I, Dequant dequant) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, O}, x.options());
+  const int64_t rows = std::max<int64_t>(64, ((int64_t(1) << 22) / I) / 64 * 64);
+  at::Tensor w = at::empty({std::min(rows, O), I}, x.options());
+  for (int64_t r0 = 0; r0 < O; r0 += rows) {
+    const int64_t r1 = std::min(O, r0 + rows);
+    at::Tensor wc = w.narrow(0, 0, r1 - r0);
+    dequant(r0, r1, wc.data_ptr<float>());
+    y.narrow(1, r0, r1 - r0).copy_(at::mm(x, wc.t()));
+  }
+  return y;
+}
+
+void check_x(const at::Tensor& x, int64_t I, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              op, ": x must be a 2-D float32 CPU tensor, got ", x.scalar_type(), " of ", x.sizes());
+  TORCH_CHECK(x.size(1) == I && I % kBlock == 0, op, ": x has ", x.size(1), " inputs, the weight ", I,
+              " (a multiple of 32)");
+}
+
+at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qs_, const at::Tensor& sm_, int64_t group) {
+  const int64_t O = qs_.size(0), I = qs_.size(1) * 2;
+  check_x(x_, I, "int4_linear");
+  TORCH_CHECK(group % kBlock == 0 && I % group == 0, "int4_linear: group ", group, " must be a multiple of 32 ",
+              "dividing the inputs (", I, ")");
+  TORCH_CHECK(qs_.scalar_type() == at::kByte && sm_.scalar_type() == at::kHalf && sm_.dim() == 3 &&
+                  sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
+              "int4_linear: expected qs [O, I/2] uint8 and sm [O, 2, I/g] float16, got ", qs_.sizes(), " ",
+              qs_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
+  const at::Tensor x = x_.contiguous(), qs = qs_.contiguous(), sm = sm_.contiguous();
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const at::Half* s = sm.data_ptr<at::Half>();
+  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
+  if (M > kGemvRows)
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q4_dequantize(q, s, I, group, r0, r1, out); });
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * I);
+  std::vector<float> dx(M * nb), xsum(M * ng, 0.f);  // xsum: the m term is sum_g m[g] * xsum[g]
+  quantize_rows(xp, M, I, xq.data(), dx.data());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  int sh = 0;
+  while ((kBlock << sh) < group) ++sh;
+  TORCH_CHECK((kBlock << sh) == group, "int4_linear: group ", group, " must be 32 times a power of two");
+  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o) {
+      const uint8_t* qo = q + o * (I / 2);
+      const at::Half* so = s + o * ng * 2;
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * O + o] = q4_row(qo, so, so + ng, ng, sh, nb, xq.data() + r * I, dx.data() + r * nb, xsum.data() + r * ng);
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& scale_) {
+  const int64_t O = qw_.size(0), I = qw_.size(1);
+  check_x(x_, I, "int8_linear");
+  TORCH_CHECK(qw_.scalar_type() == at::kChar && scale_.scalar_type() == at::kFloat && scale_.numel() == O,
+              "int8_linear: expected qw [O, I] int8 and scale [O] float32, got ", qw_.sizes(), " ",
+              qw_.scalar_type(), " and ", scale_.sizes(), " ", scale_.scalar_type());
+  const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), scale = scale_.contiguous();
+  const int8_t* q = qw.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+  const int64_t M = x.size(0), nb = I / kBlock;
+  if (M > kGemvRows)
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { int8_dequantize(q, sc, I, r0, r1, out); });
+  at::Tensor y = at::empty({M, O}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * I);
+  std::vector<float> dx(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
+  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o)
+      for (int64_t r = 0; r < M; ++r) yp[r * O + o] = sc[o] * int8_row(q + o * I, nb, xq.data() + r * I, dx.data() + r * nb);
+  });
+  return y;
+}
+
+int64_t simd_level() {
+#ifdef ZOO_AVX2
+  return 2;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zoo_quant, m) {
+  m.def("int4_linear(Tensor x, Tensor qs, Tensor sm, int group) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
+  m.def("simd_level() -> int");
+}
+
+TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}
+
+TORCH_LIBRARY_IMPL(zoo_quant, CompositeExplicitAutograd, m) { m.impl("simd_level", &simd_level); }

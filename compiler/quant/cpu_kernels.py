@@ -1,0 +1,166 @@
+"""zoo's CPU kernels for weight-only quantized linears (cpu_kernels.cpp), and their reference.
+
+    int4_linear(x [M, I] f32, qs [O, I/2] u8, sm [O, 2, I/g] f16, g) -> [M, O] f32
+        qs in llama.cpp's Q4 block layout (byte t of a 32-input block: input t in the low nibble,
+        input t + 16 in the high one), W[o, i] = q * d + m with d, m = sm[o, :, i // g]
+    int8_linear(x [M, I] f32, qw [O, I] i8, scale [O] f32) -> [M, O] f32,  W = qw * scale[:, None]
+
+Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`) reach 3-5 GB/s at one row on an AVX2 EPYC (measured in bfloat16; their
+float32 path is a scalar fallback, 30-40x slower), a fifth of what a plain read streams, and
+torchao's CPU int4 layout calls the same op (its int8-activation kernels need AVX512-VNNI / AMX).
+Decode is a matrix-vector product per linear, so its speed is how fast the codes can be read:
+for up to FEW_ROWS rows the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8
+activations, on the same file) and take each block's dot product in integers, 32 multiply-adds
+per instruction; more rows (prefill) dequantize a chunk of weight rows to float32 at a time and
+call the BLAS GEMM with x as it is. `round_activations` and the references below say exactly
+what each path computes; tests/test_quant.py holds the kernels to them.
+
+Built on first use with the C++ compiler inductor uses (g++ by default, $CXX), against the
+installed torch, into the zoo cache (keyed by the source, torch version, compiler and flags), and
+loaded with torch.ops.load_library; `register_fake` gives the compiled graphs their shapes. Where
+no compiler works the reference below runs instead and `status()` says why (the build report
+shows it): the same numbers, slower.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+BLOCK = 32  # inputs per Q4 block (the nibble pairing of qs) and per activation scale
+FEW_ROWS = 8  # up to this many rows of x: integer dots over int8-rounded activations (kGemvRows)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def int4_dequantize(qs: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """qs [O, I/2] uint8, sm [O, 2, I/g] float16 -> W [O, I] float32 (see the module docstring)."""
+    O, half = qs.shape
+    blocks = qs.view(O, half // 16, 16)
+    q = torch.cat((blocks & 0xF, blocks >> 4), dim=-1).reshape(O, 2 * half).float()  # [O, I]
+    g = 2 * half // sm.shape[2]
+    d, m = sm.float().unbind(1)  # [O, I/g]
+    return q * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, I] float32 -> x rounded to int8 per block of 32 inputs, as the kernels' few-row path
+    does: codes round(x * 127 / max|x|), scale max|x| / 127 (returned dequantized)."""
+    M, I = x.shape
+    blocks = x.reshape(M, I // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(M, I)
+
+
+def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
+    """What int4_linear computes, in torch ops: up to FEW_ROWS rows with the q d part over the
+    int8-rounded x and the m part over x itself; more rows with x as it is."""
+    if x.shape[0] > FEW_ROWS:
+        return F.linear(x, int4_dequantize(qs, sm))
+    only_d = sm.clone()
+    only_d[:, 1] = 0
+    m = int4_dequantize(qs, sm) - int4_dequantize(qs, only_d)
+    return F.linear(round_activations(x), int4_dequantize(qs, only_d)) + F.linear(x, m)
+
+
+def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What int8_linear computes (x rounded to int8 per 32 inputs up to FEW_ROWS rows)."""
+    return F.linear(round_activations(x) if x.shape[0] <= FEW_ROWS else x, qw.float() * scale[:, None])
+
+
+def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [O, I] in 0..15 and d, m [O, I/g] (W = q d + m) -> (qs [O, I/2] uint8, sm [O, 2, I/g]
+    float16) in the kernel's layout."""
+    O, I = q.shape
+    pairs = q.to(torch.uint8).view(O, I // BLOCK, 2, BLOCK // 2)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(O, I // 2)
+    return qs, torch.stack((d, m), dim=1).to(torch.float16)
+
+
+# ----------------------------------------------------------------------------- build and load
+
+def _flags() -> list[str]:
+    """Vector flags when torch itself dispatches AVX2 or better on this CPU (AVX2 machines have
+    FMA and F16C); otherwise the portable loops."""
+    vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG"] + \
+        (["-mavx2", "-mfma", "-mf16c"] if vector else [])
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    found = shutil.which(cxx)
+    if found is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set $CXX)")
+    return found
+
+
+def _build(cxx: str, flags: list[str]) -> Path:
+    from ..engine.compiling import zoo_cache_root
+
+    torch_dir = Path(torch.__file__).parent
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    cmd = [cxx, *flags, abi, f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
+           str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch",
+           f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, *cmd]).encode()).hexdigest()[:16]
+    out = zoo_cache_root() / "kernels" / f"zoo_quant-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
+    proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd[:2])} ... failed:\n{proc.stderr[-2000:]}")
+    tmp.replace(out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per cache) and load the library; None when it works, else the reason."""
+    try:
+        path = _build(_compiler(), _flags())
+        torch.ops.load_library(str(path))
+    except (RuntimeError, OSError) as e:
+        return str(e).splitlines()[0]
+    torch.library.register_fake("zoo_quant::int4_linear")(
+        lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
+    torch.library.register_fake("zoo_quant::int8_linear")(
+        lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def status() -> str:
+    """What the CPU quantized linears run on, for the build report."""
+    why = _load()
+    if why is not None:
+        return f"torch reference (dequantize + matmul; zoo's kernel did not build: {why})"
+    simd = torch.ops.zoo_quant.simd_level()
+    return "zoo cpu kernel (" + ("avx2 + fma" if simd == 2 else "portable loops") + ", float32)"
+
+
+def int4_linear(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
+    if available():
+        return torch.ops.zoo_quant.int4_linear(x, qs, sm, group)
+    return int4_reference(x, qs, sm, group)
+
+
+def int8_linear(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if available():
+        return torch.ops.zoo_quant.int8_linear(x, qw, scale)
+    return int8_reference(x, qw, scale)
