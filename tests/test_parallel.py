@@ -5,7 +5,11 @@ Qwen3-Next with fewer kv / key heads than ranks, GLM-5: DSA) are loaded by 2 and
 torchrun launch (gloo, CPU, spawned processes: tests/parallel_worker.py), each reading only its
 slices; prefill and every decode step must equal the single-process logits (<= 1e-5 relative,
 float32) on every rank, eager and compiled (the all-reduces inside the block graphs, one graph
-per entry point). The sharding plan and its errors are also checked without processes, on meta.
+per entry point). 2 ranks only, eagerly (CI time): Kimi Linear (KDA + MLA), DeepSeek-V4 (sink,
+compressed and sparse-compressed attention) and Llama with runtime.quant=int8 / int4, whose
+quantized kernel weights equal the slices of one process's bit for bit and whose logits agree to
+bfloat16 rounding (the kernels' compute dtype). The sharding plan and its errors are also checked
+without processes, on meta.
 """
 from __future__ import annotations
 
@@ -71,6 +75,24 @@ def _llama_quant(path):
                               intermediate_size=192, tie_word_embeddings=True), {})
 
 
+def _kimi_linear(path):
+    from tests.test_kimi_linear import randomize, tiny_config
+
+    torch.manual_seed(0)
+    # KDA + MLA, 2 heads each (the preset twin's 3 do not split over 2 ranks)
+    ref = transformers.KimiLinearForCausalLM(tiny_config(linear_num_heads=2, num_attention_heads=2)).eval()
+    randomize(ref)
+    save_reference(ref, path)
+
+
+def _deepseek_v4(path):
+    from tests.test_deepseek_v4 import make_reference, save_checkpoint
+
+    # sliding, compressed-sparse (CSA: indexer, top-k) and heavily compressed (HCA) attention with
+    # sinks; 12 tokens complete CSA blocks (ratio 4) at 4, 8, 12 and an HCA block (ratio 8) at 8
+    save_checkpoint(make_reference(seed=1), Path(path))
+
+
 def _glm5(path):
     from tests.test_glm5 import make_reference
 
@@ -79,7 +101,9 @@ def _glm5(path):
 
 MODELS = {"llama": (_llama, []), "deepseek_v3": (_deepseek_v3, []),
           "qwen3_next": (_qwen3_next, ["mixers.linear.chunk_size=4"]), "glm5": (_glm5, []),
-          "llama_int8": (_llama_quant, []), "llama_int4": (_llama_quant, [])}
+          "llama_int8": (_llama_quant, []), "llama_int4": (_llama_quant, []),
+          "kimi_linear": (_kimi_linear, ["mixers.linear.chunk_size=4"]),
+          "deepseek_v4": (_deepseek_v4, ["checkpoint.mtp=false"])}
 QUANT = {"llama_int8": "int8", "llama_int4": "int4"}  # runtime.quant
 # the quantized kernels compute in bfloat16: a row-parallel rank's partial sum is rounded to it
 # before the all-reduce adds them (one process rounds the whole sum once)
@@ -89,7 +113,9 @@ LAYOUTS = {
     2: {"llama": ["runtime.parallel.tp=2"], "deepseek_v3": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
         "qwen3_next": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
         "glm5": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
-        "llama_int8": ["runtime.parallel.tp=2"], "llama_int4": ["runtime.parallel.tp=2"]},
+        "llama_int8": ["runtime.parallel.tp=2"], "llama_int4": ["runtime.parallel.tp=2"],
+        "kimi_linear": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "deepseek_v4": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
     # ep=2 of 4 ranks: each expert's hidden width split over 2 ranks too
     4: {"llama": ["runtime.parallel.tp=4"], "deepseek_v3": ["runtime.parallel.tp=4", "runtime.parallel.ep=2"],
         "qwen3_next": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"],
@@ -303,9 +329,27 @@ def test_plan_errors_name_the_key(conf, overrides, match):
         shard_model(_meta(conf, overrides), _mesh(4, 0, 4, 4))
 
 
-def test_kind_without_a_plan_is_refused():
-    with pytest.raises(ConfigError, match="declares no sharding plan"):
-        shard_model(_meta("deepseek_v4_flash_tiny"), _mesh(2, 0, 2, 1))
+def test_plan_without_a_split_is_refused():
+    with pytest.raises(ConfigError, match="experts with biases"):
+        shard_model(_meta("gpt_oss_20b_tiny"), _mesh(2, 0, 2, 2))
+
+
+def test_plan_shapes_deepseek_v4_flash_tp8():
+    """Sink / compressed attention on meta, rank 3 of 8: one output group and its heads per rank,
+    the shared K=V head, compressor and indexer replicated."""
+    model = _meta("deepseek_v4_flash")
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    report = shard_model(model, _mesh(8, 3, 8, 8))
+    for block in model.layers:
+        m, s = block.mixer, block.mixer.spec
+        assert (m.n_heads, m.groups) == (s.n_heads // 8, s.o_groups // 8) and block.mixer_reduce is not None
+    i = next(i for i, b in enumerate(model.layers) if hasattr(b.mixer, "indexer"))
+    name = f"layers.{i}.mixer"
+    m = model.layers[i].mixer
+    assert report.slices[f"{name}.wq_b.weight"].ranges(0) == ((3 * m.n_heads * m.head_dim, 4 * m.n_heads * m.head_dim),)
+    assert tuple(m.wo_b.weight.shape) == (full[f"{name}.wo_b.weight"][0], m.o_rank)
+    for kept in ("wkv.weight", "wq_a.weight", "compressor.wkv.weight", "indexer.wq_b.weight"):
+        assert tuple(model.get_parameter(f"{name}.{kept}").shape) == full[f"{name}.{kept}"], kept
 
 
 def test_tp_without_a_process_group(monkeypatch):
