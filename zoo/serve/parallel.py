@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -63,14 +65,21 @@ class LeaderEngine:
         return self._engine.reset()
 
     def stop(self) -> None:
-        """The followers return from `follow`."""
-        self._send(STOP)
+        """The followers return from `follow` (a follower already gone is only logged)."""
+        try:
+            self._send(STOP)
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("could not tell the other ranks to stop: %s", e)
 
 
 @torch.no_grad()
 def follow(engine, group) -> None:
     """A rank other than 0: run rank 0's engine calls until it stops. A call that fails here
-    failed on rank 0 too (the same call on the same state), where the scheduler reports it."""
+    failed on rank 0 too (the same call on the same state), where the scheduler reports it.
+    Ctrl-C (SIGINT to the whole process group) is left to rank 0: its server shuts down and
+    then sends STOP."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     header = torch.zeros(3, dtype=torch.long)
     while True:
         dist.broadcast(header, src=0, group=group)
