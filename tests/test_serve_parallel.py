@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.serve_fixtures import write_tiny_llama
+from tests.serve_fixtures import free_port, wait_for_health, write_tiny_llama
 
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
@@ -26,14 +25,6 @@ REQUESTS = [{"model": NAME, "prompt": "The capital of France is", "max_tokens": 
              "ignore_eos": True, "logprobs": 0},
             {"model": NAME, "prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
              "logprobs": 0}]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(post) -> list[dict]:
@@ -60,7 +51,7 @@ def one_process(checkpoint):
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoint, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("serve_tp_log") / "server.log", "w+")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zoo.cli",
            "serve", f"weights={checkpoint}", f"port={port}", f"model_name={NAME}", f"max_seq={MAX_SEQ}",
@@ -69,19 +60,7 @@ def two_ranks(checkpoint, tmp_path_factory):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"torchrun zoo serve exited with {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the 2-rank zoo serve did not answer /health within 300 s")
-            time.sleep(0.5)
+        wait_for_health(proc, base, log, 300, "torchrun zoo serve (2 ranks)")
         answers = _answers(lambda body: httpx.post(f"{base}/v1/completions", json=body, timeout=120).json())
         # Ctrl-C: SIGINT to rank 0's server, which shuts down and then tells rank 1 to stop
         rank0 = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "0"]
@@ -91,9 +70,11 @@ def two_ranks(checkpoint, tmp_path_factory):
         log.seek(0)
         return answers, proc.returncode, log.read()
     finally:
-        if proc.poll() is None:
+        try:  # the workers too (their own session), whatever became of torchrun
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
         log.close()
 
 
