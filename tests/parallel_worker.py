@@ -5,7 +5,7 @@ step's logits and the graph counts to OUT.RANK.
 
     python -m torch.distributed.run --nproc-per-node N tests/parallel_worker.py JOB.json
     JOB: {"out": path, "cases": [{"name", "path", "overrides", "compile", "seq", "prompt", "max_seq",
-          "rank_overrides" / "rank_path": {rank: ...}}]}
+          "rank_overrides" / "rank_path": {rank: ...}, "quant": runtime.quant, "kernel_weights": bool}]}
 """
 from __future__ import annotations
 
@@ -16,6 +16,21 @@ import traceback
 
 import torch
 import torch.distributed as dist
+
+
+@torch.no_grad()
+def kernel_weights(module) -> dict:
+    """{QuantLinear weight name: the weight [O, I] its kernel applies, float32}, read back through
+    the kernel (an identity input, the bias left out, a vocab-parallel head's gather skipped)."""
+    from zoo.compiler.quant.linear import QuantLinear
+
+    out = {}
+    for name, q in module.named_modules():
+        if isinstance(q, QuantLinear):
+            bias, q.bias = q.bias, None
+            out[f"{name}.weight"] = QuantLinear.forward(q, torch.eye(q.in_features, dtype=q.compute_dtype)).float().t()
+            q.bias = bias
+    return out
 
 
 def main(job_path: str) -> int:
@@ -33,7 +48,8 @@ def main(job_path: str) -> int:
             overrides = case["overrides"] + case.get("rank_overrides", {}).get(str(rank), [])
             path = case.get("rank_path", {}).get(str(rank), case["path"])
             m = zoo.from_pretrained(path, compile=case["compile"], max_batch=len(case["seq"]),
-                                    max_seq=case.get("max_seq", 48), overrides=overrides)
+                                    max_seq=case.get("max_seq", 48), overrides=overrides,
+                                    quant=case.get("quant"))
             seq = torch.tensor(case["seq"])
             L = case["prompt"]
             steps = [m.prefill(seq[:, :L])]
@@ -42,6 +58,9 @@ def main(job_path: str) -> int:
             results[case["name"]] = {"logits": steps, "graphs": m.engine.graph_counts(),
                                      "param_bytes": m.info.param_bytes, "cache_bytes": m.info.cache_bytes,
                                      "parallel": m.info.parallel}
+            if case.get("kernel_weights"):
+                results[case["name"]].update(kernel_weights=kernel_weights(m.module), slices={
+                    n: (s.full, s.cuts, s.zero) for n, s in m.module.shard_slices.items()})
         except Exception as e:  # reported to the test, which fails with it
             results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         line = (f"rank {rank}: {case['name']} {'error' if 'error' in results[case['name']] else 'done'} "

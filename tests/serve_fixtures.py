@@ -42,3 +42,35 @@ def write_tiny_llama(path: Path, vocab_size: int = 384) -> Path:
     # the list only generation_config.json has (as Llama 3's <|eot_id|>)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, im_end]}))
     return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc, base: str, log, seconds: float, what: str = "zoo serve") -> None:
+    """Until `base`/health answers 200; fails the test (killing proc on a timeout) when the
+    server process exits first or does not answer within `seconds`."""
+    import time
+
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log.read()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{what} did not answer /health within {seconds:.0f} s")
+        time.sleep(0.5)

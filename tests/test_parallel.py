@@ -5,7 +5,11 @@ Qwen3-Next with fewer kv / key heads than ranks, GLM-5: DSA) are loaded by 2 and
 torchrun launch (gloo, CPU, spawned processes: tests/parallel_worker.py), each reading only its
 slices; prefill and every decode step must equal the single-process logits (<= 1e-5 relative,
 float32) on every rank, eager and compiled (the all-reduces inside the block graphs, one graph
-per entry point). The sharding plan and its errors are also checked without processes, on meta.
+per entry point). 2 ranks only, eagerly (CI time): Kimi Linear (KDA + MLA), DeepSeek-V4 (sink,
+compressed and sparse-compressed attention) and Llama with runtime.quant=int8 / int4, whose
+quantized kernel weights equal the slices of one process's bit for bit and whose logits agree to
+bfloat16 rounding (the kernels' compute dtype). The sharding plan and its errors are also checked
+without processes, on meta.
 """
 from __future__ import annotations
 
@@ -28,11 +32,15 @@ from zoo.compiler.parallel.plan import shard_model
 from zoo.compiler.spec import validate
 from zoo.compiler.config import compose
 from tests.helpers import assert_logits_close, save_reference
+from tests.parallel_worker import kernel_weights
+from zoo.compiler.parallel.plan import Slice
+from zoo.compiler.quant.apply import quantize_linears
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, STEPS, BATCH, MAX_SEQ = 9, 3, 2, 32
+QUANT_RTOL = 1e-2  # measured 4.6e-3 (prefill), 3.2e-3 (decode); the kernel weights agree bit for bit
 RANK_TIMEOUT = 1800  # seconds for one torchrun launch (all its cases); 2 shared cores are slow
 
 
@@ -58,6 +66,33 @@ def _qwen3_next(path):
     save_reference(ref, path)
 
 
+def _llama_quant(path):
+    from tests.test_llama import make_reference
+
+    # F = 192: w2's input cut (96 per rank) keeps int4's groups of 32 whole; tied, so the int8 head
+    # is a quantized copy of the embedding's rows
+    make_reference(path, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                              intermediate_size=192, tie_word_embeddings=True), {})
+
+
+def _kimi_linear(path):
+    from tests.test_kimi_linear import randomize, tiny_config
+
+    torch.manual_seed(0)
+    # KDA + MLA, 2 heads each (the preset twin's 3 do not split over 2 ranks)
+    ref = transformers.KimiLinearForCausalLM(tiny_config(linear_num_heads=2, num_attention_heads=2)).eval()
+    randomize(ref)
+    save_reference(ref, path)
+
+
+def _deepseek_v4(path):
+    from tests.test_deepseek_v4 import make_reference, save_checkpoint
+
+    # sliding, compressed-sparse (CSA: indexer, top-k) and heavily compressed (HCA) attention with
+    # sinks; 12 tokens complete CSA blocks (ratio 4) at 4, 8, 12 and an HCA block (ratio 8) at 8
+    save_checkpoint(make_reference(seed=1), Path(path))
+
+
 def _glm5(path):
     from tests.test_glm5 import make_reference
 
@@ -65,12 +100,22 @@ def _glm5(path):
 
 
 MODELS = {"llama": (_llama, []), "deepseek_v3": (_deepseek_v3, []),
-          "qwen3_next": (_qwen3_next, ["mixers.linear.chunk_size=4"]), "glm5": (_glm5, [])}
+          "qwen3_next": (_qwen3_next, ["mixers.linear.chunk_size=4"]), "glm5": (_glm5, []),
+          "llama_int8": (_llama_quant, []), "llama_int4": (_llama_quant, []),
+          "kimi_linear": (_kimi_linear, ["mixers.linear.chunk_size=4"]),
+          "deepseek_v4": (_deepseek_v4, ["checkpoint.mtp=false"])}
+QUANT = {"llama_int8": "int8", "llama_int4": "int4"}  # runtime.quant
+# the quantized kernels compute in bfloat16: a row-parallel rank's partial sum is rounded to it
+# before the all-reduce adds them (one process rounds the whole sum once)
+RTOL = {name: QUANT_RTOL for name in QUANT}
 # per world size: the parallel overrides of each model (experts split over ep, tp splitting heads)
 LAYOUTS = {
     2: {"llama": ["runtime.parallel.tp=2"], "deepseek_v3": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
         "qwen3_next": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
-        "glm5": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
+        "glm5": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "llama_int8": ["runtime.parallel.tp=2"], "llama_int4": ["runtime.parallel.tp=2"],
+        "kimi_linear": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "deepseek_v4": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
     # ep=2 of 4 ranks: each expert's hidden width split over 2 ranks too
     4: {"llama": ["runtime.parallel.tp=4"], "deepseek_v3": ["runtime.parallel.tp=4", "runtime.parallel.ep=2"],
         "qwen3_next": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"],
@@ -82,6 +127,9 @@ LAYOUTS = {
 COMPILED = {2: ["llama", "deepseek_v3", "qwen3_next", "glm5"], 4: []}
 
 
+KERNEL_WEIGHTS: dict[str, dict] = {}  # quantized models: the one-process kernel weights (references)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """{model: (checkpoint dir, token sequence [B, PROMPT + STEPS], single-process logits per step)}."""
@@ -89,7 +137,8 @@ def references(tmp_path_factory):
     for name, (make, overrides) in MODELS.items():
         path = tmp_path_factory.mktemp(name)
         make(path)
-        m = zoo.from_pretrained(str(path), compile=False, max_batch=BATCH, max_seq=MAX_SEQ, overrides=overrides)
+        m = zoo.from_pretrained(str(path), compile=False, max_batch=BATCH, max_seq=MAX_SEQ, overrides=overrides,
+                                 quant=QUANT.get(name))
         seq = torch.randint(0, m.spec.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
         logits = [m.prefill(seq)]
         for _ in range(STEPS):
@@ -97,6 +146,8 @@ def references(tmp_path_factory):
             seq = torch.cat((seq, tok[:, None]), dim=1)
             logits.append(m.decode(tok))
         out[name] = (path, seq, logits, m.info.param_bytes)
+        if name in QUANT:
+            KERNEL_WEIGHTS[name] = kernel_weights(m.module)
     return out
 
 
@@ -122,9 +173,9 @@ def run_ranks(n: int, cases: list[dict], tmp: Path) -> list[dict]:
 def _cases(references, n: int, compile: bool) -> list[dict]:
     cases = []
     for name, (path, seq, _, _) in references.items():
-        if compile and name not in COMPILED[n]:
+        if compile and name not in COMPILED[n] or name not in LAYOUTS[n]:
             continue
-        cases.append({"path": str(path), "seq": seq.tolist(), "prompt": PROMPT, "max_seq": MAX_SEQ,
+        cases.append({"kernel_weights": name in QUANT, "quant": QUANT.get(name), "path": str(path), "seq": seq.tolist(), "prompt": PROMPT, "max_seq": MAX_SEQ,
                       "name": f"{name}/{'compiled' if compile else 'eager'}", "compile": compile,
                       "overrides": MODELS[name][1] + LAYOUTS[n][name]})
     return cases
@@ -163,7 +214,7 @@ def four_ranks(references, tmp_path_factory):
 
 def _check(references, ranks: list[dict], n: int, mode: str) -> None:
     for name, (_, _, expected, full_bytes) in references.items():
-        if mode == "compiled" and name not in COMPILED[n]:
+        if mode == "compiled" and name not in COMPILED[n] or name not in LAYOUTS[n]:
             continue
         for rank, results in enumerate(ranks):
             got = results[f"{name}/{mode}"]
@@ -171,7 +222,7 @@ def _check(references, ranks: list[dict], n: int, mode: str) -> None:
             assert len(got["logits"]) == len(expected)
             for step, (a, e) in enumerate(zip(got["logits"], expected)):
                 what = "prefill" if step == 0 else f"decode step {step}"
-                assert_logits_close(a, e, 1e-5, f"{name} {mode} {n} ranks, rank {rank}, {what}")
+                assert_logits_close(a, e, RTOL.get(name, 1e-5), f"{name} {mode} {n} ranks, rank {rank}, {what}")
             # each rank holds its share: less than the whole model
             assert got["param_bytes"] < full_bytes
             if mode == "compiled":
@@ -193,6 +244,34 @@ def test_four_ranks_equal_one_process(references, four_ranks):
     _check(references, four_ranks, 4, "eager")
     if COMPILED[4]:
         _check(references, four_ranks, 4, "compiled")
+
+
+def test_quantized_ranks_hold_slices_of_one_process(references, two_ranks):
+    """runtime.quant=int8 / int4 under tp=2: every quantized linear (wqkv and w13 column-parallel,
+    wo and w2 row-parallel, the vocab-parallel int8 head copied from the tied embedding) applies,
+    on each rank, exactly its slice of the weight the one-process kernel applies (bit for bit,
+    read back through the kernels): each rank quantized its own slice of the float weight (int8
+    with the whole rows' max |w| from the other ranks), and got what one process would have."""
+    for name in QUANT:
+        full = KERNEL_WEIGHTS[name]
+        for rank, results in enumerate(two_ranks):
+            got = results[f"{name}/eager"]
+            assert "error" not in got, f"{name} rank {rank}: {got.get('trace')}"
+            assert set(got["kernel_weights"]) == set(full)
+            for w, value in got["kernel_weights"].items():
+                assert w in got["slices"], f"{name}: {w} is not sharded"
+                full_shape, cuts, _ = got["slices"][w]
+                assert torch.equal(value, Slice(full_shape, cuts).apply(full[w])), f"{name} rank {rank}: {w}"
+            assert got["logits"][0].shape == references[name][2][0].shape
+
+
+def test_int4_input_cut_through_a_group_is_refused():
+    """ffn_dim 160 over 2 ranks cuts w2's inputs at 80, inside a group of 32."""
+    model = _meta("llama3_8b_tiny", ["ffns.mlp.ffn_dim=160"])
+    quantize_linears(model, "int4", 32, torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"ffns.mlp: runtime.quant=int4 under runtime.parallel tp=2.*\[\[80, 160\]\]"
+                                          r".*runtime.quant_group=32"):
+        shard_model(model, _mesh(2, 1, 2, 1))
 
 
 def test_ranks_that_disagree_are_refused(two_ranks):
@@ -250,9 +329,27 @@ def test_plan_errors_name_the_key(conf, overrides, match):
         shard_model(_meta(conf, overrides), _mesh(4, 0, 4, 4))
 
 
-def test_kind_without_a_plan_is_refused():
-    with pytest.raises(ConfigError, match="declares no sharding plan"):
-        shard_model(_meta("deepseek_v4_flash_tiny"), _mesh(2, 0, 2, 1))
+def test_plan_without_a_split_is_refused():
+    with pytest.raises(ConfigError, match="experts with biases"):
+        shard_model(_meta("gpt_oss_20b_tiny"), _mesh(2, 0, 2, 2))
+
+
+def test_plan_shapes_deepseek_v4_flash_tp8():
+    """Sink / compressed attention on meta, rank 3 of 8: one output group and its heads per rank,
+    the shared K=V head, compressor and indexer replicated."""
+    model = _meta("deepseek_v4_flash")
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    report = shard_model(model, _mesh(8, 3, 8, 8))
+    for block in model.layers:
+        m, s = block.mixer, block.mixer.spec
+        assert (m.n_heads, m.groups) == (s.n_heads // 8, s.o_groups // 8) and block.mixer_reduce is not None
+    i = next(i for i, b in enumerate(model.layers) if hasattr(b.mixer, "indexer"))
+    name = f"layers.{i}.mixer"
+    m = model.layers[i].mixer
+    assert report.slices[f"{name}.wq_b.weight"].ranges(0) == ((3 * m.n_heads * m.head_dim, 4 * m.n_heads * m.head_dim),)
+    assert tuple(m.wo_b.weight.shape) == (full[f"{name}.wo_b.weight"][0], m.o_rank)
+    for kept in ("wkv.weight", "wq_a.weight", "compressor.wkv.weight", "indexer.wq_b.weight"):
+        assert tuple(model.get_parameter(f"{name}.{kept}").shape) == full[f"{name}.{kept}"], kept
 
 
 def test_tp_without_a_process_group(monkeypatch):

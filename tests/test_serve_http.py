@@ -8,14 +8,13 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.serve_fixtures import write_tiny_llama
+from tests.serve_fixtures import free_port, wait_for_health, write_tiny_llama
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -27,16 +26,10 @@ NAME = "tiny"
 MAX_SEQ, MAX_BATCH, MAX_QUEUE = 128, 8, 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_tiny_llama(tmp_path_factory.mktemp("serve") / "ckpt")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     # eager (compile=false): the graphs' compile is covered by test_serve_rows; here the server is
     proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", f"weights={ckpt}", f"port={port}",
@@ -44,20 +37,7 @@ def server(tmp_path_factory):
                              f"max_queue={MAX_QUEUE}", "compile=false", "log_level=warning"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"zoo serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("zoo serve did not answer /health within 240 s")
-        time.sleep(0.5)
+    wait_for_health(proc, base, log, 240)
     yield base, proc
     proc.terminate()
     try:

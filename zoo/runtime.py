@@ -24,6 +24,7 @@ from .compiler.hf_import import import_config
 from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
                             torch_dtype)
 from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
+from .compiler.quant.linear import QuantLinear
 from .compiler.spec import ModelSpec, validate
 
 from .sampling import sample
@@ -157,12 +158,14 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     meta_model = cast(build_model(spec), dtype)
     if weights is not None and not hasattr(weights, "entries"):
         weights = open_source(str(weights))
+    # quantized before it is sharded: every rank quantizes the linears one process would
+    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
+        if rt.quant else None
     mesh, slices = _shard(spec, meta_model, weights)
     if mesh is not None:
         device = mesh.device
-    params = count_parameters(meta_model)
-    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
-        if rt.quant else None
+    params = count_parameters(meta_model) + sum(m.in_features * m.out_features for m in meta_model.modules()
+                                                if isinstance(m, QuantLinear) and not m.tied_to)
     param_bytes = parameter_bytes(meta_model) + quantized_bytes(meta_model)
     from .compiler.engine.cache import plan_caches
 
@@ -193,7 +196,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if mesh is not None:
         module.shard_slices = slices[0]  # {parameter: parallel.plan.Slice}: what this rank holds
     if source is not None:
-        info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress))
+        info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress),
+                            row_absmax=None if mesh is None else mesh.max_over_ranks)
     else:
         # drawn where the weights live: an 8B model on a GPU never passes through host memory
         # (the numbers depend on the device's generator; the same seed repeats on one device)

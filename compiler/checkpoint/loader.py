@@ -42,8 +42,9 @@ class WeightSink(Protocol):
     def accepts_blocks(self, ggml_type: str) -> bool:
         """True when `load_weight` takes the stored blocks of that type unconverted."""
 
-    def load_weight(self, value) -> str:
-        """Fill from a float tensor or StoredBlocks; returns what was done (for the report)."""
+    def load_weight(self, value, absmax=None) -> str:
+        """Fill from a float tensor or StoredBlocks; returns what was done (for the report).
+        absmax [O]: each whole row's max |w| when value holds only some of the row's inputs."""
 
 
 def weight_sinks(model: nn.Module) -> dict[str, WeightSink]:
@@ -428,8 +429,12 @@ _malloc_trim = None
 
 
 @torch.no_grad()
-def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> LoadReport:
-    """Copy every planned tensor into its parameter (dtype cast and device transfer on copy)."""
+def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row_absmax=None) -> LoadReport:
+    """Copy every planned tensor into its parameter (dtype cast and device transfer on copy).
+
+    row_absmax: for a parallel rank, x [O] -> the elementwise max over the ranks (Mesh.max_over_ranks):
+    a weight sink that gets only some of its inputs (a row-parallel slice) is told each whole
+    row's max |w|, which a per-output-channel scale needs (compiler/parallel/plan.py)."""
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
     sinks = weight_sinks(model)
@@ -448,13 +453,26 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None) -> 
             shard = stored[0].info.file
             _release_freed_memory()
         if a.param in sinks:  # quantized as it is read, or its stored blocks kept
-            if a.part is not None:
-                raise CheckpointError(f"{a.param}: quantized weights are not sharded yet (runtime.quant "
-                                      f"with runtime.parallel)")
-            value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
-            if a.blocks is not None:
-                value = StoredBlocks(a.blocks, value, a.node.shape)
-            done = sinks[a.param].load_weight(value)
+            extra = {}
+            if a.part is not None and a.blocks is not None:
+                if a.part.ranges(1) is not None:
+                    raise CheckpointError(f"{a.param}: {a.blocks} blocks kept as stored cannot be cut along the "
+                                          f"inputs yet (runtime.quant with runtime.parallel on a GGUF file); use a "
+                                          f"safetensors checkpoint or runtime.quant=null")
+                value = StoredBlocks(a.blocks, a.part.apply(_evaluate(a.node, source, memo, blocks=True)),
+                                     a.part.local_shape())  # whole rows of blocks
+            elif a.part is not None:
+                value = _evaluate_part(a.node, a.part, source, memo)  # this rank's slice, quantized here
+                if a.part.ranges(1) is not None:
+                    if row_absmax is None:
+                        raise CheckpointError(f"{a.param}: a weight sink cut along its inputs needs "
+                                              f"execute(row_absmax=...) (a parallel load)")
+                    extra["absmax"] = row_absmax(value.abs().amax(dim=1).float())
+            else:
+                value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
+                if a.blocks is not None:
+                    value = StoredBlocks(a.blocks, value, a.node.shape)
+            done = sinks[a.param].load_weight(value, **extra)
             how = {s.name: done if a.blocks is not None else f"{s.dtype} {done}" for s in stored}
             del value
         else:

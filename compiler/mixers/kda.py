@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, check_conv_and_chunk
-from ..contracts import no_sharding_plan
+from ..parallel.plan import span
 from ..registry import register
 
 
@@ -63,8 +63,25 @@ class KimiDeltaAttention(GatedDeltaNet):
             return 3 * self.n_heads * self.head_dim
 
     def shard(self, plan) -> bool:
-        """No sharding plan yet (Gated DeltaNet's splits a different in_proj layout)."""
-        return no_sharding_plan(self, plan)
+        """Heads split over the ranks (no key/value grouping): in_proj's b, q, k, v rows by head,
+        its low-rank gate inputs f, r replicated (every head reads them); the conv channels, f_b
+        and g_b (column-parallel), dt_bias and A_log by head; the per-head output norm
+        replicated; wo row-parallel. The conv and recurrent state hold local heads only."""
+        H, Dk = self.Hv, self.Dk
+        h = plan.units(H, "n_heads")
+        qkv = [span(2 * Dk + H, h, Dk), span(2 * Dk + H + H * Dk, h, Dk), span(2 * Dk + H + 2 * H * Dk, h, Dk)]
+        plan.column(self.in_proj, [(0, 2 * Dk), span(2 * Dk, h, 1)] + qkv)
+        plan.param(self, "conv_weight", {0: [span(0, h, Dk), span(H * Dk, h, Dk), span(2 * H * Dk, h, Dk)]})
+        plan.column(self.f_b, [span(0, h, Dk)])
+        plan.column(self.g_b, [span(0, h, Dk)])
+        plan.param(self, "dt_bias", {0: [span(0, h, Dk)]})
+        plan.param(self, "A_log", {0: [h]})
+        plan.row(self.wo, [span(0, h, Dk)])
+        n = h[1] - h[0]
+        self.Hk = self.Hv = n
+        self.qkv_split = [n * Dk] * 3
+        self.split = [Dk, Dk, n, 3 * n * Dk]
+        return True
 
     def __init__(self, spec: "KimiDeltaAttention.Spec", model):
         nn.Module.__init__(self)

@@ -42,6 +42,7 @@ from .scores import head_rows
 from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
+from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -139,6 +140,23 @@ class SinkAttention(Mixer):
 
     def rope_dims(self) -> list[int]:
         return [self.rot]
+
+    def shard(self, plan) -> bool:
+        """Query heads split by output group: each rank keeps G / tp groups and their H / G heads
+        each (wq_b column-parallel by head, the sinks alike; wo_a's blocks of those groups; wo_b
+        row-parallel over their Go columns). Replicated: the one shared K=V head (wkv, kv_norm and
+        its cache, which every query head reads), the low-rank query input (wq_a, q_norm), and in
+        the compressed kinds the compressor (it pools that one head) and the indexer (its scores
+        sum over all index heads before the top-k, as DSA's)."""
+        H, Dh, G, Go = self.n_heads, self.head_dim, self.groups, self.o_rank
+        g = plan.units(G, "o_groups")
+        h = (g[0] * H // G, g[1] * H // G)
+        plan.column(self.wq_b, [span(0, h, Dh)])
+        plan.param(self.sink, "weight", {0: [h]})
+        plan.column(self.wo_a, [span(0, g, Go)])
+        plan.row(self.wo_b, [span(0, g, Go)])
+        self.n_heads, self.groups = h[1] - h[0], g[1] - g[0]
+        return True
 
     def slots(self, max_seq: int) -> int:
         """Sw: ring slots per sequence (a prompt shorter than the window never wraps)."""

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from ..errors import ConfigError
 
 
-def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of x over the ranks of the group (a functional collective: traced into graphs)."""
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group_name))
+def all_reduce(x: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tensor:
+    """Sum (or op: "max", ...) of x over the ranks of the group (a functional collective: traced
+    into graphs)."""
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, op, group_name))
 
 
 def all_gather(x: torch.Tensor, dim: int, group_name: str, size: int) -> torch.Tensor:
@@ -70,6 +71,11 @@ class Mesh:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(x, self.group_name)
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of x over the ranks, back on x's device (a load-time reduction:
+        an int8 row-parallel weight's whole-row max |w|, compiler/parallel/plan.py)."""
+        return all_reduce(x.to(self.device), self.group_name, "max").to(x.device)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return all_gather(x, dim, self.group_name, self.size)

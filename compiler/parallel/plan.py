@@ -10,6 +10,20 @@ and returns True when its output is a partial sum over the ranks; the driver the
 all-reduce after that sub-layer (Block.mixer_reduce / ffn_reduce). Everything not declared is
 replicated: norms, routers, MLA's latent projections and latent cache, the DSA indexer.
 
+Quantized linears (runtime.quant, compiler/quant): the model is quantized on meta BEFORE it is
+sharded, so every rank makes the single process's choices (which linears, int8 or int4), and a
+QuantLinear declared split is re-made at its local shape; the loader hands it this rank's slice of
+the float (or stored) weight and the rank quantizes that. Equal to the slice of the one-process
+quantization, bit for bit, because
+  - a row cut (column-parallel: output channels) never spans a scale: int8 scales one output
+    channel, int4 one group of g inputs of one output channel;
+  - an input cut (row-parallel) keeps int4's groups whole when every cut is a multiple of g
+    (checked here: ConfigError otherwise); int8's one scale per output channel spans all of a
+    row's inputs, so the loader gives it the whole row's max |w|, one all-reduce(max) over the
+    ranks per such weight at load (execute(row_absmax=...)).
+The kernel's bfloat16 compute rounds a row-parallel rank's partial sum before the all-reduce
+adds them, so logits agree to bfloat16 rounding, not to float32's (tests/test_parallel.py).
+
 Embedding and head (stated, see docs/parallel.md): the embedding is replicated (a lookup reads B
 rows, so sharding it saves only memory and costs one more all-reduce per step); the head is
 vocab-parallel when the ranks split attention (every decode step reads the whole head, V x D:
@@ -27,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..quant.linear import INT4_ROWS, QuantLinear
 from .mesh import Mesh, all_gather, all_reduce
 
 Ranges = tuple[tuple[int, int], ...]
@@ -80,6 +95,7 @@ class ShardPlan:
         self.where = ""  # the config node being sharded (mixers.NAME / ffns.NAME), for errors
         self.source = ""  # the config's file
         self._slices: dict[int, Slice] = {}  # id(parameter) -> Slice
+        self._sinks: dict[int, Slice] = {}  # id(QuantLinear) -> Slice of its (float) weight
 
     def units(self, n: int, key: str, parts: int | None = None, index: int | None = None,
               replicate: bool = False) -> tuple[int, int]:
@@ -100,11 +116,36 @@ class ShardPlan:
     def param(self, module: nn.Module, name: str, cuts: dict[int, Sequence[tuple[int, int]]],
               zero: bool = False) -> None:
         """Replace module.<name> (on meta) by its local part, recording the slice the loader reads."""
+        if isinstance(module, QuantLinear) and name == "weight":
+            return self._local_quantized(module, cuts)
         p = getattr(module, name)
         s = Slice(tuple(p.shape), tuple((d, tuple(r)) for d, r in sorted(cuts.items())), zero)
         new = nn.Parameter(torch.empty(s.local_shape(), dtype=p.dtype, device=p.device), requires_grad=False)
         setattr(module, name, new)
         self._slices[id(new)] = s
+
+    def _local_quantized(self, q: QuantLinear, cuts: dict[int, Sequence[tuple[int, int]]]) -> None:
+        """Re-make the (meta) QuantLinear q in place at its local shape (kinds keep their
+        references); the loader fills it from its slice of the weight (see the module docstring)."""
+        s = Slice(tuple(q.weight_shape), tuple((d, tuple(r)) for d, r in sorted(cuts.items())))
+        O, I = s.local_shape()
+        if q.mode == "int4":
+            what = f"{self.source}: {self.where}: runtime.quant=int4 under runtime.parallel tp={self.mesh.tp}"
+            cols = s.ranges(1) or ()
+            if any(a % q.group or b % q.group for a, b in cols):
+                raise ConfigError(f"{what}: a [{q.out_features}, {q.in_features}] linear splits its inputs at "
+                                  f"{[list(r) for r in cols]}, which cut int4's groups of runtime.quant_group="
+                                  f"{q.group}; choose a tp or a quant_group that keeps every cut a multiple of it "
+                                  f"(or runtime.quant=int8)")
+            if O % INT4_ROWS:
+                raise ConfigError(f"{what}: a [{q.out_features}, {q.in_features}] linear keeps {O} output rows "
+                                  f"per rank; torch's int4 kernel needs a multiple of {INT4_ROWS} (choose another "
+                                  f"tp, or runtime.quant=int8)")
+        bias = q.bias
+        local = QuantLinear(I, O, False, q.mode, q.group, q.compute_dtype, tied_to=q.tied_to, device=q.qweight.device)
+        q.__dict__.update(local.__dict__)
+        q.bias = bias
+        self._sinks[id(q)] = s
 
     def column(self, linear: nn.Linear, rows: Sequence[tuple[int, int]]) -> None:
         """A column-parallel linear (output rows split): weight and bias keep `rows`."""
@@ -121,7 +162,9 @@ class ShardPlan:
             self.param(linear, "bias", {0: ((0, n),)}, zero=self.mesh.rank != 0)
 
     def slices(self, model: nn.Module) -> dict[str, Slice]:
-        return {name: self._slices[id(p)] for name, p in model.named_parameters() if id(p) in self._slices}
+        out = {name: self._slices[id(p)] for name, p in model.named_parameters() if id(p) in self._slices}
+        out.update({f"{name}.weight": self._sinks[id(m)] for name, m in model.named_modules() if id(m) in self._sinks})
+        return out
 
 
 class AllReduce(nn.Module):
@@ -151,6 +194,25 @@ class VocabParallelHead(nn.Linear):
         return all_gather(F.linear(x, w), -1, self.group_name, self.size)
 
 
+class VocabParallelQuantHead(QuantLinear):
+    """VocabParallelHead's quantized form (runtime.quant: the head is int8): this rank's V/P rows,
+    quantized from its slice of the head (or of the tied embedding), logits joined likewise."""
+
+    def __init__(self, q: QuantLinear, mesh: Mesh):
+        super().__init__(q.in_features, q.out_features // mesh.size, False, q.mode, q.group, q.compute_dtype,
+                         tied_to=q.tied_to, device=q.qweight.device)
+        self.rows = mesh.split(q.out_features, mesh.size, mesh.rank)
+        self.group_name, self.size = mesh.group_name, mesh.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather(super().forward(x), -1, self.group_name, self.size)
+
+    def load_weight(self, value, absmax=None) -> str:
+        if isinstance(value, torch.Tensor) and value.shape[0] != self.out_features:
+            value = value[self.rows[0]:self.rows[1]]  # a random build's tied embedding (fill_tied), whole
+        return super().load_weight(value, absmax)
+
+
 @dataclass(frozen=True)
 class ShardReport:
     slices: dict[str, Slice]
@@ -175,7 +237,12 @@ def shard_model(model, mesh: Mesh) -> ShardReport:
         if block.ffn.shard(plan):
             block.ffn_reduce = AllReduce(mesh.group_name)
     head = "replicated (attention is not split: runtime.parallel.tp=1)"
-    if mesh.tp > 1 and spec.vocab_size % mesh.size == 0:
+    if mesh.tp > 1 and spec.vocab_size % mesh.size == 0 and isinstance(model.head, QuantLinear):
+        new = VocabParallelQuantHead(model.head, mesh)
+        plan._sinks[id(new)] = Slice((spec.vocab_size, spec.dim), ((0, (new.rows,)),))
+        model.head = new
+        head = "vocab-parallel"
+    elif mesh.tp > 1 and spec.vocab_size % mesh.size == 0:
         with torch.device("meta"):
             new = VocabParallelHead(spec.dim, spec.vocab_size, mesh)
         new.to(model.head.weight.dtype).requires_grad_(False)

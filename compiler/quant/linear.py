@@ -34,11 +34,12 @@ INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
 CHUNK = 256  # rows quantized at a time (a multiple of every CPU int4 packing block)
 
 
-def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_quantize(w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [O, I] float -> (q [O, I] int8, scale [O] float32): symmetric per output channel,
-    w ~= q * scale, |q| <= 127."""
+    w ~= q * scale, |q| <= 127. absmax [O]: max |w| of each whole row when w holds only some of
+    its inputs (a tensor-parallel rank's columns), so the scale is the whole row's."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    scale = (w.abs().amax(dim=1) if absmax is None else absmax.float()).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -145,12 +146,13 @@ class QuantLinear(nn.Module):
         return ggml_type == "Q8_0" or (self.mode == "int4" and self.group == 32 and ggml_type in ("Q4_0", "Q4_1"))
 
     @torch.no_grad()
-    def load_weight(self, value) -> str:
+    def load_weight(self, value, absmax: Optional[torch.Tensor] = None) -> str:
         """Fill from a float tensor [O, I] (quantized here) or StoredBlocks; returns what happened,
         for the load report ("quantized -> int8 per channel", "kept Q4_1 blocks as int4 g32", ...).
 
         Works through CHUNK rows at a time, so the temporaries (float32 copies, int32 codes) stay
-        small next to the weight: a load's peak memory is the quantized model plus one stored tensor."""
+        small next to the weight: a load's peak memory is the quantized model plus one stored tensor.
+        absmax [O]: see int8_quantize (int8 only; int4's groups never span ranks)."""
         shape = tuple(value.shape)
         if shape != self.weight_shape:
             raise CheckpointError(f"weight of shape {list(shape)} for a QuantLinear of {list(self.weight_shape)}")
@@ -160,12 +162,12 @@ class QuantLinear(nn.Module):
             keep = value.ggml_type in ("Q4_0", "Q4_1")
             rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + CHUNK], (min(CHUNK, shape[0] - r), shape[1]))
             fill = (lambda r: self._store_int4(r, *q4_codes(rows(r)))) if keep else \
-                (lambda r: self._store_values(r, q8_0_values(rows(r))))
+                (lambda r: self._store_values(r, q8_0_values(rows(r)), absmax))
             what = f"kept {value.ggml_type} blocks as int4 g32" if keep else f"converted Q8_0 -> {self._what()}"
         else:
-            fill, what = (lambda r: self._store_values(r, value[r:r + CHUNK])), f"quantized -> {self._what()}"
+            fill, what = (lambda r: self._store_values(r, value[r:r + CHUNK], absmax)), f"quantized -> {self._what()}"
         if self.qweight.device.type == "cuda":  # tinygemm's tiles span rows: pack the whole weight once
-            return self._load_cuda(value)
+            return self._load_cuda(value, absmax)
         for r in range(0, shape[0], CHUNK):
             fill(r)
         return what
@@ -173,10 +175,10 @@ class QuantLinear(nn.Module):
     def _what(self) -> str:
         return "int8 per channel" if self.mode == "int8" else f"int4 g{self.group}"
 
-    def _store_values(self, r: int, w: torch.Tensor) -> None:
+    def _store_values(self, r: int, w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> None:
         """Rows r.. of the weight from float values w [rows, I]."""
         if self.mode == "int8":
-            q, scale = int8_quantize(w)
+            q, scale = int8_quantize(w, None if absmax is None else absmax[r:r + len(w)])
             self.qweight[r:r + len(w)].copy_(q)
             self.scales[r:r + len(w)].copy_(scale)
         else:
@@ -190,14 +192,14 @@ class QuantLinear(nn.Module):
         self.qweight[r:r + n].copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         self.scales_zeros[:, r:r + n].copy_(torch.stack((scale.t(), zero.t()), dim=-1))
 
-    def _load_cuda(self, value) -> str:
+    def _load_cuda(self, value, absmax: Optional[torch.Tensor] = None) -> str:
         if isinstance(value, StoredBlocks):
             if value.ggml_type == "Q8_0":
-                return self._load_cuda(q8_0_values(value)) and f"converted Q8_0 -> {self._what()}"
+                return self._load_cuda(q8_0_values(value), absmax) and f"converted Q8_0 -> {self._what()}"
             q, scale, zero = q4_codes(value)
             what = f"kept {value.ggml_type} blocks as int4 g32"
         elif self.mode == "int8":
-            q, scale = int8_quantize(value.to(self.qweight.device))
+            q, scale = int8_quantize(value.to(self.qweight.device), absmax)
             self.qweight.copy_(q)
             self.scales.copy_(scale)
             return f"quantized -> {self._what()}"

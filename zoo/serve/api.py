@@ -475,8 +475,21 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
 
 def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           max_queue: int = 64, log_level: str = "info") -> None:
-    """Build the app and run it with uvicorn until interrupted (SIGINT/SIGTERM)."""
+    """Build the app and run it with uvicorn until interrupted (SIGINT/SIGTERM). Under torchrun
+    (runtime.parallel) rank 0 serves and the other ranks follow its engine calls (parallel.py)."""
     import uvicorn
 
-    app = create_app(model, model_name, api_key=api_key, max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    leader = None
+    if model.info.parallel:
+        from .parallel import LeaderEngine, control_group, follow
+
+        group = control_group()
+        if model.info.parallel["rank"] != 0:
+            return follow(model.engine, group)
+        leader = model.engine = LeaderEngine(model.engine, group)
+    try:
+        app = create_app(model, model_name, api_key=api_key, max_queue=max_queue)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        if leader is not None:
+            leader.stop()
