@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..contracts import KeepsLinearsFloat
-from .linear import INT4_ROWS, QuantLinear
+from . import cpu_kernels
+from .linear import INT4_ROWS, INT8_INPUTS, QuantLinear
 
 MIN_OUT = 64  # a linear with fewer outputs is a small projection and stays float
 HEAD = "head"  # the output head's attribute on the Decoder
@@ -40,29 +41,40 @@ class QuantReport:
     kept_float: dict[str, str] = field(default_factory=dict)  # parameter path -> why
     quantized_params: int = 0  # weights now stored quantized
     float_params: int = 0  # parameters left in floating point
+    kernel: str = ""  # what the matmuls run on
 
     def summary(self) -> str:
         group = f" g{self.group}" if self.mode == "int4" else ""
-        return (f"{self.mode}{group} (compute {self.compute_dtype}): {len(self.quantized)} linears, "
+        return (f"{self.mode}{group} (compute {self.compute_dtype}, {self.kernel}): {len(self.quantized)} linears, "
                 f"{self.quantized_params:,} weights quantized; {self.float_params:,} parameters float")
 
 
+def kernel_name(compute_dtype: torch.dtype) -> str:
+    if compute_dtype == torch.float32:
+        return cpu_kernels.status()
+    return f"torch weight-only kernels ({str(compute_dtype).removeprefix('torch.')})"
+
+
 def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The quantized matmuls' compute dtype: float16 models keep theirs, everything else runs the
-    kernels in bfloat16 (on CPU their float32 path is a scalar fallback)."""
+    """The quantized matmuls' compute dtype, which picks the kernels (linear.py): on CPU float32,
+    zoo's kernels, whatever the model's dtype; elsewhere torch's weight-only kernels, float16 for
+    float16 models and bfloat16 otherwise."""
+    if device.type == "cpu":
+        return torch.float32
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 
 def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype) -> QuantReport:
     """Replace the eligible nn.Linear modules of `model` (in place) by empty QuantLinear ones."""
-    report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."))
+    report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."),
+                         kernel=kernel_name(compute_dtype))
     tied = getattr(getattr(model, "spec", None), "tie_embeddings", False)
     replaced: set[int] = set()
     for path, parent, name, child in _linears(model):
         full = f"{path}.{name}" if path else name
         is_head = parent is model and name == HEAD
         why = _keep_reason(parent, name, child, mode, group, inside_float32=_inside_float32(model, path),
-                           is_head=is_head)
+                           is_head=is_head, zoo_kernel=compute_dtype == torch.float32)
         if why:
             report.kept_float[f"{full}.weight"] = why
             continue
@@ -104,7 +116,7 @@ def _inside_float32(model: nn.Module, path: str) -> bool:
 
 
 def _keep_reason(parent: nn.Module, name: str, child: nn.Linear, mode: str, group: int,
-                 inside_float32: bool, is_head: bool) -> Optional[str]:
+                 inside_float32: bool, is_head: bool, zoo_kernel: bool) -> Optional[str]:
     if isinstance(parent, KeepsLinearsFloat) and name in parent.float_linears:
         return parent.float_linears[name]
     if inside_float32:
@@ -114,6 +126,8 @@ def _keep_reason(parent: nn.Module, name: str, child: nn.Linear, mode: str, grou
         return f"small projection ({O} outputs < {MIN_OUT})"
     if (mode == "int4" and not is_head) and (I % group or O % INT4_ROWS):
         return f"int4 kernel needs inputs divisible by {group} and outputs by {INT4_ROWS}, got [{O}, {I}]"
+    if (mode == "int8" or is_head) and zoo_kernel and I % INT8_INPUTS:
+        return f"int8 kernel needs inputs divisible by {INT8_INPUTS}, got [{O}, {I}]"
     return None
 
 

@@ -53,6 +53,18 @@ def q4_codes(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(b.shape), d, zero
 
 
+def q4_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks -> (qs [O, I/2] uint8, d [O, I/32], m [O, I/32] float16), bit for bit
+    (Q4_0: m = -8 d, exact in float16): w = q d + m, the zoo CPU kernel's layout."""
+    blocks = _blocks(b)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if b.ggml_type == "Q4_1":
+        m, qs = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1), blocks[..., 4:]
+    else:
+        m, qs = -8.0 * d, blocks[..., 2:]
+    return qs.reshape(b.shape[0], -1).contiguous(), d, m
+
+
 def q8_0_values(b: StoredBlocks) -> torch.Tensor:
     """Q8_0 blocks -> float32 [O, I] (d * qs)."""
     blocks = _blocks(b)

@@ -8,11 +8,15 @@
             [O, I/2] uint8 (torch.ops.aten._convert_weight_to_int4pack_for_cpu), CUDA the tinygemm
             tiles of torch._convert_weight_to_int4pack
 
-The matmul is torch's weight-only kernel (`torch._weight_int8pack_mm`,
-`torch._weight_int4pack_mm_for_cpu` / `torch._weight_int4pack_mm`), an aten op that runs inside
-the compiled graphs. It computes in `compute_dtype` (the dtype of the scales): on CPU bfloat16,
-because the kernels' float32 path is a scalar fallback (measured 30-40x slower than their bfloat16
-path on an AVX2 EPYC, one thread); activations are cast to it and the result back to x's dtype.
+Two kernel families, chosen by `compute_dtype`:
+  float32 (the CPU default): zoo's CPU kernels (cpu_kernels.py / .cpp). int8 as above with
+      float32 scales; int4 as llama.cpp's Q4 blocks, qweight [O, I/2] uint8 (byte t of each
+      32-input block: input t low nibble, t + 16 high nibble) and scales [O, 2, I/g] float16
+      (d, m): W[o, i] = q * d + m. GGUF Q4_0 / Q4_1 blocks are copied in as they are.
+  bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
+      `torch._weight_int4pack_mm`), activations cast to the compute dtype and back; int4 held as
+      tinygemm tiles with scales_zeros [I/g, O, 2].
+They run inside the compiled graphs (registered torch ops).
 
 Quantized values are plain buffers (no tensor subclass, no global state): a tensor-parallel pass
 can shard qweight / scales by rows like any weight. The weight arrives through `load_weight`, one
@@ -27,11 +31,13 @@ from torch import nn
 
 from ..checkpoint.source import StoredBlocks
 from ..errors import CheckpointError
-from .gguf_blocks import q4_codes, q8_0_values
+from . import cpu_kernels
+from .gguf_blocks import q4_codes, q4_parts, q8_0_values
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
-CHUNK = 256  # rows quantized at a time (a multiple of every CPU int4 packing block)
+INT8_INPUTS = cpu_kernels.BLOCK  # zoo's int8 kernel rounds activations per 32 inputs
+CHUNK = 256  # rows quantized at a time
 
 
 def int8_quantize(w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +77,14 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group = mode, (group if mode == "int4" else None)
         self.tied_to = tied_to
+        self.compute_dtype = compute_dtype
+        # zoo's kernels (float32 compute); without a C++ compiler their torch reference, same numbers
+        self.zoo_kernel = compute_dtype == torch.float32
+        self.compiled_kernel = self.zoo_kernel and cpu_kernels.available()
         O, I = out_features, in_features
         if mode == "int8":
+            if self.zoo_kernel and I % INT8_INPUTS:
+                raise ValueError(f"int8 needs in_features ({I}) divisible by {INT8_INPUTS}")
             self.register_buffer("qweight", torch.empty(O, I, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.empty(O, dtype=compute_dtype, device=device))
         else:
@@ -80,7 +92,10 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"int4 needs in_features ({I}) divisible by the group ({group}) and "
                                  f"out_features ({O}) by {INT4_ROWS}")
             self.register_buffer("qweight", torch.empty(O, I // 2, dtype=torch.uint8, device=device))
-            self.register_buffer("scales_zeros", torch.empty(I // group, O, 2, dtype=compute_dtype, device=device))
+            if self.zoo_kernel:
+                self.register_buffer("scales", torch.empty(O, 2, I // group, dtype=torch.float16, device=device))
+            else:
+                self.register_buffer("scales_zeros", torch.empty(I // group, O, 2, dtype=compute_dtype, device=device))
         self.bias = nn.Parameter(torch.empty(O, device=device)) if bias else None
 
     @classmethod
@@ -92,10 +107,6 @@ class QuantLinear(nn.Module):
         if q.bias is not None:
             q.bias = nn.Parameter(torch.empty_like(linear.bias), requires_grad=False)
         return q
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return (self.scales if self.mode == "int8" else self.scales_zeros).dtype
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -129,7 +140,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if self.mode == "int8":
+        if self.zoo_kernel:
+            y = self._zoo_matmul(x2)
+        elif self.mode == "int8":
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.qweight.device.type == "cuda":
             y = torch._weight_int4pack_mm(x2, self.qweight, self.group, self.scales_zeros)
@@ -137,6 +150,15 @@ class QuantLinear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _zoo_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            if self.compiled_kernel:
+                return torch.ops.zoo_quant.int8_linear(x2, self.qweight, self.scales)
+            return cpu_kernels.int8_reference(x2, self.qweight, self.scales)
+        if self.compiled_kernel:
+            return torch.ops.zoo_quant.int4_linear(x2, self.qweight, self.scales, self.group)
+        return cpu_kernels.int4_reference(x2, self.qweight, self.scales, self.group)
 
     # ------------------------------------------------------------------ filling
 
@@ -161,12 +183,17 @@ class QuantLinear(nn.Module):
                 raise CheckpointError(f"QuantLinear ({self._what()}) cannot take {value.ggml_type} blocks as they are")
             keep = value.ggml_type in ("Q4_0", "Q4_1")
             rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + CHUNK], (min(CHUNK, shape[0] - r), shape[1]))
-            fill = (lambda r: self._store_int4(r, *q4_codes(rows(r)))) if keep else \
+            if keep and self.zoo_kernel:  # the blocks' bytes are the kernel's layout
+                fill = lambda r: self._store_q4_parts(r, *q4_parts(rows(r)))
+            elif keep:
+                fill = lambda r: self._store_int4(r, *q4_codes(rows(r)))
+            else:
+                fill = \
                 (lambda r: self._store_values(r, q8_0_values(rows(r)), absmax))
             what = f"kept {value.ggml_type} blocks as int4 g32" if keep else f"converted Q8_0 -> {self._what()}"
         else:
             fill, what = (lambda r: self._store_values(r, value[r:r + CHUNK], absmax)), f"quantized -> {self._what()}"
-        if self.qweight.device.type == "cuda":  # tinygemm's tiles span rows: pack the whole weight once
+        if self.qweight.device.type == "cuda" and not self.zoo_kernel:  # tinygemm's tiles span rows: pack the whole weight once
             return self._load_cuda(value, absmax)
         for r in range(0, shape[0], CHUNK):
             fill(r)
@@ -186,11 +213,21 @@ class QuantLinear(nn.Module):
 
     def _store_int4(self, r: int, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Rows r.. from q [rows, I] int in 0..15, scale / zero [rows, I/g] float32 (w = (q - 8) *
-        scale + zero). The CPU packing is blocked by at most 64 rows, so CHUNK-row pieces pack as
-        the whole weight would (tests/test_quant.py checks it through the kernel)."""
+        scale + zero). torch's CPU packing is blocked by at most 64 rows, so CHUNK-row pieces pack
+        as the whole weight would (tests/test_quant.py checks it through the kernel)."""
         n = len(q)
+        if self.zoo_kernel:
+            qs, sm = cpu_kernels.pack_int4(q, scale, zero - 8.0 * scale)
+            self._store_q4_parts(r, qs, *sm.unbind(1))
+            return
         self.qweight[r:r + n].copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         self.scales_zeros[:, r:r + n].copy_(torch.stack((scale.t(), zero.t()), dim=-1))
+
+    def _store_q4_parts(self, r: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """Rows r.. of the zoo layout: qs [rows, I/2] uint8 (Q4 block bytes), d, m [rows, I/g]."""
+        n = len(qs)
+        self.qweight[r:r + n].copy_(qs)
+        self.scales[r:r + n].copy_(torch.stack((d, m), dim=1))
 
     def _load_cuda(self, value, absmax: Optional[torch.Tensor] = None) -> str:
         if isinstance(value, StoredBlocks):
