@@ -46,6 +46,8 @@ from .safetensors_source import _DTYPES
 FORMAT = 1  # bump when what is stored or how it is keyed changes
 _FLOAT = {"F64", "F32", "F16", "BF16"}
 _META_KEY = "zoo_weight_cache"
+_PAD = "__pad__."  # padding tensors of the file (not state)
+ALIGN = 64  # bytes: where every tensor of an entry starts
 
 
 class WeightCacheWarning(UserWarning):
@@ -165,6 +167,7 @@ def _restore(path: Path, key: str, module: nn.Module) -> Optional[LoadReport]:
     try:
         header, base, size = _read_header(path)
         meta = header.pop("__metadata__", {})
+        header = {name: h for name, h in header.items() if not name.startswith(_PAD)}
         if meta.get(_META_KEY) != key:
             raise ValueError(f"the file's key {meta.get(_META_KEY)!r} is not this load's")
         aliases = json.loads(meta["aliases"])
@@ -220,11 +223,13 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _write(path: Path, key: str, module: nn.Module, report: LoadReport) -> bool:
-    """Write the entry atomically; False (with a warning) when it cannot be written."""
-    from safetensors.torch import save_file
+    """Write the entry atomically; False (with a warning) when it cannot be written.
 
+    A safetensors file whose every tensor starts at a multiple of ALIGN bytes (padding tensors
+    `__pad__.N` fill the gaps; the format allows no holes): mapped back, each tensor has the
+    alignment a fresh allocation has, and CPU kernels, whose summation order may follow the
+    alignment (MKL's vector paths), give the very same results as after a fresh load."""
     tensors, aliases, seen = {}, {}, {}
-    total = 0
     for name, t in module.state_dict().items():
         ident = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
         if ident in seen:  # a tied parameter: stored once
@@ -232,20 +237,30 @@ def _write(path: Path, key: str, module: nn.Module, report: LoadReport) -> bool:
             continue
         seen[ident] = name
         tensors[name] = t.detach().to("cpu").contiguous()
-        total += t.numel() * t.element_size()
-    if total > _max_bytes():
+    header, offset, parts = {}, 0, []
+    for name, t in tensors.items():
+        if pad := -offset % ALIGN:
+            header[f"{_PAD}{len(parts)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+            parts.append(bytes(pad))
+            offset += pad
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _dtype_name(t), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        parts.append(t.reshape(-1).view(torch.uint8).numpy())
+        offset += n
+    if offset > _max_bytes():
         return False
-    shared = {}
-    for name, t in tensors.items():  # other views of one storage: safetensors stores each alone
-        if t.untyped_storage().data_ptr() in shared or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            tensors[name] = t.clone()
-        shared[t.untyped_storage().data_ptr()] = name
     info = {**asdict(report), "cache": None}
-    meta = {_META_KEY: key, "aliases": json.dumps(aliases), "report": json.dumps(info)}
+    header["__metadata__"] = {_META_KEY: key, "aliases": json.dumps(aliases), "report": json.dumps(info)}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % ALIGN)  # the data starts aligned too
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "wb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            for part in parts:
+                f.write(part)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
