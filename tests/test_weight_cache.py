@@ -181,3 +181,16 @@ def test_gguf_index_reads_what_gguf_reader_reads(tmp_path, ref):
             mine = ours._tensors[t.name]
             assert mine.tensor_type == t.tensor_type and mine.n_bytes == t.n_bytes
             assert mine.data.dtype == t.data.dtype and np.array_equal(mine.data, t.data), t.name
+
+
+def test_cache_command_lists_and_clears_weights(gguf_file, cache, capsys, tmp_path, monkeypatch):
+    from zoo.cli import main
+
+    # `clear` removes the compile caches too: point them at the test's folder
+    monkeypatch.setenv("ZOO_CACHE_DIR", str(tmp_path / "zoo"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "zoo" / "inductor"))
+    load(gguf_file)
+    assert main(["cache"]) == 0
+    assert f"converted weights    {cache}  (1 files" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert not cache.exists()
