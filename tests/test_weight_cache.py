@@ -23,16 +23,12 @@ from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
 from zoo.compiler.checkpoint.loader import plan_load  # noqa: E402
 from zoo.compiler.checkpoint.rules import checkpoint_stages  # noqa: E402
 from zoo.compiler.checkpoint.weight_cache import WeightCacheWarning, cache_key  # noqa: E402
-from tests.test_gguf_load import DIMS, THETA, write_llama_gguf  # noqa: E402
+from tests.test_gguf_load import random_llama, write_llama_gguf  # noqa: E402,F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def ref():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                   rope_parameters={"rope_type": "default", "rope_theta": THETA},
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return transformers.LlamaForCausalLM(cfg).eval()
+def ref(random_llama):
+    return random_llama
 
 
 @pytest.fixture
