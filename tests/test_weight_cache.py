@@ -190,3 +190,9 @@ def test_cache_command_lists_and_clears_weights(gguf_file, cache, capsys, tmp_pa
     assert f"converted weights    {cache}  (1 files" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert not cache.exists()
+
+
+def test_states_over_the_size_limit_are_not_written(gguf_file, cache, monkeypatch):
+    monkeypatch.setenv("ZOO_WEIGHT_CACHE_GB", "1e-6")  # ~1 KiB
+    assert load(gguf_file).info.load.cache is None
+    assert not list(cache.glob("*.safetensors"))

@@ -236,7 +236,10 @@ def _write(path: Path, key: str, module: nn.Module, report: LoadReport) -> bool:
             aliases[name] = seen[ident]
             continue
         seen[ident] = name
-        tensors[name] = t.detach().to("cpu").contiguous()
+        tensors[name] = t
+    if sum(t.numel() * t.element_size() for t in tensors.values()) > _max_bytes():
+        return False  # checked before any copy to the host
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     header, offset, parts = {}, 0, []
     for name, t in tensors.items():
         if pad := -offset % ALIGN:
@@ -247,8 +250,6 @@ def _write(path: Path, key: str, module: nn.Module, report: LoadReport) -> bool:
         header[name] = {"dtype": _dtype_name(t), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         parts.append(t.reshape(-1).view(torch.uint8).numpy())
         offset += n
-    if offset > _max_bytes():
-        return False
     info = {**asdict(report), "cache": None}
     header["__metadata__"] = {_META_KEY: key, "aliases": json.dumps(aliases), "report": json.dumps(info)}
     head = json.dumps(header, separators=(",", ":")).encode()
