@@ -23,6 +23,10 @@ oldest are evicted beyond ZOO_WEIGHT_CACHE_GB (default 8). Only converting loads
 checkpoint of plain float tensors loaded as it is would only be duplicated on disk. A load that
 changes a buffer's shape (CUDA's tinygemm int4 tiles) is not cached. ZOO_WEIGHT_CACHE=0 turns the
 cache off; ZOO_WEIGHT_CACHE=<dir> puts it elsewhere.
+
+What it assumes of a module: whatever a load fills lives in its state_dict (parameters and
+persistent buffers). A kind that kept loaded values elsewhere (a plain tensor attribute, a
+non-persistent buffer) would come back without them from a hit: give such values a buffer.
 """
 from __future__ import annotations
 
@@ -127,14 +131,15 @@ def cache_key(plan: LoadPlan, module: nn.Module, settings: dict) -> str:
 
 @torch.no_grad()
 def cached_execute(plan: LoadPlan, module: nn.Module, source, settings: dict, enabled: bool = True,
-                   progress=None) -> LoadReport:
+                   progress=None, **execute_kw) -> LoadReport:
     """`execute(plan, module, source)`, served from the cache when an entry for this key exists,
     and writing one after a converting load. settings: what else shapes the converted values
     (dtype, quant, quant_group, device); enabled=False: a plain execute. report.cache says what
-    happened ("hit PATH", "wrote PATH"; None when the cache was not used)."""
+    happened ("hit PATH", "wrote PATH"; None when the cache was not used). execute_kw go to
+    `execute` as they are."""
     root = cache_dir()
     if not enabled or root is None or not converts(plan, settings):
-        return execute(plan, module, source, progress=progress)
+        return execute(plan, module, source, progress=progress, **execute_kw)
     before = _signature(module)
     key = cache_key(plan, module, settings)
     path = root / f"{key[:40]}.safetensors"
@@ -148,7 +153,7 @@ def cached_execute(plan: LoadPlan, module: nn.Module, source, settings: dict, en
             report.seconds = time.perf_counter() - t0
             report.cache = f"hit {path}"
             return report
-    report = execute(plan, module, source, progress=progress)
+    report = execute(plan, module, source, progress=progress, **execute_kw)
     if _signature(module) != before:
         return report  # the load re-laid out a buffer: the next build's state would not match
     if _write(path, key, module, report):
