@@ -7,6 +7,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Loads convert their checkpoints every time (what most tests check); tests/test_weight_cache.py
+# turns the cache of converted weights on in a temporary directory.
+os.environ.setdefault("ZOO_WEIGHT_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -311,9 +311,11 @@ def cmd_families(opts: dict, overrides: list[str]) -> int:
 
 def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
     """Where compiled graphs persist (inductor's FX graph, AOTAutograd and kernel caches under
-    $ZOO_CACHE_DIR/compile/torch-<version>, default ~/.cache/zoo); `clear` deletes them."""
+    $ZOO_CACHE_DIR/compile/torch-<version>, default ~/.cache/zoo) and converted weights
+    ($ZOO_CACHE_DIR/weights, compiler/checkpoint/weight_cache.py); `clear` deletes them."""
     import shutil
 
+    from .compiler.checkpoint.weight_cache import cache_dir as weight_cache_dir
     from .compiler.engine.compiling import compile_cache_dir, inductor_cache_dir
 
     if overrides or opts or positional not in ([], ["clear"]):
@@ -321,18 +323,19 @@ def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
                        f"{[*positional, *overrides, *opts]}")
     here = compile_cache_dir()
     inductor = inductor_cache_dir()
+    weights = weight_cache_dir()
     if positional == ["clear"]:
-        for d in {here.parent, inductor}:  # every torch version's folder, and an explicit one
+        # every torch version's folder, an explicit inductor one, the converted weights
+        for d in {here.parent, inductor, *([weights] if weights else [])}:
             if d.exists():
                 shutil.rmtree(d)
                 print(f"removed {d}")
         return 0
-    for label, d in (("zoo compile cache", here), ("inductor writes to", inductor)):
+    listed = [("zoo compile cache", here)] + ([("inductor writes to", inductor)] if inductor != here else [])
+    for label, d in listed + ([("converted weights", weights)] if weights else []):
         files = [f for f in d.rglob("*") if f.is_file()] if d.exists() else []
         size = sum(f.stat().st_size for f in files)
         print(f"{label:20s} {d}  ({len(files)} files, {size / 2**20:.1f} MiB)")
-        if inductor == here:
-            break
     return 0
 
 

@@ -52,6 +52,8 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
     if info.load is not None:
         rows.append(("weights loaded", f"{info.load.tensors_read} tensors, {human_bytes(info.load.bytes_read)} "
                                        f"in {info.load.seconds:.2f} s"))
+        if info.load.cache:  # compiler/checkpoint/weight_cache.py
+            rows.append(("  weight cache", info.load.cache))
         for what, names in _by_outcome(info.load.tensors).items():
             rows.append(("  " + what, f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {_names(names)}"))
         for name, why in info.load.ignored[:10]:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from .compiler.checkpoint.hub import open_source
 from .compiler.checkpoint.loader import LoadReport, execute, plan_load
 from .compiler.checkpoint.rules import checkpoint_stages
+from .compiler.checkpoint.weight_cache import cached_execute
 from .compiler.config import apply_overrides, compose
 from .compiler.errors import InputError, ZooError
 from .compiler.engine.graphs import Engine
@@ -196,8 +197,12 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if mesh is not None:
         module.shard_slices = slices[0]  # {parameter: parallel.plan.Slice}: what this rank holds
     if source is not None:
-        info.load = execute(load_plan, module, source, progress=_progress_bar(load_plan.bytes_to_read, progress),
-                            row_absmax=None if mesh is None else mesh.max_over_ranks)
+        # converted weights (GGUF dequantized or repacked, quantized at load) come from the
+        # weight cache after the first load (compiler/checkpoint/weight_cache.py); not per rank
+        settings = {"dtype": rt.dtype, "quant": rt.quant, "quant_group": rt.quant_group, "device": str(device)}
+        info.load = cached_execute(load_plan, module, source, settings, enabled=mesh is None,
+                                   progress=_progress_bar(load_plan.bytes_to_read, progress),
+                                   row_absmax=None if mesh is None else mesh.max_over_ranks)
     else:
         # drawn where the weights live: an 8B model on a GPU never passes through host memory
         # (the numbers depend on the device's generator; the same seed repeats on one device)

@@ -103,6 +103,7 @@ class LoadReport:
     ignored: list[tuple[str, str]] = field(default_factory=list)
     # stored tensor -> what the load did with it ("BF16 -> float32", "kept Q4_1 blocks as int4 g32")
     tensors: dict[str, str] = field(default_factory=dict)
+    cache: Optional[str] = None  # weight_cache.py: "hit PATH" (state copied from there), "wrote PATH"
 
 
 def _listing(items: list[str]) -> str:
