@@ -35,7 +35,7 @@ def test_every_source_folder_and_conf_file_is_shipped(wheel):
     names = set(wheel.namelist())
     for folder, package in (("zoo", "zoo"), ("compiler", "zoo/compiler"), ("conf", "zoo/conf")):
         for path in (ROOT / folder).rglob("*"):
-            if "__pycache__" in path.parts or not path.is_file() or path.suffix not in (".py", ".yaml"):
+            if "__pycache__" in path.parts or not path.is_file() or path.suffix not in (".py", ".yaml", ".cpp"):
                 continue
             shipped = f"{package}/{path.relative_to(ROOT / folder).as_posix()}"
             assert shipped in names, f"{path.relative_to(ROOT)} is not in the wheel as {shipped}"

@@ -33,7 +33,9 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         *([("mtp", _mtp_row(model))] if spec.mtp_layers else []),
         ("residual", _residual_row(model)),
         ("weights", f"{human_bytes(info.param_bytes)} in {rt.dtype}"
-                    + (f", linears {info.quant.summary()}" if info.quant else "")),
+                    + (f", linears {info.quant.summary()}" if info.quant else "")
+                    + (f"; {info.float32_products} linears multiply many-token rows in float32 (this CPU has "
+                       f"no native bfloat16 GEMM)" if info.float32_products else "")),
         ("cache per token", f"{info.cache_bytes_per_token:,} B  (grows with context, "
                             f"{rt.cache_dtype or rt.dtype})"),
         ("state per sequence", f"{info.state_bytes_per_sequence:,} B  (constant)"),

@@ -24,6 +24,7 @@ from .compiler.engine.graphs import Engine
 from .compiler.hf_import import import_config
 from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
                             torch_dtype)
+from .compiler.matmul_precision import upcast_products
 from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
 from .compiler.quant.linear import QuantLinear
 from .compiler.spec import ModelSpec, validate
@@ -61,6 +62,7 @@ class BuildInfo:
     load_seconds: float = 0.0
     parallel: Optional[dict] = None  # tp, ep, rank, size, head: this rank's share (params are per rank)
     quant: Optional[QuantReport] = None  # which linears are quantized, what stays float and why
+    float32_products: int = 0  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
 
     @property
     def needed_bytes(self) -> int:
@@ -163,6 +165,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
         if rt.quant else None
     mesh, slices = _shard(spec, meta_model, weights)
+    # bfloat16 on a CPU without native bfloat16 GEMMs: many-token products in float32
+    float32_products = upcast_products(meta_model, dtype, mesh.device if mesh is not None else device)
     if mesh is not None:
         device = mesh.device
     params = count_parameters(meta_model) + sum(m.in_features * m.out_features for m in meta_model.modules()
@@ -174,7 +178,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     info = BuildInfo(params=params, param_bytes=param_bytes, cache_bytes=plan.total_bytes(),
                      cache_bytes_per_token=plan.bytes_per_token(),
                      state_bytes_per_sequence=plan.state_bytes_per_sequence(),
-                     available_bytes=available_memory(device), device=str(device), dry=False, quant=quant)
+                     available_bytes=available_memory(device), device=str(device), dry=False, quant=quant,
+                     float32_products=float32_products)
     if mesh is not None:
         info.parallel = {"tp": mesh.tp, "ep": mesh.ep, "rank": mesh.rank, "size": mesh.size, "head": slices[1]}
     fits = info.needed_bytes <= info.available_bytes
