@@ -11,7 +11,7 @@
 //   zoo_quant::int8_linear(x, qw, scale)
 //       qw [O, I] int8, scale [O] float32: W[o, i] = qw[o, i] * scale[o]
 //
-// Few rows (M <= 8, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
+// Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
 // in one instruction), scaled once per block; the m term of int4 uses float sums of x. That
 // reads the codes without widening them to floats, which is what makes a matrix-vector product
@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kGemvRows = 8;  // up to this many rows of x: integer dots, else dequantize + GEMM
+constexpr int64_t kGemvRows = 16;  // up to this many rows of x (a decode batch): integer dots, else GEMM
 
 inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
 
@@ -67,6 +67,18 @@ inline float hsum(__m256 v) {
 inline __m256 dot32(__m256i w_u8, __m256i x_i8) {
   const __m256i p16 = _mm256_maddubs_epi16(w_u8, x_i8);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// sum_g m[g] xs[g], 8 groups at a time straight from the float16 values
+inline float m_term(const uint16_t* mh, const float* xs, int64_t ng) {
+  __m256 am = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8)
+    am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g))),
+                         _mm256_loadu_ps(xs + g), am);
+  float tail = 0.f;
+  for (; g < ng; ++g) tail += _cvtsh_ss(mh[g]) * xs[g];
+  return hsum(am) + tail;
 }
 
 // the 32 codes of one Q4 block (16 bytes) as 32 bytes in input order
@@ -101,15 +113,7 @@ inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int
     a3 = block(b + 3, a3);
   }
   for (; b < nb; ++b) a0 = block(b, a0);
-  // the m term, 8 groups at a time straight from the float16 values
-  __m256 am = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= ng; g += 8)
-    am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g))),
-                         _mm256_loadu_ps(xs + g), am);
-  float tail = 0.f;
-  for (; g < ng; ++g) tail += _cvtsh_ss(mh[g]) * xs[g];
-  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(_mm256_add_ps(a2, a3), am))) + tail;
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + m_term(mh, xs, ng);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -122,6 +126,44 @@ inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int
   return acc;
 #endif
 }
+
+#ifdef ZOO_AVX2
+// Several rows of x (2..kGemvRows) against one int4 weight row: each block's codes are widened
+// once and used for every row; out[r * O] for r < M.
+inline void q4_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t ng, int sh, int64_t nb,
+                    const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
+                    int64_t O) {
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
+  __m256 acc[kGemvRows];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w = q4_codes(qs + 16 * b);
+    const float db = _cvtsh_ss(dh[b >> sh]);
+    for (int64_t r = 0; r < M; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(dot32(w, xv), _mm256_set1_ps(db * dx[r * nb + b]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    out[r * O] = hsum(acc[r]) + m_term(reinterpret_cast<const uint16_t*>(m), xsum + r * ng, ng);
+}
+
+// The same for int8 weights (times the row scale sc).
+inline void int8_rows(const int8_t* qw, float sc, int64_t nb, const int8_t* xq, const float* dx, int64_t M,
+                      int64_t I, float* out, int64_t O) {
+  __m256 acc[kGemvRows];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int64_t r = 0; r < M; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(dot32(aw, _mm256_sign_epi8(xv, w)), _mm256_set1_ps(dx[r * nb + b]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = sc * hsum(acc[r]);
+}
+#endif
 
 // sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
 inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
@@ -235,6 +277,12 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qs_, const at::Te
     for (int64_t o = a; o < b; ++o) {
       const uint8_t* qo = q + o * (I / 2);
       const at::Half* so = s + o * ng * 2;
+#ifdef ZOO_AVX2
+      if (M > 1) {
+        q4_rows(qo, so, so + ng, ng, sh, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < M; ++r)
         yp[r * O + o] = q4_row(qo, so, so + ng, ng, sh, nb, xq.data() + r * I, dx.data() + r * nb, xsum.data() + r * ng);
     }
@@ -260,8 +308,15 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Te
   std::vector<float> dx(M * nb);
   quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    for (int64_t o = a; o < b; ++o)
+    for (int64_t o = a; o < b; ++o) {
+#ifdef ZOO_AVX2
+      if (M > 1) {
+        int8_rows(q + o * I, sc[o], nb, xq.data(), dx.data(), M, I, yp + o, O);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < M; ++r) yp[r * O + o] = sc[o] * int8_row(q + o * I, nb, xq.data() + r * I, dx.data() + r * nb);
+    }
   });
   return y;
 }

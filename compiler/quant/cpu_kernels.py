@@ -10,7 +10,7 @@ Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 float32 path is a scalar fallback, 30-40x slower), a fifth of what a plain read streams, and
 torchao's CPU int4 layout calls the same op (its int8-activation kernels need AVX512-VNNI / AMX).
 Decode is a matrix-vector product per linear, so its speed is how fast the codes can be read:
-for up to FEW_ROWS rows the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8
+for up to FEW_ROWS rows (a decode batch) the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8
 activations, on the same file) and take each block's dot product in integers, 32 multiply-adds
 per instruction; more rows (prefill) dequantize a chunk of weight rows to float32 at a time and
 call the BLAS GEMM with x as it is. `round_activations` and the references below say exactly
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BLOCK = 32  # inputs per Q4 block (the nibble pairing of qs) and per activation scale
-FEW_ROWS = 8  # up to this many rows of x: integer dots over int8-rounded activations (kGemvRows)
+FEW_ROWS = 16  # up to this many rows of x: integer dots over int8-rounded activations (kGemvRows)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -92,7 +92,7 @@ def _flags() -> list[str]:
     """Vector flags when torch itself dispatches AVX2 or better on this CPU (AVX2 machines have
     FMA and F16C); otherwise the portable loops."""
     vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG"] + \
+    return ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG"] + \
         (["-mavx2", "-mfma", "-mf16c"] if vector else [])
 
 
@@ -121,7 +121,8 @@ def _build(cxx: str, flags: list[str]) -> Path:
     proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{' '.join(cmd[:2])} ... failed:\n{proc.stderr[-2000:]}")
+        errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()[-1:]
+        raise RuntimeError(f"{cxx} could not build {SOURCE.name}: {' / '.join(errors[:3])}")
     tmp.replace(out)  # atomic: a concurrent process sees the whole library or none
     return out
 
