@@ -206,8 +206,8 @@ def test_random_build_equals_float_model_with_dequantized_weights(mode):
         for name, q in m.module.named_modules():
             if isinstance(q, QuantLinear):
                 f.module.get_submodule(name).weight.copy_(kernel_weight(q))
-    ids = torch.randint(0, 256, (2, 7))
-    assert_logits_close(m.prefill(ids), f.prefill(ids), rtol=1e-2, what=mode)
+    ids = torch.randint(0, 256, (2, 12))  # 24 rows: the kernels' GEMM path, activations as they are
+    assert_logits_close(m.prefill(ids), f.prefill(ids), rtol=1e-4, what=mode)
     assert m.info.param_bytes < f.info.param_bytes
     rows = dict(build_rows(m))
     assert f"linears {mode}" in rows["weights"]
