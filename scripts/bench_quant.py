@@ -66,14 +66,17 @@ def worker_llama_cpp(path: str, prompt: int, new: int, threads: int) -> dict:
         llm.eval(ids)
         return time.perf_counter() - t0
 
+    def last_logits():  # the last position's logits (kept by llama.cpp without logits_all)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
     def decode() -> float:
         llm.reset()
         llm.eval(ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         t0 = time.perf_counter()
         for _ in range(new):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits()))
         return time.perf_counter() - t0
 
     prefill_s = min(prefill() for _ in range(3))

@@ -169,6 +169,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--log", default="bench_serve.log", help="the servers' output")
+    ap.add_argument("--quant", choices=["int8", "int4"], help="zoo's engines with runtime.quant (int4: the Q4_1 blocks kept)")
+    ap.add_argument("--json", help="also write the results (with the CPU model) to this file")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     engines = args.engines.split(",")
@@ -193,7 +195,8 @@ def main() -> int:
             port = free_port()
             proc = start([sys.executable, "-m", "zoo.cli", "serve", "conf=smollm2_135m", f"port={port}",
                           f"max_batch={max(levels)}", f"max_seq={args.max_seq}", "model_name=smollm2",
-                          "log_level=warning"], f"http://127.0.0.1:{port}/health", args.startup_timeout, log)
+                          "log_level=warning", *([f"quant={args.quant}"] if args.quant else [])],
+                         f"http://127.0.0.1:{port}/health", args.startup_timeout, log)
             try:
                 rounds(lambda c, w: asyncio.run(openai_round(f"http://127.0.0.1:{port}/v1", "smollm2", c, w,
                                                              args.max_tokens)))
@@ -202,7 +205,7 @@ def main() -> int:
         elif engine == "zoo_seq":
             import zoo
 
-            model = zoo.build("smollm2_135m", max_batch=1, max_seq=args.max_seq)
+            model = zoo.build("smollm2_135m", max_batch=1, max_seq=args.max_seq, quant=args.quant)
             rounds(lambda c, w: seq_round(model, c, w, args.max_tokens))
             del model
         elif engine == "llamacpp":
@@ -223,6 +226,16 @@ def main() -> int:
             print(f"clients={c:3d}: zoo_serve / llamacpp = "
                   f"{results['zoo_serve'][c]['tok_s'] / results['llamacpp'][c]['tok_s']:.2f}x aggregate tok/s")
     print(json.dumps(results))
+    if args.json:
+        import subprocess as sp
+
+        cpu = dict(line.split(":", 1) for line in sp.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                   if ":" in line)
+        meta = {"cpu": " / ".join(cpu[k].strip() for k in ("Model name", "L3 cache") if k in cpu),
+                "threads": args.threads, "quant": args.quant, "max_tokens": args.max_tokens,
+                "prompt_words": args.prompt_words, "requests_per_client": args.requests}
+        with open(args.json, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=2)
     return 0
 
 
