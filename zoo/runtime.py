@@ -161,8 +161,8 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if mesh is not None:
         device = mesh.device
     params = count_parameters(meta_model)
-    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
-        if rt.quant else None
+    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype),
+                             device=device) if rt.quant else None
     param_bytes = parameter_bytes(meta_model) + quantized_bytes(meta_model)
     from .compiler.engine.cache import plan_caches
 
