@@ -200,7 +200,9 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
                                           next(iter(layer.values())).dtype)
         if hasattr(block.mixer, "expanded_cache_fields") else layer).values())
     # a decode step of one sequence reads top_k of a MoE layer's routed experts
-    inactive = sum((b.ffn.n_experts - b.ffn.top_k) * (b.ffn.w13[0].nbytes + b.ffn.w2[0].nbytes)
+    # (a quantized stack, compiler/quant/experts.py, holds its bytes in buffers)
+    per_expert = lambda w: w.quantized_bytes() // w.n_experts if hasattr(w, "quantized_bytes") else w[0].nbytes
+    inactive = sum((b.ffn.n_experts - b.ffn.top_k) * (per_expert(b.ffn.w13) + per_expert(b.ffn.w2))
                    for b in m.module.layers if hasattr(b.ffn, "n_experts"))
     return {"expanded_cache_bytes": expanded, "inactive_expert_bytes": inactive, "load_s": m.info.load_seconds,
             "build_total_s": total, "compile_s": compile_s,

@@ -7,6 +7,8 @@ Llama-40M benchmark model. Each engine runs in its own process, engines take tur
         engines zoo_int4 (the Q4_1 blocks kept), zoo_int8, zoo_float32, llama_cpp (the file as it is)
     python scripts/bench_quant.py --case llama40m --threads 2 --rounds 3
         engines zoo_int8, zoo_int4, zoo_float32, hf_static (float32)
+    python scripts/bench_quant.py --case deepseek_v3_small --threads 2 --rounds 3
+        engines zoo_int8, zoo_int4, zoo_float32 (an MoE: the stacked experts quantized too)
     python scripts/bench_quant.py --case smollm2 --engines zoo_int4,llama_cpp --prompt 64 --new-tokens 16
         a quick check that everything runs
 
@@ -38,7 +40,8 @@ ZOO = {  # engine -> (dtype, quant, quant_group)
     "zoo_bfloat16": ("bfloat16", None, None),
 }
 DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp",
-                   "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static"}
+                   "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",
+                   "deepseek_v3_small": "zoo_int8,zoo_int4,zoo_float32"}  # quantized stacked experts
 
 
 def cpu_model() -> str:
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
             path = str(resolve_local(GGUF))  # every engine reads this one file
         else:
             path = str(Path(tmp) / "ckpt")
-            bench.CASES["llama40m"][0](Path(path))
+            bench.CASES[args.case][0](Path(path))
         results.update(bench.take_turns(engines, args.rounds, lambda e: run_worker(e, path, args)))
     base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
     print(f"{args.case}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, {args.new_tokens} new")

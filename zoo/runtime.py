@@ -26,6 +26,7 @@ from .compiler.model import (Decoder, build_model, cast, count_parameters, mater
                             torch_dtype)
 from .compiler.matmul_precision import upcast_products
 from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
+from .compiler.quant.experts import QuantExperts
 from .compiler.quant.linear import QuantLinear
 from .compiler.spec import ModelSpec, validate
 
@@ -162,15 +163,16 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
     if weights is not None and not hasattr(weights, "entries"):
         weights = open_source(str(weights))
     # quantized before it is sharded: every rank quantizes the linears one process would
-    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype)) \
-        if rt.quant else None
+    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype),
+                             device=device) if rt.quant else None
     mesh, slices = _shard(spec, meta_model, weights)
     # bfloat16 on a CPU without native bfloat16 GEMMs: many-token products in float32
     float32_products = upcast_products(meta_model, dtype, mesh.device if mesh is not None else device)
     if mesh is not None:
         device = mesh.device
     params = count_parameters(meta_model) + sum(m.in_features * m.out_features for m in meta_model.modules()
-                                                if isinstance(m, QuantLinear) and not m.tied_to)
+                                                if isinstance(m, QuantLinear) and not m.tied_to) \
+        + sum(m.numel() for m in meta_model.modules() if isinstance(m, QuantExperts))
     param_bytes = parameter_bytes(meta_model) + quantized_bytes(meta_model)
     from .compiler.engine.cache import plan_caches
 

@@ -32,9 +32,11 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 @runtime_checkable
 class WeightSink(Protocol):
     """A module that takes its weight through `load_weight` instead of holding it as a parameter
-    (a quantized linear, compiler/quant): the plan addresses it as `{module}.weight`.
+    (a quantized linear, compiler/quant): the plan addresses it as `{module}.weight`, or as
+    `{module}` when it sets `sink_suffix = ""` (quantized experts, standing in for a parameter).
 
-    tied_to: a parameter whose stored tensor this weight copies (a tied head), or None."""
+    tied_to: a parameter whose stored tensor this weight copies (a tied head), or None.
+    A sink with `stacked = True` takes a stacked parameter's rows: `load_weight(value, index)`."""
 
     weight_shape: tuple[int, ...]
     tied_to: Optional[str]
@@ -48,7 +50,8 @@ class WeightSink(Protocol):
 
 
 def weight_sinks(model: nn.Module) -> dict[str, WeightSink]:
-    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, WeightSink)}
+    return {name + getattr(m, "sink_suffix", ".weight"): m for name, m in model.named_modules()
+            if isinstance(m, WeightSink)}
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             errors.append(f"parameter {name} is filled {len(got)} times: from "
                           f"{[a.node.name for a in got][:4]}")
             continue
-        if rows and name in sinks:
+        if rows and name in sinks and not getattr(sinks[name], "stacked", False):
             errors.append(f"parameter {name} is a quantized weight, which takes whole tensors, not rows")
             continue
         floating = name in sinks or params[name].dtype.is_floating_point
@@ -450,7 +453,8 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
     shard = None
     for a in plan.assignments:
         stored = a.node.stored()
-        if stored[0].info.file != shard or a.param in sinks:  # a quantized weight leaves temporaries
+        # a quantized weight leaves temporaries (one expert's, filling a stack by rows, are small)
+        if stored[0].info.file != shard or (a.param in sinks and a.index is None):
             shard = stored[0].info.file
             _release_freed_memory()
         if a.param in sinks:  # quantized as it is read, or its stored blocks kept
@@ -473,7 +477,8 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                 value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
                 if a.blocks is not None:
                     value = StoredBlocks(a.blocks, value, a.node.shape)
-            done = sinks[a.param].load_weight(value, **extra)
+            sink = sinks[a.param]
+            done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
             how = {s.name: done if a.blocks is not None else f"{s.dtype} {done}" for s in stored}
             del value
         else:

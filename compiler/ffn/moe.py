@@ -45,6 +45,9 @@ the graph:
            `expert_mm`, one grouped matmul over contiguous row segments (torch's grouped GEMM on
            CUDA bf16, a segment loop inside the kernel elsewhere); the graph holds one op
            whatever E is, and T is a dynamic dimension.
+Under runtime.quant the stacks named in `quant_stacks` may be replaced by quantized ones
+(compiler/quant/experts.py) with the same `grouped_mm` contract; they have no float rows to
+gather, so decode runs the grouped path too (static shapes; the op reads only the chosen experts).
 """
 from __future__ import annotations
 
@@ -88,6 +91,11 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Ten
 @expert_mm.register_fake
 def _expert_mm_fake(x, w, offs):
     return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _grouped(x: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
+    """expert_mm over a float stack w [E, O, I], or a quantized stack's own grouped_mm."""
+    return expert_mm(x, w, offs) if isinstance(w, torch.Tensor) else w.grouped_mm(x, offs)
 
 
 # ---------------------------------------------------------------------------- module
@@ -137,6 +145,8 @@ class MoE(FFN):
     score_correction_bias), router.hash.tid2eid [V, K] int32 (routing=hash), w13 [E, 2F, D],
     w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
     shared_gate.weight [1, D] (when shared_expert_gate)."""
+
+    quant_stacks = ("w13", "w2")  # stacked [E, O, I] weights runtime.quant may quantize (quant/experts.py)
 
     @dataclass
     class Spec:
@@ -343,6 +353,8 @@ class MoE(FFN):
 
     def decode(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Gathered: x [B, 1, D] -> [B, 1, D]; reads only the chosen experts' weights."""
+        if not isinstance(self.w13, torch.Tensor):  # quantized stacks: grouped (see the module docstring)
+            return self.prefill(x, ctx)
         xt = x.reshape(-1, x.shape[-1])  # [T, D]
         weights, idx = self.route(xt, ctx["ids"])
         idx, weights, own = self._local(idx, weights)
@@ -371,11 +383,11 @@ class MoE(FFN):
         counts = torch.zeros(E + (own is not None), dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         offs = counts[:E].cumsum(0)
-        h = expert_mm(xt[token], self.w13, offs)  # [T*K, 2F]
+        h = _grouped(xt[token], self.w13, offs)  # [T*K, 2F]
         expert = flat[order].clamp(max=E - 1)  # expert of each sorted pair (others: discarded)
         if self.w13_bias is not None:
             h = h + self.w13_bias[expert]
-        y = expert_mm(self._act(h), self.w2, offs)  # [T*K, D]
+        y = _grouped(self._act(h), self.w2, offs)  # [T*K, D]
         if self.w2_bias is not None:
             y = y + self.w2_bias[expert]
         # back to (token, k) order by a gather, then a sum over k: a scatter-add into tokens

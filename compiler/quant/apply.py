@@ -13,8 +13,11 @@ Rules, the same for every family:
   - the output head is int8 for both modes (llama.cpp's 4-bit files keep theirs at 6-8 bits: the
     logits are the most sensitive product); a tied head becomes a quantized copy of the
     embedding, which stays float for its lookups
-  - embeddings, norms, routers, stacked expert tensors and other bare parameters are no
-    nn.Linear and stay as they are (listed in the report)
+  - stacked expert weights (a kind's `quant_stacks`: MoE's w13 / w2) become QuantExperts
+    (experts.py) with the same modes, unless int4's kernel cannot take an expert's shape or the
+    device is not a CPU (their kernel loops over experts on the host)
+  - embeddings, norms, routers and other bare parameters are no nn.Linear and stay as they are
+    (listed in the report)
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch import nn
 
 from ..contracts import KeepsLinearsFloat
 from . import cpu_kernels
+from .experts import QuantExperts, quantize_experts
 from .linear import INT4_ROWS, INT8_INPUTS, QuantLinear
 
 MIN_OUT = 64  # a linear with fewer outputs is a small projection and stays float
@@ -37,7 +41,7 @@ class QuantReport:
     mode: str
     group: Optional[int]
     compute_dtype: str
-    quantized: dict[str, str] = field(default_factory=dict)  # module path -> "int8" / "int4 g32"
+    quantized: dict[str, str] = field(default_factory=dict)  # module path -> "int8 per channel" / "int4 g32"
     kept_float: dict[str, str] = field(default_factory=dict)  # parameter path -> why
     quantized_params: int = 0  # weights now stored quantized
     float_params: int = 0  # parameters left in floating point
@@ -45,7 +49,9 @@ class QuantReport:
 
     def summary(self) -> str:
         group = f" g{self.group}" if self.mode == "int4" else ""
-        return (f"{self.mode}{group} (compute {self.compute_dtype}, {self.kernel}): {len(self.quantized)} linears, "
+        stacks = sum("experts" in what for what in self.quantized.values())
+        experts = f" + {stacks} expert stacks" if stacks else ""
+        return (f"{self.mode}{group} (compute {self.compute_dtype}, {self.kernel}): {len(self.quantized) - stacks} linears{experts}, "
                 f"{self.quantized_params:,} weights quantized; {self.float_params:,} parameters float")
 
 
@@ -64,10 +70,14 @@ def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 
-def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype) -> QuantReport:
-    """Replace the eligible nn.Linear modules of `model` (in place) by empty QuantLinear ones."""
+def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype,
+                     device: torch.device = torch.device("cpu")) -> QuantReport:
+    """Replace the eligible nn.Linear modules of `model` (in place) by empty QuantLinear ones, and
+    the eligible stacked experts by empty QuantExperts (device: where the model will run)."""
     report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."),
                          kernel=kernel_name(compute_dtype))
+    report.quantized_params += quantize_experts(model, mode, group, compute_dtype, torch.device(device),
+                                                report.quantized, report.kept_float)
     tied = getattr(getattr(model, "spec", None), "tie_embeddings", False)
     replaced: set[int] = set()
     for path, parent, name, child in _linears(model):
@@ -143,7 +153,7 @@ def _kind_of(model: nn.Module, name: str) -> str:
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    return sum(m.quantized_bytes() for m in model.modules() if isinstance(m, QuantLinear))
+    return sum(m.quantized_bytes() for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts)))
 
 
 @torch.no_grad()
