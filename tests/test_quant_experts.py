@@ -101,9 +101,11 @@ def test_logits_near_float_and_decode_equals_prefill(quantized, checkpoints, fam
     m, ref = quantized(family, mode), checkpoints[family][0]
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, VOCAB, (2, 11)), steps=4, rtol=RTOL[family, mode])
-    # the same quantized weights through the caches and through one prefill: equal in eager (measured
-    # 0), compiled up to a bfloat16 rounding of the activations (measured 0.3% of the largest logit)
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (2, 20)), prompt_len=7, rtol=1e-2)
+    # the same quantized weights through the caches and through one prefill: the experts' kernels
+    # round activations to bfloat16, the linears' CPU kernels round them to int8 per 32 inputs for
+    # up to 16 rows (decode steps, and this 2 x 7 prompt) but not for the 40-row full prefill
+    # (measured: up to 1.9% of the largest logit, int4 on these random weights)
+    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (2, 20)), prompt_len=7, rtol=4e-2)
     if (family, mode) in COMPILED:
         kinds = FAMILIES[family][2]
         assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
@@ -132,7 +134,9 @@ def test_quantized_experts_compute_their_dequantized_weights(mode):
                 f.module.get_submodule(name).weight.copy_(q(eye).float().t())
     ids = torch.randint(0, 256, (2, 7))
     assert_logits_close(m.prefill(ids), f.prefill(ids), rtol=1e-2, what=f"{mode} prefill")
-    assert_logits_close(m.decode(ids[:, 0]), f.decode(ids[:, 0]), rtol=1e-2, what=f"{mode} decode")
+    # decode: the linears' CPU kernels round the activations to int8 per 32 inputs (measured up to
+    # 2% of the largest logit, int4)
+    assert_logits_close(m.decode(ids[:, 0]), f.decode(ids[:, 0]), rtol=3e-2, what=f"{mode} decode")
     assert m.info.param_bytes < f.info.param_bytes
 
 
