@@ -133,6 +133,17 @@ def test_bad_quant_settings_name_the_key():
         zoo.build("llama3_8b_tiny", quant="int4", quant_group=48, dry=True)
 
 
+def test_quant_is_a_config_override():
+    """`zoo generate conf=NAME quant=int4` composes runtime.quant like any other runtime key."""
+    m = zoo.build("llama3_8b_tiny", ["runtime.quant=int4", "runtime.quant_group=64"], dry=True)
+    assert m.spec.runtime.quant == "int4" and m.spec.runtime.quant_group == 64
+    assert zoo.build("llama3_8b_tiny", dry=True).spec.runtime.quant is None
+    out = subprocess.run([sys.executable, "-m", "zoo.cli", "build", "conf=llama3_8b_tiny", "quant=int8", "compile=false"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "linears int8" in out.stdout
+
+
 # -- a tiny Llama GGUF whose linears are all Q4_1 ----------------------------------------------------
 
 
