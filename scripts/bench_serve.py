@@ -76,7 +76,7 @@ def percentile(xs: list[float], q: float) -> float:
 async def openai_round(base: str, model: str, clients: int, work: list[str], max_tokens: int) -> dict:
     import openai
 
-    ttft, tokens = [], 0
+    ttft, tokens, finish = [], 0, {}
     queue = list(work)
 
     async with openai.AsyncOpenAI(base_url=base, api_key="none", timeout=600, max_retries=0) as c:
@@ -88,17 +88,21 @@ async def openai_round(base: str, model: str, clients: int, work: list[str], max
                 first = None
                 stream = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                                     temperature=0, stream=True)
+                reason = None
                 async for ch in stream:
                     if ch.choices and ch.choices[0].text:
                         first = first or time.perf_counter()
                         tokens += 1
+                    if ch.choices and ch.choices[0].finish_reason:
+                        reason = ch.choices[0].finish_reason
+                finish[str(reason)] = finish.get(str(reason), 0) + 1  # None: cut off without a reason
                 ttft.append((first or time.perf_counter()) - t0)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "tokens": tokens, "wall_s": wall}
+            "tokens": tokens, "wall_s": wall, "finish": finish}
 
 
 def seq_round(model, clients: int, work: list[str], max_tokens: int) -> dict:
@@ -188,7 +192,8 @@ def main() -> int:
             r = run_one(c, prompts(c * args.requests, args.prompt_words, seed=c))
             results.setdefault(engine, {})[c] = r
             print(f"{engine:10s} clients={c:3d}  {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms"
-                  f"  p99 {r['ttft_p99'] * 1e3:8.1f} ms  ({r['tokens']} tokens, {r['wall_s']:.1f} s)", flush=True)
+                  f"  p99 {r['ttft_p99'] * 1e3:8.1f} ms  ({r['tokens']} tokens, {r['wall_s']:.1f} s) {r.get('finish', '')}",
+                  flush=True)
 
     for engine in engines:
         if engine == "zoo_serve":
@@ -212,7 +217,9 @@ def main() -> int:
             port = free_port()
             proc = start([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", "smollm2",
                           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.max_seq),
-                          "--n_threads", str(args.threads)], f"http://127.0.0.1:{port}/v1/models",
+                          "--n_threads", str(args.threads),
+                          # queue concurrent requests (its default cancels the running one for a new one)
+                          "--interrupt_requests", "False"], f"http://127.0.0.1:{port}/v1/models",
                          args.startup_timeout, log)
             try:
                 rounds(lambda c, w: asyncio.run(openai_round(f"http://127.0.0.1:{port}/v1", "smollm2", c, w,
