@@ -212,6 +212,15 @@ def measured_decode_flops(model) -> int:
     return counter.get_total_flops()
 
 
+def _one_query_scores(model) -> int:
+    """GQA's decode on the CPU takes q . k as products summed over Dh (Attention.one_query; the
+    matmul with v is counted): 2 H Dh FLOPs per cache slot of each such layer."""
+    from zoo.compiler.mixers.attention import Attention
+
+    return sum(2 * b.mixer.n_heads * b.mixer.head_dim * cache["k"].shape[2]
+               for b, cache in zip(model.module.layers, model.engine.caches) if isinstance(b.mixer, Attention))
+
+
 def _deltanet_elementwise(model) -> int:
     """DeltaNet's decode writes its depthwise conv and its recurrence elementwise (FlopCounterMode
     sees neither), counted by hand from the shapes: per value head the decay, the read S^T k, the
@@ -219,7 +228,7 @@ def _deltanet_elementwise(model) -> int:
     multiply-add, as test_deltanet_state_flops measures them); the conv is one multiply-add per
     weight."""
     return sum(2 * 3 * b.mixer.Hv * b.mixer.Dk * b.mixer.Dv + 2 * b.mixer.conv_weight.numel()
-               for b in model.module.layers if b.mixer.kind == "gated_deltanet")
+               for b in model.module.layers if b.mixer.kind == "gated_deltanet") + _one_query_scores(model)
 
 
 def _mhc_elementwise(model) -> int:
@@ -247,7 +256,7 @@ def _v4_elementwise(model) -> int:
 
 
 @pytest.mark.parametrize("conf, overrides, elementwise", [
-    ("llama3_8b_tiny", [], None),  # GQA
+    ("llama3_8b_tiny", [], _one_query_scores),  # GQA
     ("deepseek_v3_tiny", [], None),  # MLA absorbed decode, grouped MoE, dense first layer
     ("glm5_tiny", [], None),  # DSA: indexer over the 32 slots, attention over top-8
     ("qwen3_next_tiny", [], _deltanet_elementwise),  # DeltaNet + gated attention, gated shared expert
