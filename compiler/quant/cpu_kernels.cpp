@@ -81,6 +81,22 @@ inline float m_term(const uint16_t* mh, const float* xs, int64_t ng) {
   return hsum(am) + tail;
 }
 
+// sum over blocks b < nb of block(b, acc) into four sums: each block's scaled add depends on the
+// previous one into the same sum, so one sum would wait on the FMA latency every block
+template <typename Block>
+inline __m256 sum_blocks(int64_t nb, Block block) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 3 < nb; b += 4) {
+    a0 = block(b, a0);
+    a1 = block(b + 1, a1);
+    a2 = block(b + 2, a2);
+    a3 = block(b + 3, a3);
+  }
+  for (; b < nb; ++b) a0 = block(b, a0);
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
 // the 32 codes of one Q4 block (16 bytes) as 32 bytes in input order
 inline __m256i q4_codes(const uint8_t* qs) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -98,22 +114,12 @@ inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int
 #ifdef ZOO_AVX2
   const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
   const uint16_t* mh = reinterpret_cast<const uint16_t*>(m);
-  // four sums: each block's scaled add depends on the previous one into the same sum
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
     const float s = _cvtsh_ss(dh[b >> sh]) * dx[b];
     return _mm256_fmadd_ps(dot32(q4_codes(qs + 16 * b), xv), _mm256_set1_ps(s), acc);
   };
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 3 < nb; b += 4) {
-    a0 = block(b, a0);
-    a1 = block(b + 1, a1);
-    a2 = block(b + 2, a2);
-    a3 = block(b + 3, a3);
-  }
-  for (; b < nb; ++b) a0 = block(b, a0);
-  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + m_term(mh, xs, ng);
+  return hsum(sum_blocks(nb, block)) + m_term(mh, xs, ng);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -174,16 +180,7 @@ inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const floa
     // maddubs multiplies unsigned by signed: |w| times x with w's sign
     return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), _mm256_set1_ps(dx[b]), acc);
   };
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 3 < nb; b += 4) {
-    a0 = block(b, a0);
-    a1 = block(b + 1, a1);
-    a2 = block(b + 2, a2);
-    a3 = block(b + 3, a3);
-  }
-  for (; b < nb; ++b) a0 = block(b, a0);
-  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  return hsum(sum_blocks(nb, block));
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
