@@ -154,14 +154,3 @@ def status() -> str:
     simd = torch.ops.zoo_quant.simd_level()
     return "zoo cpu kernel (" + ("avx2 + fma" if simd == 2 else "portable loops") + ", float32)"
 
-
-def int4_linear(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
-    if available():
-        return torch.ops.zoo_quant.int4_linear(x, qs, sm, group)
-    return int4_reference(x, qs, sm, group)
-
-
-def int8_linear(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if available():
-        return torch.ops.zoo_quant.int8_linear(x, qw, scale)
-    return int8_reference(x, qw, scale)
