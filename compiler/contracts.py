@@ -43,7 +43,8 @@ class Mixer(nn.Module, ABC):
 
     ctx (prefill and decode): "ids" token ids [B, L] (or [B, 1]), "rope" {rope key: (cos, sin)}
     with cos/sin [L, R/2] in prefill and [B, R/2] in decode, and in decode "pos" [B] (the slot
-    each row writes). The cache is this layer's dict of tensors allocated from `cache_fields`.
+    each row writes) and "one_query_kernel" (bool: zoo's CPU decode-attention kernel is built;
+    absent means no). The cache is this layer's dict of tensors allocated from `cache_fields`.
     """
 
     Spec: type

@@ -5,7 +5,8 @@ every layer of that kind (parameters are graph inputs, so layers share one graph
 final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
 
 Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
-({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written).
+({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
+and "one_query_kernel" (whether attention may call zoo's CPU decode kernel).
 
     prefill: ids [B, L] -> logits [B, L, V]. L is a dynamic dimension (one graph for every
              prompt length 2..max_seq); a 1-token prompt runs the decode graph at position 0.
@@ -18,12 +19,15 @@ static buffers and replayed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+import types
 from typing import Callable
 
 import torch
 
 from ..errors import InputError
+from ..mixers import one_query
 from ..model import Decoder
 from ..position.rope import rope_key
 from .cache import plan_caches
@@ -38,6 +42,15 @@ def _block_prefill(block, h, cache, ctx):
 def _block_decode(block, h, cache, ctx):
     return block.decode(h, cache, ctx)
 
+
+def _own_copy(fn: Callable, name: str) -> Callable:
+    """fn with a code object of its own: dynamo keeps compiled entries per code object, so an
+    engine's decode entries are only its own layer kinds (see Engine._decode_step)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+
+_ENGINES = itertools.count()
 
 
 class Engine:
@@ -63,6 +76,9 @@ class Engine:
         self.row_len: list[int | None] = [None] * max_batch
         self._active = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.compiled = compile
+        self._decode_compiled = False  # every layer kind's decode graph exists (see _decode_step)
+        # zoo's CPU decode-attention kernel (mixers/one_query.py), built here, outside the graphs
+        self.one_query_kernel = self.device.type == "cpu" and one_query.available()
         key = f"zoo-max_seq={max_seq}"
         t0 = time.perf_counter()
         if compile:
@@ -73,8 +89,8 @@ class Engine:
         if compile:
             self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
                                                         backend=self.counters["prefill"])
-            self._run_decode: Callable = torch.compile(_block_decode, fullgraph=True, dynamic=False,
-                                                       backend=self.counters["decode"])
+            self._run_decode: Callable = torch.compile(_own_copy(_block_decode, f"_block_decode_{next(_ENGINES)}"),
+                                                       fullgraph=True, dynamic=False, backend=self.counters["decode"])
         else:
             self._run_prefill, self._run_decode = _block_prefill, _block_decode
         self._settings = dynamo_settings if compile else contextlib.nullcontext
@@ -226,10 +242,19 @@ class Engine:
         model, pos = self.model, self.pos
         h = model.streams.expand(model.embed(tok[:, None]))
         ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
-               "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}}
-        with self._settings():
+               "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
+               "one_query_kernel": self.one_query_kernel}
+        # After the first step has compiled every layer kind, CPU steps skip dynamo's guards
+        # but those that tell this engine's entries apart (torch's skip_guard_eval_unsafe:
+        # 50-80 us per layer call at batch 1, a tenth of a SmolLM2 step). Safe here because a
+        # decode step's inputs never change: the same buffers, caches, shapes and context keys
+        # every step, and the entries are this engine's own (_own_copy).
+        trusted = self.compiled and self._decode_compiled and self.device.type == "cpu"
+        with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if trusted
+                                else contextlib.nullcontext()):
             for block, cache in zip(model.layers, self.caches):
                 h = self._run_decode(block, h, cache, ctx)
+        self._decode_compiled = self.compiled
         logits = model.logits(h[:, 0])
         pos.add_(1)
         return logits

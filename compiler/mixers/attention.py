@@ -45,6 +45,7 @@ from torch import nn
 from ..contracts import AttentionMaps, Mixer
 from ..engine.cache import CacheField
 from ..errors import ConfigError
+from . import one_query
 from .kv_cache import decode_mask, write_decode, write_prefill, write_ring
 from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
@@ -312,4 +313,17 @@ class Attention(Mixer):
         write_decode(cache["k"], k, slot)
         write_decode(cache["v"], v, slot)
         kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
-        return self._out(self.attend(q, kc, vc, decode_mask(pos, S)), gate)
+        if self.one_query_kernel(ctx, q, kc):
+            o = one_query.decode_attention(q[:, :, 0], kc, vc, pos + 1, self.scale)[:, :, None]
+        else:
+            o = self.attend(q, kc, vc, decode_mask(pos, S))
+        return self._out(o, gate)
+
+    def one_query_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether a decode step attends through zoo's CPU kernel (one_query.py): the engine
+        built it (ctx "one_query_kernel"), float32, plain softmax over slots 0..pos (no window,
+        soft-cap or sink), shapes it takes."""
+        H, Dh, Hkv = q.shape[1], q.shape[3], k.shape[1]
+        return (bool(ctx.get("one_query_kernel")) and self.one_query(q) and q.dtype == torch.float32
+                and not self.explicit and self.window is None and H % Hkv == 0 and H // Hkv <= 64
+                and Dh % 8 == 0 and Dh <= 512)

@@ -16,8 +16,7 @@ per instruction; more rows (prefill) dequantize a chunk of weight rows to float3
 call the BLAS GEMM with x as it is. `round_activations` and the references below say exactly
 what each path computes; tests/test_quant.py holds the kernels to them.
 
-Built on first use with the C++ compiler inductor uses (g++ by default, $CXX), against the
-installed torch, into the zoo cache (keyed by the source, torch version, compiler and flags), and
+Built on first use (compiler/native.py: the C++ compiler inductor uses, into the zoo cache) and
 loaded with torch.ops.load_library; `register_fake` gives the compiled graphs their shapes. Where
 no compiler works the reference below runs instead and `status()` says why (the build report
 shows it): the same numbers, slower.
@@ -25,14 +24,12 @@ shows it): the same numbers, slower.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .. import native
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BLOCK = 32  # inputs per Q4 block (the nibble pairing of qs) and per activation scale
@@ -88,58 +85,17 @@ def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.
 
 # ----------------------------------------------------------------------------- build and load
 
-def _flags() -> list[str]:
-    """Vector flags when torch itself dispatches AVX2 or better on this CPU (AVX2 machines have
-    FMA and F16C); otherwise the portable loops."""
-    vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG"] + \
-        (["-mavx2", "-mfma", "-mf16c"] if vector else [])
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or "g++"
-    found = shutil.which(cxx)
-    if found is None:
-        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set $CXX)")
-    return found
-
-
-def _build(cxx: str, flags: list[str]) -> Path:
-    from ..engine.compiling import zoo_cache_root
-
-    torch_dir = Path(torch.__file__).parent
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    cmd = [cxx, *flags, abi, f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-           str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch",
-           f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, *cmd]).encode()).hexdigest()[:16]
-    out = zoo_cache_root() / "kernels" / f"zoo_quant-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp.so")
-    proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()[-1:]
-        raise RuntimeError(f"{cxx} could not build {SOURCE.name}: {' / '.join(errors[:3])}")
-    tmp.replace(out)  # atomic: a concurrent process sees the whole library or none
-    return out
-
-
 @functools.cache
 def _load() -> str | None:
-    """Build (once per cache) and load the library; None when it works, else the reason."""
-    try:
-        path = _build(_compiler(), _flags())
-        torch.ops.load_library(str(path))
-    except (RuntimeError, OSError) as e:
-        return str(e).splitlines()[0]
-    torch.library.register_fake("zoo_quant::int4_linear")(
-        lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
-    torch.library.register_fake("zoo_quant::int8_linear")(
-        lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
-    return None
+    """Build (once per cache) and load the library (compiler/native.py); None when it works,
+    else the reason."""
+    why = native.load(SOURCE)
+    if why is None:
+        torch.library.register_fake("zoo_quant::int4_linear")(
+            lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
+        torch.library.register_fake("zoo_quant::int8_linear")(
+            lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
+    return why
 
 
 def available() -> bool:

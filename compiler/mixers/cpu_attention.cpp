@@ -1,0 +1,165 @@
+// One-query attention over a KV cache on the CPU (a decode step), registered as a torch op.
+// Built and loaded by one_query.py, where the torch-op reference lives.
+//
+//   zoo_attn::decode_attention(q, k, v, n, scale) -> o
+//       q [B, H, Dh] float32, k and v [B, Hkv, S, Dh] float32 (H a multiple of Hkv: query head
+//       h reads KV head h / (H / Hkv)), n [B] int64: row b sees cache slots 0..n[b]-1
+//       o [B, H, Dh] float32 = softmax(scale q k^T over the visible slots) v
+//
+// Why a kernel: a decode step reads each layer's cache once and does little arithmetic on it,
+// so its time is the read plus per-op overhead. As aten/inductor ops it is a scores kernel, a
+// softmax and a small bmm, each over all S slots of the static cache (2-3x the read time on an
+// AVX2 EPYC at SmolLM2's shapes); here each slot is read once and only the n[b] visible ones.
+// Work is split flash-decoding style over (row, KV head, chunk of slots), each chunk keeping
+// its own max and sum, then merged, so two threads share even one KV head's cache.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 128;  // cache slots per task
+constexpr int64_t kMaxVecs = 64;  // Dh / Vec::size() (Dh <= 512)
+
+inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); }
+
+// One task: the g query heads q [g, Dh] of one KV head over cache slots [s0, s1) of k, v
+// [.., Dh] -> per head j: max score m[j], sum of exp l[j], unnormalised output acc + j astride [Dh].
+// NV = Dh / Vec::size() when known at compile time (the loops unroll, q and the output stay in
+// registers), 0 for any multiple of the vector width.
+template <int NV>
+void chunk(const float* q, int64_t g, const float* k, const float* v, int64_t Dh, int64_t s0, int64_t s1, float sc,
+           float* p, float* m, float* l, float* acc, int64_t astride) {
+  const int64_t nv = NV > 0 ? NV : Dh / Vec::size(), W = Vec::size(), len = s1 - s0;
+  for (int64_t j = 0; j < g; ++j) {
+    Vec qv[NV > 0 ? NV : kMaxVecs];
+    for (int64_t d = 0; d < nv; ++d) qv[d] = Vec::loadu(q + j * Dh + d * W);
+    float* pj = p + j * kChunk;
+    int64_t s = s0;
+    for (; s + 4 <= s1; s += 4) {  // four slots at once: four independent FMA chains
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      const float* kr = k + s * Dh;
+      for (int64_t d = 0; d < nv; ++d) {
+        a0 = at::vec::fmadd(qv[d], Vec::loadu(kr + d * W), a0);
+        a1 = at::vec::fmadd(qv[d], Vec::loadu(kr + Dh + d * W), a1);
+        a2 = at::vec::fmadd(qv[d], Vec::loadu(kr + 2 * Dh + d * W), a2);
+        a3 = at::vec::fmadd(qv[d], Vec::loadu(kr + 3 * Dh + d * W), a3);
+      }
+      pj[s - s0] = sc * hsum(a0);
+      pj[s - s0 + 1] = sc * hsum(a1);
+      pj[s - s0 + 2] = sc * hsum(a2);
+      pj[s - s0 + 3] = sc * hsum(a3);
+    }
+    for (; s < s1; ++s) {
+      Vec a(0.f);
+      for (int64_t d = 0; d < nv; ++d) a = at::vec::fmadd(qv[d], Vec::loadu(k + s * Dh + d * W), a);
+      pj[s - s0] = sc * hsum(a);
+    }
+    const float top = *std::max_element(pj, pj + len);
+    Vec vsum(0.f);
+    int64_t t = 0;
+    for (; t + W <= len; t += W) {
+      const Vec e = (Vec::loadu(pj + t) - Vec(top)).exp_u20();  // inductor's softmax exp
+      e.store(pj + t);
+      vsum = vsum + e;
+    }
+    float sum = hsum(vsum);
+    for (; t < len; ++t) sum += (pj[t] = std::exp(pj[t] - top));
+    m[j] = top;
+    l[j] = sum;
+    Vec o[NV > 0 ? NV : kMaxVecs];
+    for (int64_t d = 0; d < nv; ++d) o[d] = Vec(0.f);
+    for (int64_t u = 0; u < len; ++u) {
+      const Vec pu(pj[u]);
+      const float* vr = v + (s0 + u) * Dh;
+      for (int64_t d = 0; d < nv; ++d) o[d] = at::vec::fmadd(pu, Vec::loadu(vr + d * W), o[d]);
+    }
+    for (int64_t d = 0; d < nv; ++d) o[d].store(acc + j * astride + d * W);
+  }
+}
+
+// acc[d] += w x[d]
+inline void axpy(float w, const float* x, float* acc, int64_t n) {
+  for (int64_t d = 0; d < n; d += Vec::size())
+    at::vec::fmadd(Vec(w), Vec::loadu(x + d), Vec::loadu(acc + d)).store(acc + d);
+}
+
+at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& n_,
+                            double scale) {
+  TORCH_CHECK(q_.dim() == 3 && k_.dim() == 4 && v_.sizes() == k_.sizes(), "decode_attention: expected q [B, H, Dh] and ",
+              "k, v [B, Hkv, S, Dh], got ", q_.sizes(), ", ", k_.sizes(), ", ", v_.sizes());
+  const int64_t B = q_.size(0), H = q_.size(1), Dh = q_.size(2), Hkv = k_.size(1), S = k_.size(2);
+  TORCH_CHECK(k_.size(0) == B && k_.size(3) == Dh && H % Hkv == 0, "decode_attention: q ", q_.sizes(),
+              " does not match k ", k_.sizes());
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_.scalar_type() == at::kFloat && v_.scalar_type() == at::kFloat &&
+                  q_.device().is_cpu(), "decode_attention: q, k, v must be float32 CPU tensors");
+  TORCH_CHECK(n_.scalar_type() == at::kLong && n_.numel() == B, "decode_attention: n must be [B] int64, got ",
+              n_.sizes(), " ", n_.scalar_type());
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), nt = n_.contiguous();
+  const int64_t g = H / Hkv;
+  TORCH_CHECK(g <= 64 && Dh % at::vec::Vectorized<float>::size() == 0 && Dh <= 512, "decode_attention: ",
+              "supports up to 64 query heads per KV head and Dh a multiple of ",
+              at::vec::Vectorized<float>::size(), " up to 512, got ", g, " and ", Dh);
+  const int64_t* n = nt.data_ptr<int64_t>();
+  int64_t most = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(n[b] >= 1 && n[b] <= S, "decode_attention: row ", b, " sees ", n[b], " slots (expected 1..", S, ")");
+    most = std::max(most, n[b]);
+  }
+  const int64_t chunks = (most + kChunk - 1) / kChunk;
+  // per (row, query head, chunk): the chunk's max score, sum of exp and unnormalised output
+  std::vector<float> cmax(B * H * chunks, -std::numeric_limits<float>::infinity()), csum(B * H * chunks, 0.f);
+  std::vector<float> cacc(B * H * chunks * Dh, 0.f);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  auto run = Dh == 64 ? &chunk<64 / Vec::size()> : Dh == 128 ? &chunk<128 / Vec::size()> : &chunk<0>;
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    float p[kChunk * 64];  // scores of up to 64 query heads per KV head (checked above)
+    float m[64], l[64];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c = t % chunks, bh = t / chunks, b = bh / Hkv, kh = bh % Hkv;
+      const int64_t s0 = c * kChunk, s1 = std::min(n[b], s0 + kChunk);
+      if (s0 >= s1) continue;  // this row sees fewer slots
+      const int64_t kv = (b * Hkv + kh) * S * Dh, h0 = b * H + kh * g;
+      run(qp + h0 * Dh, g, kp + kv, vp + kv, Dh, s0, s1, sc, p, m, l, cacc.data() + (h0 * chunks + c) * Dh,
+          chunks * Dh);
+      for (int64_t j = 0; j < g; ++j) {
+        cmax[(h0 + j) * chunks + c] = m[j];
+        csum[(h0 + j) * chunks + c] = l[j];
+      }
+    }
+  });
+  at::Tensor o = at::empty({B, H, Dh}, q.options());
+  float* op = o.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const float* m = cmax.data() + bh * chunks;
+    const float top = *std::max_element(m, m + chunks);
+    float total = 0.f;
+    float* out = op + bh * Dh;
+    std::fill(out, out + Dh, 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (csum[bh * chunks + c] == 0.f) continue;
+      const float w = std::exp(m[c] - top);
+      total += w * csum[bh * chunks + c];
+      axpy(w, cacc.data() + (bh * chunks + c) * Dh, out, Dh);
+    }
+    for (int64_t d = 0; d < Dh; ++d) out[d] /= total;
+  }
+  return o;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zoo_attn, m) { m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor n, float scale) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(zoo_attn, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,47 @@
+"""One-query attention over a KV cache on the CPU (a decode step): zoo's kernel and its reference.
+
+    decode_attention(q [B, H, Dh], k, v [B, Hkv, S, Dh], n [B] int64, scale) -> o [B, H, Dh]
+        float32; row b attends to cache slots 0..n[b]-1; query head h reads KV head h // (H / Hkv)
+
+The kernel (cpu_attention.cpp, built on first use by compiler/native.py) reads each visible
+slot of k and v once and skips the rest of the static cache; `reference` is the same thing in
+torch ops, which runs where no compiler works. tests/test_one_query.py holds one to the other.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .. import native
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the kernel computes, in torch ops."""
+    B, H, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = H // Hkv
+    logits = torch.einsum("bkgd,bksd->bkgs", q.view(B, Hkv, g, Dh), k) * scale  # [B, Hkv, g, S]
+    visible = torch.arange(S, device=q.device)[None, :] < n[:, None]  # [B, S]
+    probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    return torch.einsum("bkgs,bksd->bkgd", probs, v).reshape(B, H, Dh)
+
+
+@functools.cache
+def _load() -> str | None:
+    why = native.load(SOURCE)
+    if why is None:
+        torch.library.register_fake("zoo_attn::decode_attention")(lambda q, k, v, n, scale: torch.empty_like(q))
+    return why
+
+
+def available() -> bool:
+    """Whether the kernel built and loaded (else callers use their torch-op path)."""
+    return _load() is None
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.ops.zoo_attn.decode_attention(q, k, v, n, scale)
