@@ -30,6 +30,8 @@ def test_no_recompiles_over_lengths_and_steps(conf):
     # warmup compiled exactly one graph per distinct layer kind for each entry point
     kinds = len({(layer.mixer_name, layer.ffn_name) for layer in m.spec.layers})
     assert after_warmup == {"prefill": kinds, "decode": kinds}
+    # one decode function per layer structure, each compiled once: the steps skipped the guards
+    assert m.engine._trusted is True
 
 
 def test_cached_graphs_shared_across_max_seq():

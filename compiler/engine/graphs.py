@@ -44,10 +44,34 @@ def _block_decode(block, h, cache, ctx):
 
 
 def _own_copy(fn: Callable, name: str) -> Callable:
-    """fn with a code object of its own: dynamo keeps compiled entries per code object, so an
-    engine's decode entries are only its own layer kinds (see Engine._decode_step)."""
+    """fn with a code object of its own: dynamo keeps compiled entries per code object."""
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
+
+def _structure(block: torch.nn.Module, cache: dict) -> tuple:
+    """What a layer's decode graph depends on besides tensor values: its submodules' classes and
+    plain attributes (ints, flags, specs), its tensors' shapes, dtypes and strides, and its cache
+    fields'. Layers with equal structures share one compiled decode function (Engine)."""
+    parts: list = []
+    for name, mod in block.named_modules():
+        attrs = []
+        for k, v in sorted(vars(mod).items()):
+            if k.startswith("_") or isinstance(v, (torch.Tensor, torch.nn.Module)) or callable(v):
+                continue
+            try:
+                hash(v)
+            except TypeError:
+                v = repr(v)
+            attrs.append((k, v))
+        parts.append((name, type(mod).__qualname__, tuple(attrs)))
+    for name, t in itertools.chain(block.named_parameters(), block.named_buffers(), sorted(cache.items())):
+        parts.append((name, tuple(t.shape), t.dtype, t.stride()))
+    return tuple(parts)
+
+
+def _entries(fn: Callable) -> int:
+    """Compiled entries dynamo holds for fn's code object."""
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
 
 
 _ENGINES = itertools.count()
@@ -76,7 +100,7 @@ class Engine:
         self.row_len: list[int | None] = [None] * max_batch
         self._active = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.compiled = compile
-        self._decode_compiled = False  # every layer kind's decode graph exists (see _decode_step)
+        self._trusted: bool | None = None  # decode may skip guards (None: not decided, see _decode_step)
         # zoo's CPU decode-attention kernel (mixers/one_query.py), built here, outside the graphs
         self.one_query_kernel = self.device.type == "cpu" and one_query.available()
         key = f"zoo-max_seq={max_seq}"
@@ -89,10 +113,20 @@ class Engine:
         if compile:
             self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
                                                         backend=self.counters["prefill"])
-            self._run_decode: Callable = torch.compile(_own_copy(_block_decode, f"_block_decode_{next(_ENGINES)}"),
-                                                       fullgraph=True, dynamic=False, backend=self.counters["decode"])
+            # one decode function per distinct layer structure, each with a code object of its own
+            # (so one compiled entry each: see _decode_step)
+            engine, kinds = next(_ENGINES), {}
+            for block, cache in zip(model.layers, self.caches):
+                kinds.setdefault(_structure(block, cache),
+                                 _own_copy(_block_decode, f"_block_decode_{engine}_{len(kinds)}"))
+            self._decode_kinds = list(kinds.values())
+            compiled = {id(f): torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
+                        for f in self._decode_kinds}
+            self._run_decode: list[Callable] = [compiled[id(kinds[_structure(b, c)])]
+                                                for b, c in zip(model.layers, self.caches)]
         else:
-            self._run_prefill, self._run_decode = _block_prefill, _block_decode
+            self._run_prefill, self._decode_kinds = _block_prefill, []
+            self._run_decode = [_block_decode] * len(model.layers)
         self._settings = dynamo_settings if compile else contextlib.nullcontext
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -244,17 +278,19 @@ class Engine:
         ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
                "one_query_kernel": self.one_query_kernel}
-        # After the first step has compiled every layer kind, CPU steps skip dynamo's guards
-        # but those that tell this engine's entries apart (torch's skip_guard_eval_unsafe:
-        # 50-80 us per layer call at batch 1, a tenth of a SmolLM2 step). Safe here because a
-        # decode step's inputs never change: the same buffers, caches, shapes and context keys
-        # every step, and the entries are this engine's own (_own_copy).
-        trusted = self.compiled and self._decode_compiled and self.device.type == "cpu"
-        with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if trusted
+        # Once the first step has compiled each layer structure's function exactly once (every
+        # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
+        # checks (torch's skip_guard_eval_unsafe: 50-80 us per layer call at batch 1, a tenth of
+        # a SmolLM2 step). Safe because a step's inputs never change: the same modules, caches
+        # and buffers, shapes and context keys every step; with one entry per code object there
+        # is no choice to get wrong. Any structure with more entries keeps the full guards.
+        with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self._trusted
                                 else contextlib.nullcontext()):
-            for block, cache in zip(model.layers, self.caches):
-                h = self._run_decode(block, h, cache, ctx)
-        self._decode_compiled = self.compiled
+            for run, block, cache in zip(self._run_decode, model.layers, self.caches):
+                h = run(block, h, cache, ctx)
+        if self._trusted is None:
+            self._trusted = (self.compiled and self.device.type == "cpu"
+                             and all(_entries(f) == 1 for f in self._decode_kinds))
         logits = model.logits(h[:, 0])
         pos.add_(1)
         return logits
