@@ -12,7 +12,9 @@ import torch
 
 import zoo
 
-FAMILIES = ["llama3_8b_tiny", "deepseek_v3_tiny", "qwen3_next_tiny", "glm5_tiny", "deepseek_v4_flash_tiny"]
+# DeepSeek-V4 (compressed + sliding layers, mHC) is checked the same way in test_deepseek_v4::test_compiled,
+# on the graphs its parity test compiles anyway (CI time)
+FAMILIES = ["llama3_8b_tiny", "deepseek_v3_tiny", "qwen3_next_tiny", "glm5_tiny"]
 MAX_SEQ = 32
 
 

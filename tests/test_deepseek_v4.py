@@ -166,6 +166,12 @@ def test_compiled(reference):
     check_parity(ref, m, torch.randint(0, VOCAB, (2, 20)), steps=12)
     check_parity(ref, m, torch.randint(0, VOCAB, (2, 9)), steps=3)
     check_decode_equals_prefill(m, torch.randint(0, VOCAB, (2, 30)), prompt_len=6)
+    # no recompiles over three prompt lengths and the decode steps up to position 30 of 32: one
+    # graph per layer kind per entry point (tests/test_compile.py leaves V4 to this test), and
+    # the decode steps ran without guard checks (one entry per layer structure)
+    kinds = len({(layer.mixer_name, layer.ffn_name) for layer in m.spec.layers})
+    assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
+    assert m.engine._trusted is True
 
 
 # ----------------------------------------------------------------------------- caches and report
