@@ -116,14 +116,13 @@ class Engine:
             # one decode function per distinct layer structure, each with a code object of its own
             # (so one compiled entry each: see _decode_step)
             engine, kinds = next(_ENGINES), {}
-            for block, cache in zip(model.layers, self.caches):
-                kinds.setdefault(_structure(block, cache),
-                                 _own_copy(_block_decode, f"_block_decode_{engine}_{len(kinds)}"))
+            structures = [_structure(block, cache) for block, cache in zip(model.layers, self.caches)]
+            for st in structures:
+                kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{engine}_{len(kinds)}"))
             self._decode_kinds = list(kinds.values())
-            compiled = {id(f): torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
-                        for f in self._decode_kinds}
-            self._run_decode: list[Callable] = [compiled[id(kinds[_structure(b, c)])]
-                                                for b, c in zip(model.layers, self.caches)]
+            compiled = {st: torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
+                        for st, f in kinds.items()}
+            self._run_decode: list[Callable] = [compiled[st] for st in structures]
         else:
             self._run_prefill, self._decode_kinds = _block_prefill, []
             self._run_decode = [_block_decode] * len(model.layers)
