@@ -32,9 +32,8 @@ from torch import nn
 from ..checkpoint.source import StoredBlocks
 from ..errors import CheckpointError
 from .gguf_blocks import q4_codes, q8_0_values
-from .linear import int4_quantize, int8_quantize
+from .linear import chunk_rows, int4_quantize, int8_quantize
 
-ROWS = 256  # output rows quantized at a time (a multiple of the CPU int4 packing's 64-row blocks)
 INT4_OUT = 16  # torch's int4 kernel needs O to be a multiple of this
 
 
@@ -163,9 +162,10 @@ class QuantExperts(nn.Module):
         return f"quantized -> {self.what()}"
 
     def _fill(self, e: int, w: torch.Tensor) -> None:
-        """Expert e from float values w [O, I], ROWS rows at a time (small temporaries)."""
-        for r in range(0, self.out_features, ROWS):
-            part = w[r:r + ROWS]
+        """Expert e from float values w [O, I], chunk_rows(I) rows at a time (small temporaries)."""
+        step = chunk_rows(self.in_features)
+        for r in range(0, self.out_features, step):
+            part = w[r:r + step]
             if self.mode == "int8":
                 q, scale = int8_quantize(part)
                 self.qweight[e, r:r + len(q)].copy_(q)

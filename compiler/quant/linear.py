@@ -37,7 +37,13 @@ from .gguf_blocks import q4_codes, q4_parts, q8_0_values
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
 INT8_INPUTS = cpu_kernels.BLOCK  # zoo's int8 kernel rounds activations per 32 inputs
-CHUNK = 256  # rows quantized at a time
+CHUNK_WEIGHTS = 1 << 17  # weights quantized at a time (0.5 MB of float32 per temporary)
+CHUNK_ROWS = 64  # chunks are whole multiples of torch's CPU int4 packing block
+
+
+def chunk_rows(in_features: int) -> int:
+    """Rows quantized at a time: about CHUNK_WEIGHTS weights, a multiple of CHUNK_ROWS."""
+    return max(CHUNK_ROWS, CHUNK_WEIGHTS // in_features // CHUNK_ROWS * CHUNK_ROWS)
 
 
 def int8_quantize(w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +64,8 @@ def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     g = w.float().reshape(O, I // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    g = g - lo[..., None]  # in place from here: one float temporary the size of w
+    q = g.div_(scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
     return q.reshape(O, I), scale, lo + 8.0 * scale
 
 
@@ -172,17 +179,18 @@ class QuantLinear(nn.Module):
         """Fill from a float tensor [O, I] (quantized here) or StoredBlocks; returns what happened,
         for the load report ("quantized -> int8 per channel", "kept Q4_1 blocks as int4 g32", ...).
 
-        Works through CHUNK rows at a time, so the temporaries (float32 copies, int32 codes) stay
-        small next to the weight: a load's peak memory is the quantized model plus one stored tensor.
+        Works through chunk_rows(I) rows at a time, so the temporaries (float32 copies, int32 codes)
+        stay small next to the weight: a load's peak memory is the quantized model plus one stored tensor.
         absmax [O]: see int8_quantize (int8 only; int4's groups never span ranks)."""
         shape = tuple(value.shape)
+        step = chunk_rows(self.in_features)
         if shape != self.weight_shape:
             raise CheckpointError(f"weight of shape {list(shape)} for a QuantLinear of {list(self.weight_shape)}")
         if isinstance(value, StoredBlocks):
             if not self.accepts_blocks(value.ggml_type):
                 raise CheckpointError(f"QuantLinear ({self._what()}) cannot take {value.ggml_type} blocks as they are")
             keep = value.ggml_type in ("Q4_0", "Q4_1")
-            rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + CHUNK], (min(CHUNK, shape[0] - r), shape[1]))
+            rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + step], (min(step, shape[0] - r), shape[1]))
             if keep and self.zoo_kernel:  # the blocks' bytes are the kernel's layout
                 fill = lambda r: self._store_q4_parts(r, *q4_parts(rows(r)))
             elif keep:
@@ -192,10 +200,10 @@ class QuantLinear(nn.Module):
                 (lambda r: self._store_values(r, q8_0_values(rows(r)), absmax))
             what = f"kept {value.ggml_type} blocks as int4 g32" if keep else f"converted Q8_0 -> {self._what()}"
         else:
-            fill, what = (lambda r: self._store_values(r, value[r:r + CHUNK], absmax)), f"quantized -> {self._what()}"
+            fill, what = (lambda r: self._store_values(r, value[r:r + step], absmax)), f"quantized -> {self._what()}"
         if self.qweight.device.type == "cuda" and not self.zoo_kernel:  # tinygemm's tiles span rows: pack the whole weight once
             return self._load_cuda(value, absmax)
-        for r in range(0, shape[0], CHUNK):
+        for r in range(0, shape[0], step):
             fill(r)
         return what
 
@@ -213,7 +221,7 @@ class QuantLinear(nn.Module):
 
     def _store_int4(self, r: int, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Rows r.. from q [rows, I] int in 0..15, scale / zero [rows, I/g] float32 (w = (q - 8) *
-        scale + zero). torch's CPU packing is blocked by at most 64 rows, so CHUNK-row pieces pack
+        scale + zero). torch's CPU packing is blocked by at most 64 rows, so chunk_rows pieces pack
         as the whole weight would (tests/test_quant.py checks it through the kernel)."""
         n = len(q)
         if self.zoo_kernel:
