@@ -109,7 +109,9 @@ def selected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
     custom op, so that one compiled graph serves every prompt length on either side."""
     B, H, L, nope = q_nope.shape
     if L <= gather_from:
-        return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale, mask=choice_mask(slots)[:, None])
+        # contiguous, as the fake says: with one head per rank the kernel's output is a strided view
+        return expanded_attention(q_nope, q_rope, kv[:, None], wkv_b, scale,
+                                  mask=choice_mask(slots)[:, None]).contiguous()
     t = torch.arange(L, device=q_nope.device)
     q = absorb_query(q_nope, q_rope, wkv_b)  # [B, H, L, C + R]
     C = wkv_b.shape[1]
@@ -123,7 +125,7 @@ def selected_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Ten
         scores = torch.einsum("bhcd,bckd->bhck", q[:, :, rows].float(), keys.float()) * scale
         probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
         o_lat[:, :, rows] = torch.einsum("bhck,bckd->bhcd", probs, keys[..., :C].float()).to(o_lat.dtype)
-    return expand_values(o_lat, wkv_b, nope)
+    return expand_values(o_lat, wkv_b, nope).contiguous()
 
 
 @selected_attention.register_fake
