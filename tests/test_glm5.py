@@ -178,6 +178,25 @@ def test_index_topk_chunks_equal_one_pass():
         assert torch.equal(index_topk(q, keys, w, Di ** -0.5, k, chunk), one)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("gather_from", [64, 0])
+def test_selected_attention_matches_its_fake(heads, gather_from):
+    """The custom op's output has the size and strides its fake kernel promises, on both paths,
+    with one head (a tensor-parallel rank's share: the masked path's output was a strided view
+    there, which compiled graphs reject) and with two."""
+    from zoo.compiler.mixers.dsa import selected_attention
+
+    g = torch.Generator().manual_seed(5)
+    B, L, nope, R, C, Dv, k = 2, 6, 8, 4, 12, 6, 3
+    q_nope, q_rope = torch.randn(B, heads, L, nope, generator=g), torch.randn(B, heads, L, R, generator=g)
+    kv, wkv_b = torch.randn(B, L, C + R, generator=g), torch.randn(heads * (nope + Dv), C, generator=g)
+    slots = torch.randint(0, L, (B, L, k), generator=g)
+    args = (q_nope, q_rope, kv, wkv_b, slots, 0.3, gather_from, 4)
+    out = selected_attention(*args)
+    assert out.shape == (B, L, heads * Dv) and out.is_contiguous()
+    torch.library.opcheck(selected_attention, args, test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_parity_gathered_prefill(references, monkeypatch, variant):
     """Prefill through the long-prompt path (each query attends over its gathered top-k latents,
