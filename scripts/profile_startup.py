@@ -15,13 +15,21 @@ threads), and per run whether the weights came from the weight cache, the graph 
 no recompiles) and which of transformers / gguf / jinja2 / hydra were imported (transformers
 must never be).
 
-On an idle machine (what the numbers below are not), twice, the second run being the warm one:
+Measured on the idle 2-core AMD EPYC box (32 MiB L3), int4 (the Q4_1 blocks kept), weight cache
+hit, `python scripts/profile_startup.py --runs 2 runtime.quant=int4`, the warm run, wall s:
 
-    python scripts/profile_startup.py --runs 3
-    time zoo generate conf=smollm2_135m prompt="What is the capital of France?" chat=true
+    imports 3.10, compose 0.39, open GGUF + tokenizer 0.40, validate + build + plan 2.63,
+    load weights 0.08, engine (graphs) 4.87, generate 16 tokens 0.65; total 12.11
 
-## What each change bought (measured on the shared 2-core AMD EPYC box with 3-4 other engineers'
-## jobs, load average 4-6: the seconds are inflated 2-5x and noisy; compare within a column)
+`python -X importtime` over the same build: torch 2.9 s, torch._dynamo 1.9 s (first use in the
+build), inductor's compile_fx 1.3 s + codecache 0.5 s (inside the engine phase): ~6.5 s of the 12 s
+are torch's own imports (importtime inflates them somewhat), most of the rest dynamo tracing the
+two block functions and loading their compiled kernels. A warm start under 5 s therefore needs
+graphs that load without dynamo and inductor (AOTInductor packages loaded through torch's C++
+runner), which zoo does not have yet.
+
+## What each change bought (an earlier session, measured on the same box while 3-4 other jobs
+## ran, load average 4-6: the seconds are inflated 2-5x and noisy; compare within a column)
 
 | phase (warm run) | before | after | change |
 |---|---|---|---|
