@@ -111,7 +111,8 @@ def test_cancel_frees_the_row_and_a_full_queue_is_refused(model):
         sched.submit([s])
         sched.step()
     assert sched.running == 4 and sched.engine.free_rows() == []
-    sched.submit([_seq([1], max_tokens=20), _seq([2], max_tokens=20)])
+    # greedy: a sampled end token (the tokenizer's eos) would end one of them at random
+    sched.submit([_seq([1], max_tokens=20, temperature=0.0), _seq([2], max_tokens=20, temperature=0.0)])
     with pytest.raises(QueueFull):
         sched.submit([_seq([1], max_tokens=2)])
     sched.cancel(long[1])
