@@ -62,6 +62,9 @@ class RuntimeSchema:
     max_seq: int = 2048
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
+    # CPU: decode layers as AOTInductor packages run by torch's C++ runner instead of compiled
+    # functions entered through dynamo (compiler/engine/aot.py); needs compile, one process
+    aot_decode: bool = False
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
     # weight-only quantization of the linears (compiler/quant): null (float), int8 (per output
     # channel) or int4 (groups of quant_group inputs, asymmetric)
@@ -252,6 +255,10 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         raise _fail(source, f"runtime.quant: expected one of {list(QUANT_MODES)} or null, got {rt.quant!r}")
     if rt.quant_group not in QUANT_GROUPS:
         raise _fail(source, f"runtime.quant_group: expected one of {list(QUANT_GROUPS)}, got {rt.quant_group!r}")
+    if rt.aot_decode and (rt.device != "cpu" or not rt.compile or rt.parallel.tp * rt.parallel.ep > 1):
+        raise _fail(source, f"runtime.aot_decode=true needs runtime.device=cpu, runtime.compile=true and one "
+                            f"process (got device={rt.device!r}, compile={rt.compile}, "
+                            f"parallel tp={rt.parallel.tp} ep={rt.parallel.ep})")
     if rt.max_batch <= 0 or rt.max_seq <= 0:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")

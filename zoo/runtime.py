@@ -217,7 +217,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
         fill_tied(module)
     info.load_seconds = time.perf_counter() - t0
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=rt.compile, cuda_graph=rt.cuda_graph)
+                    compile=rt.compile, cuda_graph=rt.cuda_graph, aot_decode=rt.aot_decode)
     if rt.compile or engine.use_cuda_graph:
         info.compile_seconds = engine.warmup()
     return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)

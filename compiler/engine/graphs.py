@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..mixers import one_query
 from ..model import Decoder
 from ..position.rope import rope_key
+from .aot import DecodePackages, context_tensors
 from .cache import plan_caches
 from .compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings
 from .mtp import mtp_caches, mtp_prefill
@@ -81,7 +82,7 @@ class Engine:
     """Caches, rope tables and the prefill/decode graphs of one materialized Decoder."""
 
     def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
-                 compile: bool = True, cuda_graph: bool = True):
+                 compile: bool = True, cuda_graph: bool = True, aot_decode: bool = False):
         self.model = model
         self.device = model.embed.weight.device
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -108,6 +109,11 @@ class Engine:
         if compile:
             apply_compile_settings()
         patches = cpu_compile_patches() if compile and self.device.type == "cpu" else {}
+        # CPU decode through AOTInductor packages (aot.py), made at the first decode step
+        if aot_decode and not (compile and self.device.type == "cpu"):
+            raise ValueError("aot_decode needs compile=True on a CPU")
+        self.aot_decode, self._aot_patches = aot_decode, patches
+        self.aot: DecodePackages | None = None
         self.compile_seconds = {"setup": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
         self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
         if compile:
@@ -117,6 +123,7 @@ class Engine:
             # (so one compiled entry each: see _decode_step)
             engine, kinds = next(_ENGINES), {}
             structures = [_structure(block, cache) for block, cache in zip(model.layers, self.caches)]
+            self._structures = structures
             for st in structures:
                 kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{engine}_{len(kinds)}"))
             self._decode_kinds = list(kinds.values())
@@ -283,10 +290,17 @@ class Engine:
         # a SmolLM2 step). Safe because a step's inputs never change: the same modules, caches
         # and buffers, shapes and context keys every step; with one entry per code object there
         # is no choice to get wrong. Any structure with more entries keeps the full guards.
-        with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self._trusted
-                                else contextlib.nullcontext()):
-            for run, block, cache in zip(self._run_decode, model.layers, self.caches):
-                h = run(block, h, cache, ctx)
+        if self.aot_decode:
+            if self.aot is None:
+                self.aot = DecodePackages(model.layers, self.caches, self._structures, h, ctx, self._aot_patches)
+            ctx_tensors = context_tensors(ctx)
+            for i in range(len(model.layers)):
+                h = self.aot.run(i, h, ctx_tensors)
+        else:
+            with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self._trusted
+                                    else contextlib.nullcontext()):
+                for run, block, cache in zip(self._run_decode, model.layers, self.caches):
+                    h = run(block, h, cache, ctx)
         if self._trusted is None:
             self._trusted = (self.compiled and self.device.type == "cpu"
                              and all(_entries(f) == 1 for f in self._decode_kinds))
@@ -401,5 +415,9 @@ class Engine:
         self._graph = graph
 
     def graph_counts(self) -> dict[str, int]:
-        """Graphs compiled so far by each entry point (recompiles show up here)."""
-        return {name: c.graphs for name, c in self.counters.items()}
+        """Graphs compiled so far by each entry point (recompiles show up here); under aot_decode
+        also the decode packages in use ("decode_packages": one per layer structure)."""
+        counts = {name: c.graphs for name, c in self.counters.items()}
+        if self.aot is not None:
+            counts["decode_packages"] = self.aot.packages
+        return counts
