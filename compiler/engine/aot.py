@@ -18,7 +18,8 @@ weights changed in place are seen, and the caches are written in place by the pa
 fixed at export and part of the key.
 
 Packages live in the zoo compile cache, `aot/<key>.pt2`, key = sha256 of: the structure, the
-context's layout and non-tensor values, torch's version, inductor's config patches, and the
+context's layout and non-tensor values, the CPU's instruction set (torch's
+get_cpu_capability), torch's version, inductor's config patches, and the
 source of every module of zoo's compiler package (any change to zoo's code misses and rebuilds).
 A hit loads with torch._C._aoti's runner: neither dynamo nor inductor is imported for decode.
 A miss compiles (inductor, ~20 s a structure) and writes the package atomically.
@@ -91,11 +92,11 @@ def context_tensors(ctx: dict) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(ctx) if isinstance(x, torch.Tensor)]
 
 
-def _split_ctx(ctx: dict) -> tuple[list[torch.Tensor], Any, list]:
+def _ctx_layout(ctx: dict) -> tuple[Any, list]:
+    """The context's tree and its leaves with each tensor replaced by _TENSOR (the values a
+    package has fixed; the tensors come as inputs, in context_tensors' order)."""
     leaves, spec = pytree.tree_flatten(ctx)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-    return tensors, spec, consts
+    return spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
 class DecodePackages:
@@ -106,9 +107,12 @@ class DecodePackages:
 
     def __init__(self, layers, caches: list[dict], structures: list[tuple], h: torch.Tensor, ctx: dict,
                  patches: dict):
-        ctx_tensors, spec, consts = _split_ctx(ctx)
+        ctx_tensors, (spec, consts) = context_tensors(ctx), _ctx_layout(ctx)
+        # the packages' machine code is built for this CPU's instruction set (a shared cache dir
+        # may be read by another machine)
         layout = (repr(spec), repr([c if c is not _TENSOR else "tensor" for c in consts]),
-                  [(tuple(t.shape), str(t.dtype), t.stride()) for t in [h, *ctx_tensors]])
+                  [(tuple(t.shape), str(t.dtype), t.stride()) for t in [h, *ctx_tensors]],
+                  torch.backends.cpu.get_cpu_capability())
         self._inputs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._runners: list[Any] = []
         self.built: list[str] = []  # keys compiled by this engine (the rest were cache hits)

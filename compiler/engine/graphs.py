@@ -284,12 +284,6 @@ class Engine:
         ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
                "one_query_kernel": self.one_query_kernel}
-        # Once the first step has compiled each layer structure's function exactly once (every
-        # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
-        # checks (torch's skip_guard_eval_unsafe: 50-80 us per layer call at batch 1, a tenth of
-        # a SmolLM2 step). Safe because a step's inputs never change: the same modules, caches
-        # and buffers, shapes and context keys every step; with one entry per code object there
-        # is no choice to get wrong. Any structure with more entries keeps the full guards.
         if self.aot_decode:
             if self.aot is None:
                 self.aot = DecodePackages(model.layers, self.caches, self._structures, h, ctx, self._aot_patches)
@@ -297,6 +291,13 @@ class Engine:
             for i in range(len(model.layers)):
                 h = self.aot.run(i, h, ctx_tensors)
         else:
+            # Once the first step has compiled each layer structure's function exactly once (every
+            # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
+            # checks (torch's skip_guard_eval_unsafe: 50-80 us per layer call at batch 1, a tenth
+            # of a SmolLM2 step). Safe because a step's inputs never change: the same modules,
+            # caches and buffers, shapes and context keys every step; with one entry per code
+            # object there is no choice to get wrong. Any structure with more entries keeps the
+            # full guards.
             with self._settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if self._trusted
                                     else contextlib.nullcontext()):
                 for run, block, cache in zip(self._run_decode, model.layers, self.caches):
