@@ -62,9 +62,10 @@ class RuntimeSchema:
     max_seq: int = 2048
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
-    # CPU: decode layers as AOTInductor packages run by torch's C++ runner instead of compiled
-    # functions entered through dynamo (compiler/engine/aot.py); needs compile, one process
-    aot_decode: bool = False
+    # CPU: both graphs' layers as AOTInductor packages run by torch's C++ runner instead of
+    # compiled functions entered through dynamo (compiler/engine/aot.py). false | true (needs
+    # device=cpu, compile, one process) | auto (true where that holds, else false)
+    aot: str = "false"
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
     # weight-only quantization of the linears (compiler/quant): null (float), int8 (per output
     # channel) or int4 (groups of quant_group inputs, asymmetric)
@@ -129,6 +130,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 SUBLAYER_NORMS = ("pre", "sandwich", "post")
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
 QUANT_GROUPS = (32, 64, 128)
+AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
+
+
+def aot_applies(rt: RuntimeSchema) -> bool:
+    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process."""
+    return rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
+
+
+def use_aot(rt: RuntimeSchema) -> bool:
+    """runtime.aot resolved: true, or auto where the packages apply."""
+    return rt.aot == "true" or (rt.aot == "auto" and aot_applies(rt))
 
 
 @dataclass(frozen=True)
@@ -255,10 +267,14 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         raise _fail(source, f"runtime.quant: expected one of {list(QUANT_MODES)} or null, got {rt.quant!r}")
     if rt.quant_group not in QUANT_GROUPS:
         raise _fail(source, f"runtime.quant_group: expected one of {list(QUANT_GROUPS)}, got {rt.quant_group!r}")
-    if rt.aot_decode and (rt.device != "cpu" or not rt.compile or rt.parallel.tp * rt.parallel.ep > 1):
-        raise _fail(source, f"runtime.aot_decode=true needs runtime.device=cpu, runtime.compile=true and one "
+    rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string
+    if rt.aot not in AOT_MODES:
+        raise _fail(source, f"runtime.aot: expected one of {list(AOT_MODES)}, got {rt.aot!r}")
+    if rt.aot == "true" and not aot_applies(rt):
+        raise _fail(source, f"runtime.aot=true needs runtime.device=cpu, runtime.compile=true and one "
                             f"process (got device={rt.device!r}, compile={rt.compile}, "
-                            f"parallel tp={rt.parallel.tp} ep={rt.parallel.ep})")
+                            f"parallel tp={rt.parallel.tp} ep={rt.parallel.ep}); runtime.aot=auto uses "
+                            f"packages only where they apply")
     if rt.max_batch <= 0 or rt.max_seq <= 0:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")

@@ -38,10 +38,10 @@ ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
     "zoo_int8": ("float32", "int8", None, ()),
     "zoo_float32": ("float32", None, None, ()),
     "zoo_bfloat16": ("bfloat16", None, None, ()),
-    # decode layers as AOTInductor packages (compiler/engine/aot.py)
-    "zoo_int4_aot": ("float32", "int4", 32, ("runtime.aot_decode=true",)),
-    "zoo_int8_aot": ("float32", "int8", None, ("runtime.aot_decode=true",)),
-    "zoo_float32_aot": ("float32", None, None, ("runtime.aot_decode=true",)),
+    # layers as AOTInductor packages (compiler/engine/aot.py)
+    "zoo_int4_aot": ("float32", "int4", 32, ("runtime.aot=true",)),
+    "zoo_int8_aot": ("float32", "int8", None, ("runtime.aot=true",)),
+    "zoo_float32_aot": ("float32", None, None, ("runtime.aot=true",)),
 }
 DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp",
                    "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",

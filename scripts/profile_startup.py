@@ -1,6 +1,7 @@
 """Where the start-up of `zoo generate conf=smollm2_135m prompt=... chat=true` goes (not a test).
 
     python scripts/profile_startup.py [--runs 3] [conf overrides, e.g. runtime.quant=int4]
+    python scripts/profile_startup.py --cli [--runs 5] [overrides]   the command end to end
 
 Each run is a fresh process that goes through the same steps as the command (runtime.build), timed
 phase by phase: imports, Hydra composition, opening the GGUF file (header, metadata, tokenizer),
@@ -103,14 +104,39 @@ def one_run(overrides: list[str]) -> dict:
             "imported": sorted(m for m in ("transformers", "gguf", "jinja2", "hydra") if m in sys.modules)}
 
 
+def cli_runs(runs: int, overrides: list[str]) -> int:
+    """The command itself, end to end as a user runs it (`python -m zoo generate ...`, what the
+    `zoo` script runs): wall seconds from the process start to its exit, the answer included."""
+    cmd = [sys.executable, "-m", "zoo", "generate", "conf=smollm2_135m", *overrides,
+           "prompt=What is the capital of France?", "chat=true"]
+    print("$ " + " ".join(cmd[1:]))
+    walls = []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        walls.append(time.perf_counter() - t0)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        print(f"run {i + 1}: {walls[-1]:.2f} s  {out.stdout.strip()[:80]!r}")
+    warm = walls[1:] or walls
+    print(f"warm runs (2..{runs}): min {min(warm):.2f} s, median {sorted(warm)[len(warm) // 2]:.2f} s, "
+          f"max {max(warm):.2f} s")
+    return 0
+
+
 def main() -> int:
     args = sys.argv[1:]
     if args[:1] == ["--worker"]:
         print(json.dumps(one_run(args[1:])))
         return 0
-    runs = 3
+    runs, cli = 3, False
+    if args[:1] == ["--cli"]:
+        cli, args = True, args[1:]
     if args[:1] == ["--runs"]:
         runs, args = int(args[1]), args[2:]
+    if cli:
+        return cli_runs(runs, args)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     results = []
     for i in range(runs):

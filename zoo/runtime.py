@@ -28,7 +28,7 @@ from .compiler.matmul_precision import upcast_products
 from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
 from .compiler.quant.experts import QuantExperts
 from .compiler.quant.linear import QuantLinear
-from .compiler.spec import ModelSpec, validate
+from .compiler.spec import ModelSpec, use_aot, validate
 
 from .sampling import sample
 
@@ -217,7 +217,7 @@ def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: 
         fill_tied(module)
     info.load_seconds = time.perf_counter() - t0
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=rt.compile, cuda_graph=rt.cuda_graph, aot_decode=rt.aot_decode)
+                    compile=rt.compile, cuda_graph=rt.cuda_graph, aot=use_aot(rt))
     if rt.compile or engine.use_cuda_graph:
         info.compile_seconds = engine.warmup()
     return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)

@@ -93,9 +93,9 @@ def _code_digest(module: nn.Module) -> str:
     """The source of every module class in `module` and of the packages that load and pack."""
     here = Path(__file__).resolve().parent
     files = {str(p) for d in (here, here.parent / "quant") for p in d.glob("*.py")}
-    for m in module.modules():
+    for cls in {type(m) for m in module.modules()}:  # each class once (inspect is slow per call)
         try:
-            files.add(str(Path(inspect.getsourcefile(type(m))).resolve()))
+            files.add(str(Path(inspect.getsourcefile(cls)).resolve()))
         except (TypeError, OSError):
             pass
     h = hashlib.sha256()

@@ -1,31 +1,35 @@
-"""CPU decode layers as AOTInductor packages run by torch's C++ runner (runtime.aot_decode).
+"""CPU layers as AOTInductor packages run by torch's C++ runner (runtime.aot).
 
-    DecodePackages(layers, caches, structures, h, ctx, patches)   one package per layer structure
-    .run(i, h, ctx) -> h                            layer i's decode step, h [B, 1, ...D]
+    StepPackages(step, layers, caches, h, ctx, loaders, length_dims=None, max_length=None)
+    .run(h, ctx_tensors) -> h      every layer's `step` (prefill | decode), in order
 
-Why: a decode layer compiled by torch.compile is entered through a dynamo frame, a compiled-entry
-lookup and inductor's Python wrapper (one Python call and size assert per op) on every layer of
-every step; at batch 1 on a CPU that is a third of a small model's step. A package is one C++
-call per layer. Measured in one process on the same weights and caches (SmolLM2-135M int4, 2
-threads, AMD EPYC): 66.6 tok/s through packages against 40.6 through the compiled layers, equal
-logits (max difference 0.0).
+Why: a layer compiled by torch.compile is entered through a dynamo frame, a compiled-entry lookup
+and inductor's Python wrapper (one Python call and size assert per op) on every layer of every
+step; at batch 1 on a CPU that is a third of a small model's decode step. A package is one C++
+call per layer. And a process that only loads packages imports neither dynamo nor inductor
+(~4 s of torch's Python) and traces nothing: a warm start of SmolLM2 went from 11 s to under 5.
+Measured in one process on the same weights and caches (SmolLM2-135M int4, 2 threads, AMD EPYC):
+decode 66.6 tok/s through packages against 40.6 through the compiled layers, equal logits.
 
-What a package is: the layer's `decode(h, cache, ctx)` exported (torch.export, non-strict) with
-everything it reads as *inputs*: the layer's parameters and buffers, its cache fields, h and the
-tensors of the step context. So all layers of one structure (graphs._structure) share a package,
-weights changed in place are seen, and the caches are written in place by the package itself
-(the exported index_put_ / copy_ on its inputs). The context's non-tensor values (flags) are
-fixed at export and part of the key.
+What a package is: the layer's `prefill(h, cache, ctx)` or `decode(h, cache, ctx)` exported
+(torch.export, non-strict) with everything it reads as *inputs*: the layer's parameters and
+buffers, its cache fields, h and the tensors of the step context. So all layers of one structure
+(compiling.structure) share a package, weights changed in place are seen, and the caches are
+written in place by the package itself (the exported index_put_ / copy_ on its inputs). The
+context's non-tensor values (flags) are fixed at export and part of the key. A prefill package
+takes every prompt length in [2, max_length]: h's position dimension and the context tensors'
+`length_dims` are one exported dimension (a layer that specialises on the length is refused at
+export, never served a wrong length).
 
-Packages live in the zoo compile cache, `aot/<key>.pt2`, key = sha256 of: the structure, the
-context's layout and non-tensor values, the CPU's instruction set (torch's
-get_cpu_capability), torch's version, inductor's config patches, and the
-source of every module of zoo's compiler package (any change to zoo's code misses and rebuilds).
-A hit loads with torch._C._aoti's runner: neither dynamo nor inductor is imported for decode.
-A miss compiles (inductor, ~20 s a structure) and writes the package atomically.
+Packages live in the zoo compile cache, `aot/<key>.pt2`, key = sha256 of: the step, the
+structure, the inputs' layout (shapes, dtypes, strides; the length dimension as a range) and the
+context's non-tensor values, the CPU's instruction set (torch's get_cpu_capability), torch's
+version and the source of every module of zoo's compiler package (any change to zoo's code misses
+and rebuilds). A hit loads with torch._C._aoti's runner; a miss exports, compiles (inductor,
+~15-25 s a package) and writes the package atomically.
 
 Not for: CUDA (the decode step is a CUDA graph there), tensor parallel (collectives), layers
-whose decode reads tensors that are neither parameters, buffers, cache fields nor context
+whose step reads tensors that are neither parameters, buffers, cache fields nor context
 (export would bake them in as constants: refused with the layer named).
 """
 from __future__ import annotations
@@ -34,15 +38,15 @@ import functools
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError
-from .compiling import compile_cache_dir
+from .compiling import apply_compile_settings, compile_cache_dir, cpu_compile_patches, structure
 
-FORMAT = 1  # bump when what a package takes or returns changes
+FORMAT = 2  # bump when what a package takes or returns changes
 
 
 @functools.cache
@@ -64,13 +68,14 @@ def _state(block: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 
 
 class _Step(torch.nn.Module):
-    """decode(h, cache, ctx) of a layer with its state as inputs. The layer is held outside the
-    module tree, so export lifts none of its tensors as constants of its own."""
+    """block.<step>(h, cache, ctx) with the block's state as inputs. The block is held outside
+    the module tree, so export lifts none of its tensors as constants of its own."""
 
-    def __init__(self, block: torch.nn.Module, names: list[str], cache_keys: list[str], ctx_spec, ctx_consts):
+    def __init__(self, step: str, block: torch.nn.Module, names: list[str], cache_keys: list[str], ctx_spec,
+                 ctx_consts):
         super().__init__()
         object.__setattr__(self, "block", block)
-        self.names, self.cache_keys = names, cache_keys
+        self.step, self.names, self.cache_keys = step, names, cache_keys
         self.ctx_spec, self.ctx_consts = ctx_spec, ctx_consts
 
     def forward(self, state: list[torch.Tensor], h: torch.Tensor, cache: list[torch.Tensor],
@@ -81,7 +86,7 @@ class _Step(torch.nn.Module):
         leaves = [next(it) if c is _TENSOR else c for c in self.ctx_consts]
         ctx = pytree.tree_unflatten(leaves, self.ctx_spec)
         with _reparametrize_module(self.block, dict(zip(self.names, state))):
-            return self.block.decode(h, dict(zip(self.cache_keys, cache)), ctx)
+            return getattr(self.block, self.step)(h, dict(zip(self.cache_keys, cache)), ctx)
 
 
 _TENSOR = object()  # a context leaf that is a tensor input (the others are fixed at export)
@@ -99,61 +104,87 @@ def _ctx_layout(ctx: dict) -> tuple[Any, list]:
     return spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
-class DecodePackages:
-    """See the module docstring. layers / caches: the engine's blocks and their cache dicts;
-    structures: graphs._structure of each layer; h: a residual state as decode sees it [B, 1, ...D];
-    ctx: one step's context (its layout and flags are those of every step); patches: inductor
-    config patches of the engine's graphs."""
+def _layout(t: torch.Tensor, dim: Optional[int]) -> tuple:
+    """What a package fixes of an input: shape, dtype and strides; with a length dimension, its
+    place instead of its size (and whether the tensor is contiguous: its strides follow)."""
+    if dim is None:
+        return tuple(t.shape), str(t.dtype), t.stride()
+    return tuple(-1 if d == dim else n for d, n in enumerate(t.shape)), str(t.dtype), t.is_contiguous()
 
-    def __init__(self, layers, caches: list[dict], structures: list[tuple], h: torch.Tensor, ctx: dict,
-                 patches: dict):
+
+class StepPackages:
+    """See the module docstring. step: "prefill" or "decode"; layers / caches: blocks and their
+    cache dicts (views are fine: their strides are part of the key); h: the residual state the
+    first layer gets, [B, L, ...D] ([B, 1, ...D] in decode); ctx: one call's context (its layout
+    and flags are those of every call); loaders: package path -> loaded runner, shared by the
+    engine's StepPackages; length_dims: per context tensor (context_tensors order), its
+    prompt-length dimension or None; max_length: the longest prompt (prefill only)."""
+
+    def __init__(self, step: str, layers, caches: list[dict], h: torch.Tensor, ctx: dict, loaders: dict,
+                 length_dims: Optional[list[Optional[int]]] = None, max_length: Optional[int] = None):
         ctx_tensors, (spec, consts) = context_tensors(ctx), _ctx_layout(ctx)
-        # the packages' machine code is built for this CPU's instruction set (a shared cache dir
-        # may be read by another machine)
-        layout = (repr(spec), repr([c if c is not _TENSOR else "tensor" for c in consts]),
-                  [(tuple(t.shape), str(t.dtype), t.stride()) for t in [h, *ctx_tensors]],
+        dynamic = length_dims is not None
+        dims = [1 if dynamic else None, *(length_dims or [None] * len(ctx_tensors))]
+        layout = (step, repr(spec), repr([c if c is not _TENSOR else "tensor" for c in consts]),
+                  [_layout(t, d) for t, d in zip([h, *ctx_tensors], dims)], (2, max_length) if dynamic else None,
+                  # machine code for this CPU's instruction set (a shared cache dir may be read by another machine)
                   torch.backends.cpu.get_cpu_capability())
-        self._inputs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._runners: list[Any] = []
-        self.built: list[str] = []  # keys compiled by this engine (the rest were cache hits)
-        runners: dict[tuple, Any] = {}
-        for block, cache, st in zip(layers, caches, structures):
+        self.step = step
+        self.built: list[str] = []  # packages compiled here (the rest were on disk)
+        self.keys: set[str] = set()
+        self._layers: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+        for block, cache in zip(layers, caches):
             names, state = _state(block)
             keys = sorted(cache)
-            if st not in runners:
-                key = hashlib.sha256(repr((FORMAT, st, layout, torch.__version__, sorted(patches.items(), key=str),
-                                           _zoo_source_digest())).encode()).hexdigest()[:40]
-                path = compile_cache_dir() / "aot" / f"{key}.pt2"
-                if not path.exists():
-                    self._build(path, _Step(block, names, keys, spec, consts),
-                                (state, h, [cache[k] for k in keys], ctx_tensors),
-                                patches, type(block).__qualname__)
+            key = hashlib.sha256(repr((FORMAT, structure(block, cache), layout, torch.__version__,
+                                       _zoo_source_digest())).encode()).hexdigest()[:40]
+            path = str(compile_cache_dir() / "aot" / f"{key}.pt2")
+            if path not in loaders:
+                if not os.path.exists(path):
+                    self._build(Path(path), _Step(step, block, names, keys, spec, consts),
+                                (state, h, [cache[k] for k in keys], ctx_tensors), dims, max_length,
+                                type(block).__qualname__)
                     self.built.append(key)
-                runners[st] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            self._runners.append(runners[st])
-            self._inputs.append((state, [cache[k] for k in keys]))
-        self.packages = len(runners)
+                loaders[path] = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+            self.keys.add(key)
+            self._layers.append((loaders[path], state, [cache[k] for k in keys]))
 
-    @staticmethod
-    def _build(path: Path, step: _Step, args: tuple, patches: dict, what: str) -> None:
+    def _build(self, path: Path, step: _Step, args: tuple, dims: list, max_length: Optional[int], what: str) -> None:
+        # the compilers are imported on a miss only: a process whose packages are all on disk
+        # imports neither dynamo nor inductor
         import torch._inductor
 
-        with torch.no_grad():  # non-strict export traces with fake tensors: the caches are not written
-            ep = torch.export.export(step, args, strict=False)
+        apply_compile_settings()
+        state, h, cache, ctx_tensors = args
+        shapes = None
+        if max_length is not None:
+            length = torch.export.Dim("length", min=2, max=max_length)
+            shapes = ([None] * len(state), {dims[0]: length}, [None] * len(cache),
+                      [None if d is None else {d: length} for d in dims[1:]])
+        try:
+            with torch.no_grad():  # non-strict export traces with fake tensors: the caches are not written
+                ep = torch.export.export(step, args, dynamic_shapes=shapes, strict=False)
+        except torch._dynamo.exc.UserError as e:  # a constraint violation: the layer specialises on the length
+            raise ConfigError(f"runtime.aot: the {self.step} of layer kind {what} cannot take every prompt length "
+                              f"in [2, {max_length}] as one package ({str(e).splitlines()[0]}); set "
+                              f"runtime.aot=false") from e
         if ep.constants:
-            raise ConfigError(f"runtime.aot_decode: the decode step of layer kind {what} reads tensors that are "
-                              f"not parameters, buffers, cache fields or context ({sorted(ep.constants)[:3]}); "
-                              f"register them as buffers, or set runtime.aot_decode=false")
+            raise ConfigError(f"runtime.aot: the {self.step} of layer kind {what} reads tensors that are not "
+                              f"parameters, buffers, cache fields or context ({sorted(ep.constants)[:3]}); "
+                              f"register them as buffers, or set runtime.aot=false")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
         try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=dict(patches))
+            # not in the key: the one CPU patch (cpp.vec_isa_ok) skips inductor's ISA probe once
+            # it has passed, the code is the same
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                     inductor_configs=cpu_compile_patches())
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)
 
-    def run(self, i: int, h: torch.Tensor, ctx_tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Layer i's decode step: h [B, 1, ...D] -> the same shape; writes layer i's caches."""
-        state, cache = self._inputs[i]
-        return self._runners[i].run([*state, h, *cache, *ctx_tensors])[0]
-
+    def run(self, h: torch.Tensor, ctx_tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Every layer's step in order: h [B, L, ...D] -> the same shape; writes the caches."""
+        for runner, state, cache in self._layers:
+            h = runner.run([*state, h, *cache, *ctx_tensors])[0]
+        return h

@@ -8,6 +8,7 @@ travel with the backend (`GraphCounter.config_patches`), not through global conf
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from pathlib import Path
@@ -50,6 +51,28 @@ def _use_compile_cache_dir() -> None:
     mean "not chosen by the user"; anything else is an explicit setting and wins."""
     if _user_cache_dir() is None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
+def structure(block: torch.nn.Module, cache: dict) -> tuple:
+    """What a layer's decode graph depends on besides tensor values: its submodules' classes and
+    plain attributes (ints, flags, specs), its tensors' shapes, dtypes and strides, and its cache
+    fields'. Layers with equal structures share one compiled decode function (Engine)
+    and one package (aot.py)."""
+    parts: list = []
+    for name, mod in block.named_modules():
+        attrs = []
+        for k, v in sorted(vars(mod).items()):
+            if k.startswith("_") or isinstance(v, (torch.Tensor, torch.nn.Module)) or callable(v):
+                continue
+            try:
+                hash(v)
+            except TypeError:
+                v = repr(v)
+            attrs.append((k, v))
+        parts.append((name, type(mod).__qualname__, tuple(attrs)))
+    for name, t in itertools.chain(block.named_parameters(), block.named_buffers(), sorted(cache.items())):
+        parts.append((name, tuple(t.shape), t.dtype, t.stride()))
+    return tuple(parts)
 
 
 # Every engine compiles the same two functions; distinct models add cache entries to them.
@@ -137,7 +160,12 @@ class GraphCounter:
         self.name = name
         self.graphs = 0
         self.seconds = 0.0
-        self.config_patches = {"post_grad_custom_post_pass": _cache_key_pass()(cache_key), **patches}
+        self.cache_key, self.patches = cache_key, patches
+
+    @functools.cached_property
+    def config_patches(self) -> dict:
+        """Inductor config of its graphs (made on the first compile: the pass imports inductor)."""
+        return {"post_grad_custom_post_pass": _cache_key_pass()(self.cache_key), **self.patches}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx

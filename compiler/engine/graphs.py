@@ -25,14 +25,15 @@ import types
 from typing import Callable
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..mixers import one_query
 from ..model import Decoder
 from ..position.rope import rope_key
-from .aot import DecodePackages, context_tensors
+from .aot import StepPackages, context_tensors
 from .cache import plan_caches
-from .compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings
+from .compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings, structure
 from .mtp import mtp_caches, mtp_prefill
 
 
@@ -49,27 +50,6 @@ def _own_copy(fn: Callable, name: str) -> Callable:
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _structure(block: torch.nn.Module, cache: dict) -> tuple:
-    """What a layer's decode graph depends on besides tensor values: its submodules' classes and
-    plain attributes (ints, flags, specs), its tensors' shapes, dtypes and strides, and its cache
-    fields'. Layers with equal structures share one compiled decode function (Engine)."""
-    parts: list = []
-    for name, mod in block.named_modules():
-        attrs = []
-        for k, v in sorted(vars(mod).items()):
-            if k.startswith("_") or isinstance(v, (torch.Tensor, torch.nn.Module)) or callable(v):
-                continue
-            try:
-                hash(v)
-            except TypeError:
-                v = repr(v)
-            attrs.append((k, v))
-        parts.append((name, type(mod).__qualname__, tuple(attrs)))
-    for name, t in itertools.chain(block.named_parameters(), block.named_buffers(), sorted(cache.items())):
-        parts.append((name, tuple(t.shape), t.dtype, t.stride()))
-    return tuple(parts)
-
-
 def _entries(fn: Callable) -> int:
     """Compiled entries dynamo holds for fn's code object."""
     return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
@@ -82,7 +62,7 @@ class Engine:
     """Caches, rope tables and the prefill/decode graphs of one materialized Decoder."""
 
     def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
-                 compile: bool = True, cuda_graph: bool = True, aot_decode: bool = False):
+                 compile: bool = True, cuda_graph: bool = True, aot: bool = False):
         self.model = model
         self.device = model.embed.weight.device
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -106,24 +86,26 @@ class Engine:
         self.one_query_kernel = self.device.type == "cpu" and one_query.available()
         key = f"zoo-max_seq={max_seq}"
         t0 = time.perf_counter()
-        if compile:
+        # CPU layers as AOTInductor packages (aot.py), loaded or made at each step's first call;
+        # nothing of dynamo or inductor is imported unless a package has to be made
+        if aot and not (compile and self.device.type == "cpu"):
+            raise ValueError("aot needs compile=True on a CPU")
+        self.aot = aot
+        self._loaders: dict[str, object] = {}  # package path -> runner, shared by the step packages
+        self._packages: dict[tuple, StepPackages] = {}  # ("prefill" | "decode", where) -> its packages
+        dynamo = compile and not aot
+        if dynamo:
             apply_compile_settings()
-        patches = cpu_compile_patches() if compile and self.device.type == "cpu" else {}
-        # CPU decode through AOTInductor packages (aot.py), made at the first decode step
-        if aot_decode and not (compile and self.device.type == "cpu"):
-            raise ValueError("aot_decode needs compile=True on a CPU")
-        self.aot_decode, self._aot_patches = aot_decode, patches
-        self.aot: DecodePackages | None = None
+        patches = cpu_compile_patches() if dynamo and self.device.type == "cpu" else {}
         self.compile_seconds = {"setup": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
         self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
-        if compile:
+        if dynamo:
             self._run_prefill: Callable = torch.compile(_block_prefill, fullgraph=True, dynamic=False,
                                                         backend=self.counters["prefill"])
             # one decode function per distinct layer structure, each with a code object of its own
             # (so one compiled entry each: see _decode_step)
             engine, kinds = next(_ENGINES), {}
-            structures = [_structure(block, cache) for block, cache in zip(model.layers, self.caches)]
-            self._structures = structures
+            structures = [structure(block, cache) for block, cache in zip(model.layers, self.caches)]
             for st in structures:
                 kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{engine}_{len(kinds)}"))
             self._decode_kinds = list(kinds.values())
@@ -133,7 +115,7 @@ class Engine:
         else:
             self._run_prefill, self._decode_kinds = _block_prefill, []
             self._run_decode = [_block_decode] * len(model.layers)
-        self._settings = dynamo_settings if compile else contextlib.nullcontext
+        self._settings = dynamo_settings if dynamo else contextlib.nullcontext
         self.use_cuda_graph = cuda_graph and self.device.type == "cuda"
         self._graph: torch.cuda.CUDAGraph | None = None
         self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=self.device)
@@ -212,9 +194,21 @@ class Engine:
         """ids [B, L] -> the last residual state [B, L, ...D]; fills the caches."""
         model = self.model
         h = model.streams.expand(model.embed(ids))
-        ctx = self._prefill_ctx(ids, h)
+        return self._prefill_layers("batch", model.layers, self.caches, h, self._prefill_ctx(ids, h))
+
+    def _prefill_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """layers' prefill in order over h [B, L, ...D]; fills their caches. where: what the
+        caches are (the whole batch, one row's views, an MTP block): each has its own packages."""
+        if self.aot:
+            steps = self._packages.get(("prefill", where))
+            if steps is None:
+                # the prompt length: h's dim 1, the ids' dim 1, the rope rows' dim 0
+                dims = {"ids": 1, "rope": {k: (0, 0) for k in ctx["rope"]}}
+                steps = self._packages["prefill", where] = StepPackages(
+                    "prefill", layers, caches, h, ctx, self._loaders, pytree.tree_leaves(dims), self.max_seq)
+            return steps.run(h, context_tensors(ctx))
         with self._settings():
-            for block, cache in zip(model.layers, self.caches):
+            for block, cache in zip(layers, caches):
                 h = self._run_prefill(block, h, cache, ctx)
         return h
 
@@ -222,15 +216,14 @@ class Engine:
         """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
         prefill graph: h [max_batch, L, ...D], ids [max_batch, L] (the tokens at those positions)
         -> [max_batch, L, ...D]; fills `cache` (that block's cache dict)."""
-        with self._settings():
-            return self._run_prefill(block, h, cache, self._prefill_ctx(ids, h))
+        return self._prefill_layers(("block", id(block)), [block], [cache], h, self._prefill_ctx(ids, h))
 
     def _prefill_ctx(self, ids: torch.Tensor, h: torch.Tensor) -> dict:
         """The block context of a prefill over positions 0..L-1 (L dynamic when compiled)."""
         L = ids.shape[1]
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
-        if self.compiled and L >= 2:
+        if self.compiled and not self.aot and L >= 2:
             # dynamic, not constrained: when inductor specialises on a size threshold (a CPU
             # reduction over > 4096 positions, int16 indices under 32767 MoE rows) a longer prompt
             # compiles one more graph instead of failing a declared range
@@ -284,12 +277,12 @@ class Engine:
         ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
                "one_query_kernel": self.one_query_kernel}
-        if self.aot_decode:
-            if self.aot is None:
-                self.aot = DecodePackages(model.layers, self.caches, self._structures, h, ctx, self._aot_patches)
-            ctx_tensors = context_tensors(ctx)
-            for i in range(len(model.layers)):
-                h = self.aot.run(i, h, ctx_tensors)
+        if self.aot:
+            steps = self._packages.get(("decode", "batch"))
+            if steps is None:
+                steps = self._packages["decode", "batch"] = StepPackages(
+                    "decode", model.layers, self.caches, h, ctx, self._loaders)
+            h = steps.run(h, context_tensors(ctx))
         else:
             # Once the first step has compiled each layer structure's function exactly once (every
             # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
@@ -345,10 +338,7 @@ class Engine:
             for t in layer.values():
                 t.zero_()
         h = model.streams.expand(model.embed(ids))
-        ctx = self._prefill_ctx(ids, h)
-        with self._settings():
-            for block, cache in zip(model.layers, views):
-                h = self._run_prefill(block, h, cache, ctx)
+        h = self._prefill_layers(("row", row), model.layers, views, h, self._prefill_ctx(ids, h))
         self.pos[row] = ids.shape[1]
         self._mark_rows([row], ids.shape[1])
         return model.logits(h[0, -1])
@@ -416,9 +406,16 @@ class Engine:
         self._graph = graph
 
     def graph_counts(self) -> dict[str, int]:
-        """Graphs compiled so far by each entry point (recompiles show up here); under aot_decode
-        also the decode packages in use ("decode_packages": one per layer structure)."""
-        counts = {name: c.graphs for name, c in self.counters.items()}
-        if self.aot is not None:
-            counts["decode_packages"] = self.aot.packages
-        return counts
+        """Graphs compiled so far by each entry point (recompiles show up here); under runtime.aot
+        the packages in use instead ("prefill_packages", "decode_packages": one per layer
+        structure and layout of the inputs)."""
+        if not self.aot:
+            return {name: c.graphs for name, c in self.counters.items()}
+        counts = {"prefill_packages": set(), "decode_packages": set()}
+        for (step, _), steps in self._packages.items():
+            counts[f"{step}_packages"] |= steps.keys
+        return {name: len(keys) for name, keys in counts.items()}
+
+    def packages_built(self) -> list[str]:
+        """Keys of the packages this engine compiled (runtime.aot; the others came from disk)."""
+        return [key for steps in self._packages.values() for key in steps.built]
