@@ -16,18 +16,25 @@ threads), and per run whether the weights came from the weight cache, the graph 
 no recompiles) and which of transformers / gguf / jinja2 / hydra were imported (transformers
 must never be).
 
-Measured on the idle 2-core AMD EPYC box (32 MiB L3), int4 (the Q4_1 blocks kept), weight cache
-hit, `python scripts/profile_startup.py --runs 2 runtime.quant=int4`, the warm run, wall s:
+Measured on the idle 2-core AMD EPYC box (32 MiB L3), weight cache hit, the warm runs, wall s
+(`--runs 3 [runtime.quant=int4]`, bytecode written):
 
-    imports 3.10, compose 0.39, open GGUF + tokenizer 0.40, validate + build + plan 2.63,
-    load weights 0.08, engine (graphs) 4.87, generate 16 tokens 0.65; total 12.11
+    float32: imports 2.9-3.1, compose 0.03, open GGUF + tokenizer 0.37-0.49, validate + build +
+    plan 0.27-0.31, load weights 0.05, engine 0.03-0.06, generate 16 tokens 0.8-1.0; total 4.7
+    int4:    imports 2.6-2.9, ... engine 0.05, generate 16 tokens 0.45-0.55; total 4.1-4.3
+    `--cli --runs 7`: float32 4.72 / 4.95 / 5.22 s (min / median / max), int4 (16 tokens)
+    3.89 / 4.38 / 4.84 s, while `python -c "import torch"` alone took 2.4-3.0 s.
 
-`python -X importtime` over the same build: torch 2.9 s, torch._dynamo 1.9 s (first use in the
-build), inductor's compile_fx 1.3 s + codecache 0.5 s (inside the engine phase): ~6.5 s of the 12 s
-are torch's own imports (importtime inflates them somewhat), most of the rest dynamo tracing the
-two block functions and loading their compiled kernels. A warm start under 5 s therefore needs
-graphs that load without dynamo and inductor (AOTInductor packages loaded through torch's C++
-runner), which zoo does not have yet.
+What bought it, from the 11-12 s of the session before (imports 3.1, build 2.6-2.8, engine
+4.5-4.9): (1) runtime.aot (compiler/engine/aot.py; the preset sets `auto`): prefill and decode
+layers as AOTInductor packages loaded by torch's C++ runner, so a warm process neither imports
+dynamo nor inductor (~4 s of torch's Python) nor traces: engine 4.5 -> 0.05 s; (2) the meta-device
+build no longer runs nn.Embedding's normal_ init, which on meta goes through torch._refs and
+imported torch._dynamo (2.6 s of the build); (3) materialize allocates with empty_strided instead
+of Module.to_empty's empty_like (Python meta path, 0.9 s with the symbolic-shapes import); (4)
+composed configs cached (compiler/config.py): 0.3-0.5 -> 0.03 s; (5) the `zoo` command exits with
+os._exit after flushing (Python's shutdown after torch: ~1 s); (6) under runtime.aot the warm-up
+loads the packages without a dummy forward over every weight (~0.3 s float32).
 
 ## What each change bought (an earlier session, measured on the same box while 3-4 other jobs
 ## ran, load average 4-6: the seconds are inflated 2-5x and noisy; compare within a column)

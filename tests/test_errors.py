@@ -235,3 +235,20 @@ def test_decode_before_prefill(model):
 def test_too_big_for_device_fails_before_allocating():
     with pytest.raises(zoo.ZooError, match="needs .* GiB .* available; nothing was allocated"):
         zoo.build("llama3_8b", ["runtime.max_seq=64"], dry=False, compile=False)
+
+
+def test_the_zoo_command_flushes_before_its_fast_exit():
+    """`python -m zoo` (what the `zoo` script runs) ends with os._exit, skipping Python's ~1 s
+    shutdown after torch: everything printed reaches the pipe, and the exit status is main's
+    (2 for an error, with its message on stderr)."""
+    import subprocess
+    import sys
+
+    from zoo.compiler.config import available_configs
+
+    ok = subprocess.run([sys.executable, "-m", "zoo", "configs"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert all(name in ok.stdout for name in available_configs())
+    bad = subprocess.run([sys.executable, "-m", "zoo", "generate", "conf=no_such_conf", "prompt=hi"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown conf 'no_such_conf'" in bad.stderr

@@ -200,17 +200,26 @@ class Engine:
         """layers' prefill in order over h [B, L, ...D]; fills their caches. where: what the
         caches are (the whole batch, one row's views, an MTP block): each has its own packages."""
         if self.aot:
-            steps = self._packages.get(("prefill", where))
-            if steps is None:
-                # the prompt length: h's dim 1, the ids' dim 1, the rope rows' dim 0
-                dims = {"ids": 1, "rope": {k: (0, 0) for k in ctx["rope"]}}
-                steps = self._packages["prefill", where] = StepPackages(
-                    "prefill", layers, caches, h, ctx, self._loaders, pytree.tree_leaves(dims), self.max_seq)
-            return steps.run(h, context_tensors(ctx))
+            return self._step_packages("prefill", where, layers, caches, h, ctx).run(h, context_tensors(ctx))
         with self._settings():
             for block, cache in zip(layers, caches):
                 h = self._run_prefill(block, h, cache, ctx)
         return h
+
+    def _step_packages(self, step: str, where, layers, caches: list[dict], h: torch.Tensor,
+                       ctx: dict) -> StepPackages:
+        """The packages of `step` for these layers and caches (runtime.aot), loaded (or made) on
+        first use from the first call's inputs."""
+        steps = self._packages.get((step, where))
+        if steps is None:
+            if step == "prefill":  # the prompt length: h's dim 1, the ids' dim 1, the rope rows' dim 0
+                dims = {"ids": 1, "rope": {k: (0, 0) for k in ctx["rope"]}}
+                steps = StepPackages(step, layers, caches, h, ctx, self._loaders, pytree.tree_leaves(dims),
+                                     self.max_seq)
+            else:
+                steps = StepPackages(step, layers, caches, h, ctx, self._loaders)
+            self._packages[step, where] = steps
+        return steps
 
     def block_prefill(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor) -> torch.Tensor:
         """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
@@ -271,17 +280,19 @@ class Engine:
         self.length += 1
         return logits
 
+    def _decode_ctx(self, tok: torch.Tensor) -> dict:
+        """The block context of a decode step: tok [max_batch] at the rows' positions."""
+        pos = self.pos
+        return {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
+                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
+                "one_query_kernel": self.one_query_kernel}
+
     def _decode_step(self, tok: torch.Tensor) -> torch.Tensor:
         model, pos = self.model, self.pos
         h = model.streams.expand(model.embed(tok[:, None]))
-        ctx = {"ids": tok.contiguous()[:, None], "pos": pos,  # one stride (see _prefill_ctx)
-               "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
-               "one_query_kernel": self.one_query_kernel}
+        ctx = self._decode_ctx(tok)
         if self.aot:
-            steps = self._packages.get(("decode", "batch"))
-            if steps is None:
-                steps = self._packages["decode", "batch"] = StepPackages(
-                    "decode", model.layers, self.caches, h, ctx, self._loaders)
+            steps = self._step_packages("decode", "batch", model.layers, self.caches, h, ctx)
             h = steps.run(h, context_tensors(ctx))
         else:
             # Once the first step has compiled each layer structure's function exactly once (every
@@ -375,9 +386,23 @@ class Engine:
         """Compile both graphs (and capture the CUDA graph) on dummy tokens, then reset.
 
         Returns the wall time spent on each graph's first run (compile + one run), and on setting
-        up the compiler ("setup": the CPU ISA probe, on the first compile in a cache only).
+        up the compiler ("setup": the CPU ISA probe, on the first compile in a cache only). Under
+        runtime.aot the packages are loaded (made on a miss) without running them: a dummy pass
+        would only cost a forward over every weight (~0.3 s of a SmolLM2 float32 start-up).
         """
         dummy = torch.zeros(self.max_batch, min(2, self.max_seq), dtype=torch.long, device=self.device)
+        if self.aot:
+            model = self.model
+            t0 = time.perf_counter()
+            if self.max_seq >= 2:
+                h = model.streams.expand(model.embed(dummy))
+                self._step_packages("prefill", "batch", model.layers, self.caches, h, self._prefill_ctx(dummy, h))
+            self.compile_seconds["prefill"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            h = model.streams.expand(model.embed(self._tok_buf[:, None]))
+            self._step_packages("decode", "batch", model.layers, self.caches, h, self._decode_ctx(self._tok_buf))
+            self.compile_seconds["decode"] = time.perf_counter() - t0
+            return dict(self.compile_seconds)
         if self.max_seq >= 2:
             t0 = time.perf_counter()
             self._prefill(dummy)
