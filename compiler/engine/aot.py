@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -177,8 +178,10 @@ class StepPackages:
         try:
             # not in the key: the one CPU patch (cpp.vec_isa_ok) skips inductor's ISA probe once
             # it has passed, the code is the same
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
-                                                     inductor_configs=cpu_compile_patches())
+            with warnings.catch_warnings():  # torch's own deprecation when it copies the program's pytree specs
+                warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                         inductor_configs=cpu_compile_patches())
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)
