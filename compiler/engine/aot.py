@@ -113,6 +113,18 @@ def _layout(t: torch.Tensor, dim: Optional[int]) -> tuple:
     return tuple(-1 if d == dim else n for d, n in enumerate(t.shape)), str(t.dtype), t.is_contiguous()
 
 
+def _length_range(ep, at: int, dim: int) -> Optional[tuple]:
+    """The prompt lengths an exported prefill takes: the range of h's length dimension (h is user
+    input `at`), or None when export made it a constant."""
+    h = [n for n in ep.graph.nodes if n.op == "placeholder"][len(ep.graph_signature.input_specs)
+                                                                  - len(ep.graph_signature.user_inputs) + at]
+    size = h.meta["val"].shape[dim]
+    if not isinstance(size, torch.SymInt):
+        return None
+    r = ep.range_constraints[size.node.expr]
+    return int(r.lower), int(r.upper)
+
+
 class StepPackages:
     """See the module docstring. step: "prefill" or "decode"; layers / caches: blocks and their
     cache dicts (views are fine: their strides are part of the key); h: the residual state the
@@ -159,16 +171,19 @@ class StepPackages:
         state, h, cache, ctx_tensors = args
         shapes = None
         if max_length is not None:
-            length = torch.export.Dim("length", min=2, max=max_length)
+            # DYNAMIC, not a named Dim: a guard export cannot prove over the range (size
+            # arithmetic such as min(L, 2*L*L) == L in a sliding window's mask) becomes a runtime
+            # check instead of an error; a length the layer really specialises on is refused below
+            length = torch.export.Dim.DYNAMIC(min=2, max=max_length)
             shapes = ([None] * len(state), {dims[0]: length}, [None] * len(cache),
                       [None if d is None else {d: length} for d in dims[1:]])
-        try:
-            with torch.no_grad():  # non-strict export traces with fake tensors: the caches are not written
-                ep = torch.export.export(step, args, dynamic_shapes=shapes, strict=False)
-        except torch._dynamo.exc.UserError as e:  # a constraint violation: the layer specialises on the length
-            raise ConfigError(f"runtime.aot: the {self.step} of layer kind {what} cannot take every prompt length "
-                              f"in [2, {max_length}] as one package ({str(e).splitlines()[0]}); set "
-                              f"runtime.aot=false") from e
+        with torch.no_grad():  # non-strict export traces with fake tensors: the caches are not written
+            ep = torch.export.export(step, args, dynamic_shapes=shapes, strict=False)
+        if max_length is not None:
+            got = _length_range(ep, len(state), dims[0])
+            if got != (2, max_length):
+                raise ConfigError(f"runtime.aot: the {self.step} of layer kind {what} cannot take every prompt length "
+                                  f"in [2, {max_length}] as one package (export kept {got}); set runtime.aot=false")
         if ep.constants:
             raise ConfigError(f"runtime.aot: the {self.step} of layer kind {what} reads tensors that are not "
                               f"parameters, buffers, cache fields or context ({sorted(ep.constants)[:3]}); "
