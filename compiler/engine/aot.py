@@ -7,7 +7,8 @@ Why: a layer compiled by torch.compile is entered through a dynamo frame, a comp
 and inductor's Python wrapper (one Python call and size assert per op) on every layer of every
 step; at batch 1 on a CPU that is a third of a small model's decode step. A package is one C++
 call per layer. And a process that only loads packages imports neither dynamo nor inductor
-(~4 s of torch's Python) and traces nothing: a warm start of SmolLM2 went from 11 s to under 5.
+(~4 s of torch's Python) and traces nothing: a warm start of SmolLM2 went from 11-13 s to a
+median of 4.4-5.0 s (scripts/profile_startup.py --cli).
 Measured in one process on the same weights and caches (SmolLM2-135M int4, 2 threads, AMD EPYC):
 decode 66.6 tok/s through packages against 40.6 through the compiled layers, equal logits.
 
@@ -137,6 +138,8 @@ class StepPackages:
                  length_dims: Optional[list[Optional[int]]] = None, max_length: Optional[int] = None):
         ctx_tensors, (spec, consts) = context_tensors(ctx), _ctx_layout(ctx)
         dynamic = length_dims is not None
+        if dynamic and len(length_dims) != len(ctx_tensors):  # zip below would drop the rest silently
+            raise ValueError(f"length_dims gives {len(length_dims)} dimensions for {len(ctx_tensors)} context tensors")
         dims = [1 if dynamic else None, *(length_dims or [None] * len(ctx_tensors))]
         layout = (step, repr(spec), repr([c if c is not _TENSOR else "tensor" for c in consts]),
                   [_layout(t, d) for t, d in zip([h, *ctx_tensors], dims)], (2, max_length) if dynamic else None,
