@@ -15,6 +15,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from .cache_root import zoo_cache_root
 from .errors import ConfigError
 from .spec import ModelSpec, validate
 
@@ -106,8 +107,6 @@ def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def _compose_cache() -> Path:
-    from .engine.compiling import zoo_cache_root
-
     return zoo_cache_root() / "compose"
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .cache_root import zoo_cache_root
+
 
 def flags() -> list[str]:
     """Vector flags when torch itself dispatches AVX2 or better on this CPU (AVX2 machines have
@@ -35,8 +37,6 @@ def _compiler() -> str:
 
 def build(source: Path) -> Path:
     """source.cpp -> <zoo cache>/kernels/<stem>-<key>.so (built once per key; atomic)."""
-    from .engine.compiling import zoo_cache_root
-
     cxx = _compiler()
     torch_dir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"

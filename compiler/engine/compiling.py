@@ -15,10 +15,7 @@ from pathlib import Path
 
 import torch
 
-
-def zoo_cache_root() -> Path:
-    """$ZOO_CACHE_DIR, default ~/.cache/zoo: compiled graphs, built kernels."""
-    return Path(os.environ.get("ZOO_CACHE_DIR") or Path.home() / ".cache" / "zoo")
+from ..cache_root import zoo_cache_root
 
 
 def compile_cache_dir() -> Path:
