@@ -114,7 +114,7 @@ def mtp_parameters(spec: ModelSpec) -> int:
     """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none."""
     if not spec.mtp_layers:
         return 0
-    from .engine.mtp import mtp_layers
+    from .mtp import mtp_layers
 
     on = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=True))
     with torch.device("meta"):

@@ -7,7 +7,7 @@ scalar in the embedding dtype, as transformers does; Granite's embedding_multipl
 `logits_scaling` divides the logits (Granite), `logit_softcap` squashes them to
 softcap * tanh(logits / softcap) (Gemma 2).
 
-Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in engine/mtp.py.
+Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in mtp.py.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .block import Block, BuildContext
-from .contracts import OwnInit
-from .engine.mtp import mtp_layers
+from .contracts import KeepFloat32, OwnInit
 from .errors import ConfigError
+from .mtp import mtp_layers
 from .norm.norms import make_norm
 from .position.rope import make_rope
 from .residual.prenorm import residual_kind
@@ -77,7 +77,7 @@ class Decoder(nn.Module):
                 module.init_weights(generator)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.data.normal_(0.0, std, generator=generator)
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     module.bias.data.zero_()
             elif module is not self:  # bare parameters (stacked experts, ...)
                 for p in module.parameters(recurse=False):
@@ -120,15 +120,15 @@ def torch_dtype(name: str) -> torch.dtype:
     """A runtime dtype name (one of spec.DTYPES) -> the torch dtype."""
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r}: expected one of {list(DTYPES)}")
-    return getattr(torch, name)
+    return getattr(torch, name)  # reflection over torch's dtypes, the name checked above
 
 
 def cast(model: Decoder, dtype: torch.dtype) -> Decoder:
-    """Parameters to `dtype`, except modules that declare `keep_float32 = True` (routing and
+    """Parameters to `dtype`, except modules marked contracts.KeepFloat32 (routing and
     stream-mixing weights stay float32, as in the checkpoints). Free on the meta device."""
     model = model.to(dtype=dtype)
     for module in model.modules():
-        if getattr(module, "keep_float32", False):
+        if isinstance(module, KeepFloat32):
             module.to(torch.float32)
     return model
 

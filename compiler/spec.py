@@ -209,6 +209,7 @@ def _validate_kind(slot: str, node: Any, path: str, source: str, model: dict) ->
     try:
         merged = OmegaConf.merge(schema, node)
     except OmegaConfBaseException as e:
+        # reflection: which of these an OmegaConf error carries depends on where it was raised
         key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
         raise _fail(source, f"{path}.{key}: {_short(e)} (valid keys for {slot} kind {kind!r}: "
                             f"{sorted(f.name for f in dataclasses.fields(cls.Spec))})") from None
@@ -216,14 +217,10 @@ def _validate_kind(slot: str, node: Any, path: str, source: str, model: dict) ->
     if missing:
         raise _fail(source, f"{path}: missing required keys {sorted(missing)} for {slot} kind {kind!r}")
     spec = OmegaConf.to_object(merged)
-    resolve = getattr(spec, "resolve", None)
-    if resolve is not None:
-        spec = resolve(model)  # returns a new, fully resolved spec (derived dims filled in)
-    check = getattr(spec, "check", None)
-    if check is not None:
-        problem = check(model)
-        if problem:
-            raise _fail(source, f"{path}: {problem}")
+    spec = spec.resolve(model)  # contracts.KindSpec: a new, fully resolved spec (derived dims filled in)
+    problem = spec.check(model)
+    if problem:
+        raise _fail(source, f"{path}: {problem}")
     return spec
 
 
@@ -246,7 +243,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     try:
         top = OmegaConf.merge(schema, cfg)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
+        key = getattr(e, "full_key", None) or "?"  # reflection, as in _validate_kind
         raise _fail(source, f"{key}: {_short(e)} (valid top-level keys: "
                             f"{sorted(f.name for f in dataclasses.fields(ConfigSchema))})") from None
     missing = sorted(k for k in OmegaConf.missing_keys(top))

@@ -1,9 +1,12 @@
-"""Every registered kind meets its slot's written contract (zoo/compiler/contracts.py), is built by
+"""Every registered kind meets its slot's written contract (zoo/compiler/contracts/), is built by
 a shipped config, and answers the hooks the engine and the analysis call; a kind that lacks a hook
-is refused when it registers, naming the hook."""
+is refused when it registers, naming the hook; an optional hook declared wrongly is refused too.
+The contracts package stands at the bottom: it imports nothing else of zoo's."""
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import torch
 
 from zoo.compiler import contracts
 from zoo.compiler.config import available_configs, load_config
-from zoo.compiler.engine.cache import CacheField
+from zoo.compiler.contracts import CacheField
 from zoo.compiler.errors import ContractError
 from zoo.compiler.model import build_model
 from zoo.compiler.position.rope import make_rope
@@ -91,7 +94,7 @@ def test_a_kind_without_a_hook_is_refused():
         @register("mixer", "half_done")
         class HalfDone(contracts.Mixer):
             @dataclass
-            class Spec:
+            class Spec(contracts.KindSpec):
                 kind: str = "half_done"
 
             def rope_dims(self):
@@ -112,3 +115,85 @@ def test_a_kind_without_a_hook_is_refused():
             class Spec:
                 kind: str = "not_an_ffn"
     assert "half_done" not in registered("mixer") and "not_an_ffn" not in registered("ffn")
+
+
+def test_a_spec_outside_the_contract_is_refused():
+    with pytest.raises(ContractError, match=r"norm kind 'bare_spec' .* its Spec does not subclass "
+                                            r"zoo.compiler.contracts.KindSpec"):
+        @register("norm", "bare_spec")
+        class BareSpec(contracts.Norm):
+            @dataclass
+            class Spec:
+                kind: str = "bare_spec"
+
+            def forward(self, x):
+                return x
+
+            def init_weights(self, generator=None):
+                pass
+    assert "bare_spec" not in registered("norm")
+
+
+def test_contracts_import_nothing_else_of_zoo():
+    """Every module of compiler/contracts/ imports only torch, the standard library, its own
+    package, and compiler/errors.py / glossary.py (which import nothing)."""
+    folder = Path(contracts.__file__).parent
+    allowed_up = {"errors", "glossary"}
+    modules = sorted(folder.glob("*.py"))
+    assert {m.stem for m in modules} >= {"__init__", "slots", "cache", "parallel", "weights", "hooks", "context"}
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] not in ("zoo", "compiler"), f"{path.name}: import {alias.name}"
+            elif isinstance(node, ast.ImportFrom):
+                where = f"{path.name}:{node.lineno}: from {'.' * node.level}{node.module or ''}"
+                if node.level == 0:
+                    assert node.module.split(".")[0] not in ("zoo", "compiler"), where
+                elif node.level == 2:
+                    assert node.module in allowed_up, where
+                else:
+                    assert node.level == 1, where
+
+
+def test_an_optional_hook_claimed_without_its_method_is_refused():
+    from zoo.compiler.contracts import Source
+
+    with pytest.raises(ContractError, match=r"HalfSource sets reads_blocks = True but does not define read_blocks\(\)"):
+        class HalfSource(Source):
+            reads_blocks = True
+    with pytest.raises(ContractError, match=r"BadStacks.quant_stacks = 'w13': expected a tuple"):
+        class BadStacks(torch.nn.Module, contracts.QuantStacks):
+            quant_stacks = "w13"
+    with pytest.raises(ContractError, match=r"BadFloat.float_linears = \['wkv_b'\]: expected a dict"):
+        class BadFloat(torch.nn.Module, contracts.FloatLinears):
+            float_linears = ["wkv_b"]
+
+
+def test_a_weight_sink_without_load_weight_cannot_be_built():
+    class NoLoad(torch.nn.Module, contracts.WeightSink):
+        def accepts_blocks(self, ggml_type):
+            return False
+
+    with pytest.raises(TypeError, match="load_weight"):
+        NoLoad()
+
+
+def test_hooks_that_name_missing_children_are_refused_when_quantizing():
+    """quant_stacks / float_linears name children the module must have: a wrong name is refused
+    with the module, the name and what was expected, not skipped."""
+    from zoo.compiler.quant.apply import quantize_linears
+
+    spec = load_config("deepseek_v3_tiny")
+    model = build_model(spec)
+    moe = next(b.ffn for b in model.layers if isinstance(b.ffn, contracts.QuantStacks))
+    moe.quant_stacks = ("w13", "w_missing")
+    with pytest.raises(ContractError, match=r"MoE.quant_stacks names 'w_missing', which is no parameter of "
+                                            r"layers\.\d+\.ffn \(expected a stacked \[E, O, I\] parameter"):
+        quantize_linears(model, "int8", 32, torch.float32)
+    model = build_model(spec)
+    mla = next(b.mixer for b in model.layers if isinstance(b.mixer, contracts.FloatLinears))
+    mla.float_linears = {"wkv_missing": "a test"}
+    with pytest.raises(ContractError, match=r"float_linears names 'wkv_missing', which is no nn.Linear child of "
+                                            r"layers\.0\.mixer"):
+        quantize_linears(model, "int8", 32, torch.float32)

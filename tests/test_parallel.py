@@ -33,7 +33,7 @@ from zoo.compiler.spec import validate
 from zoo.compiler.config import compose
 from tests.helpers import assert_logits_close, save_reference
 from tests.parallel_worker import kernel_weights
-from zoo.compiler.parallel.plan import Slice
+from zoo.compiler.contracts import Slice
 from zoo.compiler.quant.apply import quantize_linears
 
 transformers = pytest.importorskip("transformers")

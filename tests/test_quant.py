@@ -26,7 +26,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from zoo.compiler.checkpoint.source import StoredBlocks  # noqa: E402
+from zoo.compiler.contracts import StoredBlocks  # noqa: E402
 from zoo.compiler.errors import ConfigError  # noqa: E402
 from zoo.compiler.quant.linear import QuantLinear  # noqa: E402
 from zoo.report import build_rows  # noqa: E402

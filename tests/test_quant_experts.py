@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import zoo  # noqa: E402
-from zoo.compiler.checkpoint.source import StoredBlocks  # noqa: E402
+from zoo.compiler.contracts import StoredBlocks  # noqa: E402
 from zoo.compiler.quant.experts import QuantExperts  # noqa: E402
 from zoo.compiler.quant.linear import QuantLinear  # noqa: E402
 from tests.deepseek_v3_fixtures import randomize, tiny_config  # noqa: E402

@@ -293,7 +293,7 @@ def test_rule_regroups_in_proj(reference, eager):
 def real_checkpoint_headers(mtp: bool = True) -> dict:
     """Names, shapes and dtypes of the real Qwen3-Next-80B-A3B checkpoint (checkpoints.md): 48
     layers (every 4th full attention), 512 experts each, and the MTP tensors."""
-    from zoo.compiler.checkpoint.source import TensorInfo
+    from zoo.compiler.contracts import TensorInfo
 
     D, E = 2048, 512
     shapes = {"model.embed_tokens.weight": (151936, D), "lm_head.weight": (151936, D), "model.norm.weight": (D,)}

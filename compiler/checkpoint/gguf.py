@@ -20,9 +20,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from ..config import conf_files
+from ..contracts import Source, TensorInfo
 from ..errors import CheckpointError
 from .gguf_index import GGUFFormatError, read_index, tensor_data
-from .source import TensorInfo
 
 # Types `read` dequantizes. gguf.quants has reference code for more; these are the ones in common
 # use for llama-family files.
@@ -38,12 +38,14 @@ SUPPORTED_TYPES = frozenset(
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 
 
-class GGUFSource:
+class GGUFSource(Source):
     """A `Source` over one .gguf file.
 
     Opening reads the header, metadata and tensor index; tensor data stays memory-mapped until
     `read`. Raises CheckpointError if the file is missing or is not a well-formed GGUF file.
     """
+
+    reads_blocks = True  # read_blocks: Q4_0 / Q4_1 / Q8_0 bytes for quantized weight sinks
 
     def __init__(self, path: str | Path):
         self.path = str(path)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol, runtime_checkable
+from typing import Optional
 
 import torch
 from torch import nn
 
+from ..contracts import Slice, Source, StoredBlocks, TensorInfo, WeightSink
 from ..errors import CheckpointError
 from .ops import get_op, is_row_op
 from .rules import Rule, Stage, fill
-from .source import Source, StoredBlocks, TensorInfo
 
 # Stored dtypes that are codes, not values: they only reach a parameter through an op.
 _NEEDS_OP = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8"}
@@ -29,29 +29,9 @@ _MAX_LISTED = 20
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
-@runtime_checkable
-class WeightSink(Protocol):
-    """A module that takes its weight through `load_weight` instead of holding it as a parameter
-    (a quantized linear, compiler/quant): the plan addresses it as `{module}.weight`, or as
-    `{module}` when it sets `sink_suffix = ""` (quantized experts, standing in for a parameter).
-
-    tied_to: a parameter whose stored tensor this weight copies (a tied head), or None.
-    A sink with `stacked = True` takes a stacked parameter's rows: `load_weight(value, index)`."""
-
-    weight_shape: tuple[int, ...]
-    tied_to: Optional[str]
-
-    def accepts_blocks(self, ggml_type: str) -> bool:
-        """True when `load_weight` takes the stored blocks of that type unconverted."""
-
-    def load_weight(self, value, absmax=None) -> str:
-        """Fill from a float tensor or StoredBlocks; returns what was done (for the report).
-        absmax [O]: each whole row's max |w| when value holds only some of the row's inputs."""
-
-
 def weight_sinks(model: nn.Module) -> dict[str, WeightSink]:
-    return {name + getattr(m, "sink_suffix", ".weight"): m for name, m in model.named_modules()
-            if isinstance(m, WeightSink)}
+    """The model's weight sinks (contracts.WeightSink) by the name the plan addresses them with."""
+    return {name + m.sink_suffix: m for name, m in model.named_modules() if isinstance(m, WeightSink)}
 
 
 @dataclass(frozen=True)
@@ -78,7 +58,7 @@ class Assignment:
     index: Optional[int]  # row of a stacked parameter, or None for the whole parameter
     node: Node
     rule: str
-    part: Optional[object] = None  # parallel.plan.Slice: the part of node this rank reads (None: all)
+    part: Optional[Slice] = None  # the part of node this rank reads (None: all)
     blocks: Optional[str] = None  # GGML type whose stored bytes go unconverted to a WeightSink
 
 
@@ -165,7 +145,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
     parameter filled exactly once with the right shape. strict: raise CheckpointError listing
     every offender; otherwise return them in `plan.problems` (what `zoo check` prints).
 
-    slices: {parameter: parallel.plan.Slice} for a rank of a parallel run: the parameter holds
+    slices: {parameter: contracts.Slice} for a rank of a parallel run: the parameter holds
     that part of the full tensor, shapes are checked against the full one, and only the part is
     read (rows of a stacked parameter held by other ranks are not read at all)."""
     slices = slices or {}
@@ -237,7 +217,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             errors.append(f"parameter {name} is filled {len(got)} times: from "
                           f"{[a.node.name for a in got][:4]}")
             continue
-        if rows and name in sinks and not getattr(sinks[name], "stacked", False):
+        if rows and name in sinks and not sinks[name].stacked:
             errors.append(f"parameter {name} is a quantized weight, which takes whole tensors, not rows")
             continue
         floating = name in sinks or params[name].dtype.is_floating_point
@@ -316,8 +296,6 @@ def _sliceable(node: Node, part) -> bool:
 def _cat_parts(node: Node, part) -> Optional[list]:
     """For a cat node, the part of each input (None where an input contributes nothing), or
     None when the pieces along the cat dim do not come in input order."""
-    from ..parallel.plan import Slice
-
     dim = dict(node.args).get("dim", 0)
     ranges = part.ranges(dim)
     others = tuple((d, r) for d, r in part.cuts if d != dim)
@@ -343,7 +321,7 @@ def _cat_parts(node: Node, part) -> Optional[list]:
 
 def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor:
     """This rank's part of a node, reading only that part of stored tensors where it can."""
-    if node.op is None and getattr(source, "read_part", None) is not None and (node.name, False) not in memo:
+    if node.op is None and source.reads_parts and (node.name, False) not in memo:
         if not part.cuts:
             return _evaluate(node, source, memo)
         t = source.read_part(node.name, part)
@@ -376,7 +354,7 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
             types = {s.dtype for s in a.node.stored()}
             (kind,) = types if len(types) == 1 else (None,)
             if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
-                    and hasattr(source, "read_blocks") and len(a.node.shape) == 2):
+                    and source.reads_blocks and len(a.node.shape) == 2):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
         out.append(a)
     return out
@@ -449,7 +427,6 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
         for s in {s.name for s in a.node.stored()}:
             uses[s] += 1
     memo: dict[str, torch.Tensor] = {}
-    read_into = getattr(source, "read_into", None)
     shard = None
     for a in plan.assignments:
         stored = a.node.stored()
@@ -484,8 +461,8 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
         else:
             dest = params[a.param] if a.index is None else params[a.param][a.index]
             # a stored tensor that fills its parameter unchanged is read straight into it: no copy
-            direct = (a.part is None and a.node.op is None and uses[a.node.name] == 1 and read_into is not None
-                      and read_into(a.node.name, dest))
+            direct = (a.part is None and a.node.op is None and uses[a.node.name] == 1
+                      and source.read_into(a.node.name, dest))
             if a.part is not None and a.part.zero:
                 dest.zero_()  # another rank adds this (a row-parallel bias)
             elif a.part is not None:

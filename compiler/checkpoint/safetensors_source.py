@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..contracts import Source, TensorInfo
 from ..errors import CheckpointError
-from .source import TensorInfo
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -91,8 +91,10 @@ def refuse_pickles(directory: Path) -> None:
             f"loads pickles (they can execute code). Convert them to safetensors first.")
 
 
-class SafetensorsSource:
+class SafetensorsSource(Source):
     """A directory with model.safetensors, or shards listed by model.safetensors.index.json."""
+
+    reads_parts = True  # read_part: one rank's part by offset
 
     def __init__(self, directory: str | Path, verify_data: bool = True):
         self.directory = Path(directory)
@@ -171,7 +173,7 @@ class SafetensorsSource:
         return True
 
     def read_part(self, name: str, part) -> torch.Tensor:
-        """One rank's part of a tensor (a parallel.plan.Slice): only its bytes are read, by offset.
+        """One rank's part of a tensor (a contracts.Slice): only its bytes are read, by offset.
         Along the outermost cut dimension each range is read for every outer index (one read per
         range when that dimension is the first); cuts on inner dimensions are applied afterwards."""
         info = self._entries[name]

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import FFN
-from ..parallel.plan import span
+from ..contracts import FFN, KindSpec, span
 from ..registry import register
 
 
@@ -42,7 +41,7 @@ class SwiGLU(FFN):
     """x [..., D] -> [..., D]. w13 [2F, D] holds the gate rows (w1) then the up rows (w3)."""
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "swiglu"
         ffn_dim: int = "???"  # type: ignore[assignment]
         bias: bool = False

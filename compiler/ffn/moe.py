@@ -59,9 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import SwiGLU, swiglu
-from ..contracts import FFN
+from ..contracts import FFN, KeepFloat32, KindSpec, QuantStacks, span
 from ..errors import ConfigError
-from ..parallel.plan import span
 from ..registry import register
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -100,12 +99,10 @@ def _grouped(x: torch.Tensor, w, offs: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- module
 
-class Router(nn.Module):
+class Router(nn.Module, KeepFloat32):
     """weight [E, D] and, with score_correction_bias, score_bias [E]; kept in float32 (the
     checkpoints store the bias in float32, and near-ties in selection are decided by it).
     With routing=hash, hash.tid2eid [V, K] (see TokenHash)."""
-
-    keep_float32 = True
 
     def __init__(self, n_experts: int, dim: int, score_bias: bool, hash_table: Optional["TokenHash"] = None,
                  logit_bias: bool = False):
@@ -140,7 +137,7 @@ class TokenHash(nn.Module):
 
 
 @register("ffn", "moe")
-class MoE(FFN):
+class MoE(FFN, QuantStacks):
     """x [..., D] -> [..., D]. Parameters: router.weight [E, D], router.score_bias [E] (when
     score_correction_bias), router.hash.tid2eid [V, K] int32 (routing=hash), w13 [E, 2F, D],
     w2 [E, D, F], shared.* (a SwiGLU of shared_ffn_dim),
@@ -149,7 +146,7 @@ class MoE(FFN):
     quant_stacks = ("w13", "w2")  # stacked [E, O, I] weights runtime.quant may quantize (quant/experts.py)
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "moe"
         n_experts: int = "???"  # type: ignore[assignment]
         top_k: int = "???"  # type: ignore[assignment]

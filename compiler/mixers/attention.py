@@ -42,15 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import AttentionMaps, Mixer
-from ..engine.cache import CacheField
+from ..contracts import AttentionMaps, CacheField, KindSpec, Mixer, span
 from ..errors import ConfigError
 from . import one_query
 from .kv_cache import decode_mask, write_decode, write_prefill, write_ring
 from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm
-from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, make_rope, rope_key
 
@@ -60,7 +58,7 @@ QK_NORM_OVER = ("head", "projection")
 @register("mixer", "gqa")
 class Attention(Mixer):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "gqa"
         n_heads: int = "???"  # type: ignore[assignment]
         n_kv_heads: Optional[int] = None  # None: n_heads (MHA)

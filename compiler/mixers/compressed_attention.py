@@ -43,18 +43,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import decode_mask, write_decode, write_prefill
-from ..engine.cache import CacheField
 from ..norm.norms import RMSNorm
 from ..registry import register
 from .scores import head_rows
 from .sink_attention import SinkAttention, rope_tail, softmax_with_sink, window_to_tokens
-from ..contracts import AttentionMaps
+from ..contracts import AttentionMaps, CacheField, KeepFloat32
 
 
-class PositionBias(nn.Module):
+class PositionBias(nn.Module, KeepFloat32):
     """weight [m, Wc]: a learned gate bias per position within a block (`ape`), float32 as stored."""
-
-    keep_float32 = True
 
     def __init__(self, ratio: int, width: int):
         super().__init__()

@@ -39,10 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import write_decode, write_prefill
-from ..engine.cache import CacheField
 from .mla import MLA, absorb_query, expand_values, expanded_attention
 from .scores import causal_mask, masked_softmax
-from ..contracts import AttentionMaps
+from ..contracts import AttentionMaps, CacheField, Float32Linear, FloatLinears
 from ..norm.norms import LayerNorm
 from ..registry import register
 from ..position.rope import apply_rotary
@@ -134,7 +133,7 @@ def _selected_attention_fake(q_nope, q_rope, kv, wkv_b, slots, scale, gather_fro
     return q_nope.new_empty(B, L, wkv_b.shape[0] - H * nope)
 
 
-class LightningIndexer(nn.Module):
+class LightningIndexer(nn.Module, FloatLinears):
     """Scores every cached token for every query and picks the top Ks (see the module docstring).
 
     Shapes: iq [B, L, Hi, Di], ik [B, T, Di], w [B, L, Hi], scores [B, L, T] (float32)."""
@@ -150,8 +149,7 @@ class LightningIndexer(nn.Module):
         self.wq_b = nn.Linear(s.q_lora_rank, s.index_n_heads * s.index_head_dim, bias=False)
         self.wk = nn.Linear(dim, s.index_head_dim, bias=False)
         self.k_norm = LayerNorm(LayerNorm.Spec(eps=s.index_norm_eps), s.index_head_dim)
-        self.weights_proj = nn.Linear(dim, s.index_n_heads, bias=False)
-        self.weights_proj.keep_float32 = True  # as the references keep it (cast() reads this)
+        self.weights_proj = Float32Linear(dim, s.index_n_heads, bias=False)  # float32, as the references keep it
 
     def flops_per_key(self) -> int:
         """Per query and cached key: Hi dot products of Di channels and the Hi-weighted sum."""

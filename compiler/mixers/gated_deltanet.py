@@ -41,9 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import Mixer
-from ..engine.cache import CacheField
-from ..parallel.plan import span
+from ..contracts import CacheField, KindSpec, Mixer, span
 from ..registry import register
 
 L2NORM_EPS = 1e-6  # q/k l2 normalisation: x * rsqrt(sum(x^2) + eps), as the reference kernels
@@ -209,7 +207,7 @@ class GatedRMSNorm(nn.Module):
 @register("mixer", "gated_deltanet")
 class GatedDeltaNet(Mixer):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "gated_deltanet"
         n_k_heads: int = "???"  # type: ignore[assignment]  # query/key heads (Hk)
         n_v_heads: Optional[int] = None  # value heads (Hv), a multiple of n_k_heads; None: n_k_heads

@@ -37,14 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, check_conv_and_chunk
-from ..parallel.plan import span
+from ..contracts import KindSpec, span
 from ..registry import register
 
 
 @register("mixer", "kda")
 class KimiDeltaAttention(GatedDeltaNet):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "kda"
         n_heads: int = "???"  # type: ignore[assignment]  # H: query/key/value heads
         head_dim: int = "???"  # type: ignore[assignment]  # Dk (= Dv), also the gates' low rank

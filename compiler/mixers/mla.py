@@ -35,10 +35,8 @@ from torch import nn
 
 from .kv_cache import decode_mask, write_decode, write_prefill
 from .scores import causal_mask, dot_scores, head_rows, masked_softmax
-from ..contracts import AttentionMaps, Mixer
-from ..engine.cache import CacheField
+from ..contracts import AttentionMaps, CacheField, FloatLinears, KindSpec, Mixer, span
 from ..norm.norms import RMSNorm
-from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -91,12 +89,12 @@ def expand_values(o_lat: torch.Tensor, wkv_b: torch.Tensor, nope: int) -> torch.
 
 
 @register("mixer", "mla")
-class MLA(Mixer):
-    # the absorbed paths read wkv_b's weight (contracts.KeepsLinearsFloat): it stays float when quantized
+class MLA(Mixer, FloatLinears):
+    # the absorbed paths read wkv_b's weight (contracts.FloatLinears): it stays float when quantized
     float_linears = {"wkv_b": "read as a matrix by the absorbed attention (not applied as a linear)"}
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "mla"
         n_heads: int = "???"  # type: ignore[assignment]
         q_lora_rank: Optional[int] = None  # null: a full-rank query projection wq

@@ -39,10 +39,8 @@ from torch import nn
 
 from .kv_cache import decode_mask, write_decode, write_ring
 from .scores import head_rows
-from ..contracts import AttentionMaps, Mixer
-from ..engine.cache import CacheField
+from ..contracts import AttentionMaps, CacheField, KeepFloat32, KindSpec, Mixer, span
 from ..norm.norms import RMSNorm
-from ..parallel.plan import span
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -69,10 +67,8 @@ def window_to_tokens(x: torch.Tensor, fill: float) -> torch.Tensor:
     return x.gather(-1, col.clamp(0, Sw - 1).expand(B, h, L, L)).masked_fill(~inside, fill)
 
 
-class AttentionSink(nn.Module):
+class AttentionSink(nn.Module, KeepFloat32):
     """weight [H]: one learned logit per head. Kept in float32, as checkpoints store it."""
-
-    keep_float32 = True
 
     def __init__(self, n_heads: int):
         super().__init__()
@@ -85,7 +81,7 @@ class SinkAttention(Mixer):
     wo_a [G*Go, H*Dh/G] (G blocks of [Go, H*Dh/G]), wo_b [D, G*Go], sink.weight [H] (float32)."""
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "swa_mqa"
         n_heads: int = "???"  # type: ignore[assignment]
         head_dim: int = "???"  # type: ignore[assignment]

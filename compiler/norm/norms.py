@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contracts import Norm
+from ..contracts import KindSpec, Norm
 from ..registry import lookup, register
 
 
@@ -18,7 +18,7 @@ class RMSNorm(Norm):
     """
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "rmsnorm"
         eps: float = 1e-6
         zero_centered: bool = False  # checkpoint stores w - 1 (Qwen3-Next)
@@ -46,7 +46,7 @@ class LayerNorm(Norm):
     """Standard LayerNorm with weight and bias, computed in float32. x: [..., D] -> [..., D]"""
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "layernorm"
         eps: float = 1e-6
 

@@ -18,7 +18,7 @@ quantization, bit for bit, because
   - a row cut (column-parallel: output channels) never spans a scale: int8 scales one output
     channel, int4 one group of g inputs of one output channel;
   - an input cut (row-parallel) keeps int4's groups whole when every cut is a multiple of g
-    (checked here: ConfigError otherwise); int8's one scale per output channel spans all of a
+    (checked by QuantLinear.localize: ConfigError otherwise); int8's one scale per output channel spans all of a
     row's inputs, so the loader gives it the whole row's max |w|, one all-reduce(max) over the
     ranks per such weight at load (execute(row_absmax=...)).
 The kernel's bfloat16 compute rounds a row-parallel rank's partial sum before the all-reduce
@@ -34,57 +34,16 @@ and the build info says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..contracts import Slice, WeightSink
 from ..errors import ConfigError
-from ..quant.linear import INT4_ROWS, QuantLinear
 from .mesh import Mesh, all_gather, all_reduce
-
-Ranges = tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class Slice:
-    """The part of a full stored tensor one rank holds.
-
-    full: the full shape; cuts: (dim, ranges) pairs, the local tensor being, along each such dim,
-    the concatenation of full[start:stop] for each range; zero: the rank holds zeros of the local
-    shape and reads nothing (the bias of a row-parallel projection, added by one rank only)."""
-
-    full: tuple[int, ...]
-    cuts: tuple[tuple[int, Ranges], ...]
-    zero: bool = False
-
-    def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.full)
-        for dim, ranges in self.cuts:
-            shape[dim] = sum(b - a for a, b in ranges)
-        return tuple(shape)
-
-    def ranges(self, dim: int) -> Ranges | None:
-        return next((r for d, r in self.cuts if d == dim), None)
-
-    def without(self, dim: int) -> "Slice":
-        """The slice of one row along `dim` (a stacked parameter's row: dims shift down by one)."""
-        cuts = tuple((d - 1 if d > dim else d, r) for d, r in self.cuts if d != dim)
-        return Slice(self.full[:dim] + self.full[dim + 1:], cuts, self.zero)
-
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """The full tensor t -> this rank's part."""
-        for dim, ranges in self.cuts:
-            parts = [t.narrow(dim, a, b - a) for a, b in ranges]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-        return t
-
-
-def span(offset: int, units: tuple[int, int], width: int) -> tuple[int, int]:
-    """Rows [offset + a * width, offset + b * width) of units [a, b) of `width` rows each."""
-    return offset + units[0] * width, offset + units[1] * width
-
 
 class ShardPlan:
     """What a kind's shard(plan) hook works with: the mesh, split helpers, and the record of
@@ -95,7 +54,7 @@ class ShardPlan:
         self.where = ""  # the config node being sharded (mixers.NAME / ffns.NAME), for errors
         self.source = ""  # the config's file
         self._slices: dict[int, Slice] = {}  # id(parameter) -> Slice
-        self._sinks: dict[int, Slice] = {}  # id(QuantLinear) -> Slice of its (float) weight
+        self._sinks: dict[int, Slice] = {}  # id(WeightSink) -> Slice of its (float) weight
 
     def units(self, n: int, key: str, parts: int | None = None, index: int | None = None,
               replicate: bool = False) -> tuple[int, int]:
@@ -116,36 +75,16 @@ class ShardPlan:
     def param(self, module: nn.Module, name: str, cuts: dict[int, Sequence[tuple[int, int]]],
               zero: bool = False) -> None:
         """Replace module.<name> (on meta) by its local part, recording the slice the loader reads."""
-        if isinstance(module, QuantLinear) and name == "weight":
-            return self._local_quantized(module, cuts)
+        if isinstance(module, WeightSink) and name == "weight":  # a quantized linear (compiler/quant)
+            s = Slice(tuple(module.weight_shape), tuple((d, tuple(r)) for d, r in sorted(cuts.items())))
+            module.localize(s, f"{self.source}: {self.where}", f"runtime.parallel tp={self.mesh.tp}")
+            self._sinks[id(module)] = s
+            return
         p = getattr(module, name)
         s = Slice(tuple(p.shape), tuple((d, tuple(r)) for d, r in sorted(cuts.items())), zero)
         new = nn.Parameter(torch.empty(s.local_shape(), dtype=p.dtype, device=p.device), requires_grad=False)
         setattr(module, name, new)
         self._slices[id(new)] = s
-
-    def _local_quantized(self, q: QuantLinear, cuts: dict[int, Sequence[tuple[int, int]]]) -> None:
-        """Re-make the (meta) QuantLinear q in place at its local shape (kinds keep their
-        references); the loader fills it from its slice of the weight (see the module docstring)."""
-        s = Slice(tuple(q.weight_shape), tuple((d, tuple(r)) for d, r in sorted(cuts.items())))
-        O, I = s.local_shape()
-        if q.mode == "int4":
-            what = f"{self.source}: {self.where}: runtime.quant=int4 under runtime.parallel tp={self.mesh.tp}"
-            cols = s.ranges(1) or ()
-            if any(a % q.group or b % q.group for a, b in cols):
-                raise ConfigError(f"{what}: a [{q.out_features}, {q.in_features}] linear splits its inputs at "
-                                  f"{[list(r) for r in cols]}, which cut int4's groups of runtime.quant_group="
-                                  f"{q.group}; choose a tp or a quant_group that keeps every cut a multiple of it "
-                                  f"(or runtime.quant=int8)")
-            if O % INT4_ROWS:
-                raise ConfigError(f"{what}: a [{q.out_features}, {q.in_features}] linear keeps {O} output rows "
-                                  f"per rank; torch's int4 kernel needs a multiple of {INT4_ROWS} (choose another "
-                                  f"tp, or runtime.quant=int8)")
-        bias = q.bias
-        local = QuantLinear(I, O, False, q.mode, q.group, q.compute_dtype, tied_to=q.tied_to, device=q.qweight.device)
-        q.__dict__.update(local.__dict__)
-        q.bias = bias
-        self._sinks[id(q)] = s
 
     def column(self, linear: nn.Linear, rows: Sequence[tuple[int, int]]) -> None:
         """A column-parallel linear (output rows split): weight and bias keep `rows`."""
@@ -194,25 +133,6 @@ class VocabParallelHead(nn.Linear):
         return all_gather(F.linear(x, w), -1, self.group_name, self.size)
 
 
-class VocabParallelQuantHead(QuantLinear):
-    """VocabParallelHead's quantized form (runtime.quant: the head is int8): this rank's V/P rows,
-    quantized from its slice of the head (or of the tied embedding), logits joined likewise."""
-
-    def __init__(self, q: QuantLinear, mesh: Mesh):
-        super().__init__(q.in_features, q.out_features // mesh.size, False, q.mode, q.group, q.compute_dtype,
-                         tied_to=q.tied_to, device=q.qweight.device)
-        self.rows = mesh.split(q.out_features, mesh.size, mesh.rank)
-        self.group_name, self.size = mesh.group_name, mesh.size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(super().forward(x), -1, self.group_name, self.size)
-
-    def load_weight(self, value, absmax=None) -> str:
-        if isinstance(value, torch.Tensor) and value.shape[0] != self.out_features:
-            value = value[self.rows[0]:self.rows[1]]  # a random build's tied embedding (fill_tied), whole
-        return super().load_weight(value, absmax)
-
-
 @dataclass(frozen=True)
 class ShardReport:
     slices: dict[str, Slice]
@@ -237,8 +157,9 @@ def shard_model(model, mesh: Mesh) -> ShardReport:
         if block.ffn.shard(plan):
             block.ffn_reduce = AllReduce(mesh.group_name)
     head = "replicated (attention is not split: runtime.parallel.tp=1)"
-    if mesh.tp > 1 and spec.vocab_size % mesh.size == 0 and isinstance(model.head, QuantLinear):
-        new = VocabParallelQuantHead(model.head, mesh)
+    if mesh.tp > 1 and spec.vocab_size % mesh.size == 0 and isinstance(model.head, WeightSink):
+        gather = partial(all_gather, dim=-1, group_name=mesh.group_name, size=mesh.size)
+        new = model.head.vocab_parallel(mesh.split(spec.vocab_size, mesh.size, mesh.rank), gather)
         plan._sinks[id(new)] = Slice((spec.vocab_size, spec.dim), ((0, (new.rows,)),))
         model.head = new
         head = "vocab-parallel"

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..contracts import Rope
+from ..contracts import KindSpec, Rope
 from ..registry import lookup, register
 
 
@@ -49,7 +49,7 @@ class _Rope(Rope):
 @register("rope", "default")
 class DefaultRope(_Rope):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "default"
         theta: float = 10000.0
 
@@ -57,7 +57,7 @@ class DefaultRope(_Rope):
 @register("rope", "linear")
 class LinearRope(_Rope):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "linear"
         theta: float = 10000.0
         factor: float = 1.0
@@ -71,7 +71,7 @@ class Llama3Rope(_Rope):
     """Llama 3.1 schedule: long wavelengths slowed by `factor`, short kept, smooth in between."""
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "llama3"
         theta: float = 500000.0
         factor: float = 8.0
@@ -106,7 +106,7 @@ class YarnRope(_Rope):
     """
 
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "yarn"
         theta: float = 10000.0
         factor: float = 1.0

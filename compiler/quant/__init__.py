@@ -8,6 +8,6 @@ One mechanism for every family: any `nn.Linear` of any kind may be replaced by a
 torch's weight-only kernels; stacked MoE experts become QuantExperts (experts.py), one op per
 stack over the chosen experts. What stays floating point, and why, is decided in apply.py and listed
 in the build report: embeddings, norms, routers (they are no nn.Linear), linears inside
-`keep_float32` modules, small projections, and the linears a kind reads `.weight` of directly
-(it names them in `float_linears`, see contracts.KeepsLinearsFloat).
+contracts.KeepFloat32 modules, small projections, and the linears a kind reads `.weight` of directly
+(it names them in `float_linears`, see contracts.FloatLinears).
 """

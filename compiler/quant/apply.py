@@ -4,9 +4,10 @@
 
 Rules, the same for every family:
   - every nn.Linear is quantized unless
-      it sits inside a `keep_float32` module (routing and stream-mixing weights)
+      it sits inside a module marked contracts.KeepFloat32 (routing and stream-mixing weights),
+        or is one (contracts.Float32Linear)
       its parent kind names it in `float_linears` (its .weight is read directly, e.g. MLA's
-        absorbed wkv_b; contracts.KeepsLinearsFloat)
+        absorbed wkv_b; contracts.FloatLinears)
       it is a small projection (fewer than MIN_OUT outputs: gates, indexer weights; they save
         little and are sensitive)
       int4's kernel cannot take its shape (inputs not a multiple of the group, outputs of 16)
@@ -27,7 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..contracts import KeepsLinearsFloat
+from ..contracts import Float32Linear, FloatLinears, KeepFloat32
+from ..errors import ContractError
 from . import cpu_kernels
 from .experts import QuantExperts, quantize_experts
 from .linear import INT4_ROWS, INT8_INPUTS, QuantLinear
@@ -72,13 +74,15 @@ def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype,
                      device: torch.device = torch.device("cpu")) -> QuantReport:
-    """Replace the eligible nn.Linear modules of `model` (in place) by empty QuantLinear ones, and
-    the eligible stacked experts by empty QuantExperts (device: where the model will run)."""
+    """Replace the eligible nn.Linear modules of `model` (a model.Decoder, in place) by empty
+    QuantLinear ones, and the eligible stacked experts by empty QuantExperts (device: where the
+    model will run)."""
     report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."),
                          kernel=kernel_name(compute_dtype))
     report.quantized_params += quantize_experts(model, mode, group, compute_dtype, torch.device(device),
                                                 report.quantized, report.kept_float)
-    tied = getattr(getattr(model, "spec", None), "tie_embeddings", False)
+    tied = model.spec.tie_embeddings
+    _check_float_linears(model)
     replaced: set[int] = set()
     for path, parent, name, child in _linears(model):
         full = f"{path}.{name}" if path else name
@@ -108,28 +112,41 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
 
 
 def _linears(model: nn.Module):
+    """Every plain nn.Linear (a subclass may compute something else: it is not replaced), and
+    every Float32Linear (never replaced; listed for its reason)."""
     for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in (nn.Linear, Float32Linear):
                 yield path, parent, name, child
+
+
+def _check_float_linears(model: nn.Module) -> None:
+    """Every name in a FloatLinears module's `float_linears` is one of its nn.Linear children."""
+    for path, module in model.named_modules():
+        if isinstance(module, FloatLinears):
+            children = dict(module.named_children())
+            for name in module.float_linears:
+                if not isinstance(children.get(name), nn.Linear):
+                    raise ContractError(f"{type(module).__name__}.float_linears names {name!r}, which is no nn.Linear "
+                                        f"child of {path or 'the model'} (contracts.FloatLinears)")
 
 
 def _inside_float32(model: nn.Module, path: str) -> bool:
     module = model
-    if getattr(module, "keep_float32", False):
+    if isinstance(module, KeepFloat32):
         return True
     for part in path.split(".") if path else ():
-        module = getattr(module, part)
-        if getattr(module, "keep_float32", False):
+        module = module.get_submodule(part)
+        if isinstance(module, KeepFloat32):
             return True
     return False
 
 
 def _keep_reason(parent: nn.Module, name: str, child: nn.Linear, mode: str, group: int,
                  inside_float32: bool, is_head: bool, zoo_kernel: bool) -> Optional[str]:
-    if isinstance(parent, KeepsLinearsFloat) and name in parent.float_linears:
+    if isinstance(parent, FloatLinears) and name in parent.float_linears:
         return parent.float_linears[name]
-    if inside_float32:
+    if inside_float32 or isinstance(child, KeepFloat32):
         return "inside a float32 module (routing / stream mixing)"
     O, I = child.out_features, child.in_features
     if O < MIN_OUT and not is_head:

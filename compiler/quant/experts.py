@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..checkpoint.source import StoredBlocks
-from ..errors import CheckpointError
+from ..contracts import QuantStacks, StoredBlocks, WeightSink
+from ..errors import CheckpointError, ContractError
 from .gguf_blocks import q4_codes, q8_0_values
 from .linear import chunk_rows, int4_quantize, int8_quantize
 
@@ -63,13 +63,12 @@ def int4_fits(out_features: int, in_features: int, group: int) -> bool:
     return in_features % group == 0 and out_features % INT4_OUT == 0
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(nn.Module, WeightSink):
     """See the module docstring. Stands in for a stacked parameter [E, O, I]: the loader addresses
     it by that parameter's name (`sink_name`), and fills it row by row (`stacked`)."""
 
     stacked = True  # takes one expert (a row of the stack) per load_weight call
     sink_suffix = ""  # addressed as the parameter it replaces (`{path}.ffn.w13`), not `.weight`
-    tied_to = None
 
     def __init__(self, n_experts: int, out_features: int, in_features: int, mode: str, group: Optional[int],
                  compute_dtype: torch.dtype, device=None):
@@ -189,14 +188,23 @@ class QuantExperts(nn.Module):
 
 def quantize_experts(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype, device: torch.device,
                      quantized: dict[str, str], kept_float: dict[str, str]) -> int:
-    """Replace the stacked expert parameters of every kind that names them in `quant_stacks`
-    ({parameter: (E, O, I)}) by empty QuantExperts (in place, on the meta model). Records each in
-    `quantized` (path -> what) or `kept_float` (parameter -> why); returns the weights quantized."""
+    """Replace the stacked expert parameters of every module that names them in `quant_stacks`
+    (contracts.QuantStacks: parameters [E, O, I]) by empty QuantExperts (in place, on the meta
+    model). Records each in `quantized` (path -> what) or `kept_float` (parameter -> why); returns
+    the weights quantized."""
     n = 0
     for path, module in list(model.named_modules()):
-        for name in getattr(module, "quant_stacks", ()):
+        if not isinstance(module, QuantStacks):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        for name in module.quant_stacks:
             full = f"{path}.{name}" if path else name
-            p = getattr(module, name)
+            p = params.get(name)
+            if p is None or p.dim() != 3:
+                got = "no parameter" if p is None else f"a parameter of shape {list(p.shape)}"
+                raise ContractError(f"{type(module).__name__}.quant_stacks names {name!r}, which is {got} of "
+                                    f"{path or 'the model'} (expected a stacked [E, O, I] "
+                                    f"parameter; contracts.QuantStacks)")
             E, O, I = p.shape
             why = _keep_reason(mode, group, O, I, device)
             if why:

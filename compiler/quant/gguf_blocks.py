@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..checkpoint.source import StoredBlocks
+from ..contracts import StoredBlocks
 
 BLOCK = 32
 _BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}

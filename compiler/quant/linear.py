@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..checkpoint.source import StoredBlocks
-from ..errors import CheckpointError
+from ..contracts import Slice, StoredBlocks, WeightSink
+from ..errors import CheckpointError, ConfigError
 from . import cpu_kernels
 from .gguf_blocks import q4_codes, q4_parts, q8_0_values
 
@@ -69,7 +69,7 @@ def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q.reshape(O, I), scale, lo + 8.0 * scale
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(nn.Module, WeightSink):
     """See the module docstring. Built on any device (meta first, like every module); the
     buffers are allocated by `to_empty` and filled by `load_weight` or `init_weights`.
 
@@ -123,7 +123,7 @@ class QuantLinear(nn.Module):
     def weight(self):
         raise AttributeError(
             f"QuantLinear [{self.out_features}, {self.in_features}] ({self.mode}) has no float weight; a kind "
-            f"that reads a linear's .weight directly must name it in `float_linears` (contracts.KeepsLinearsFloat)")
+            f"that reads a linear's .weight directly must name it in `float_linears` (contracts.FloatLinears)")
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.group else ""
@@ -263,3 +263,50 @@ class QuantLinear(nn.Module):
         self.load_weight(w)
         if self.bias is not None:
             self.bias.data.zero_()
+
+    # ------------------------------------------------------------------ tensor parallelism
+
+    def localize(self, part: Slice, where: str, run: str) -> None:
+        """Re-make this (meta) QuantLinear in place at the local shape of `part` (kinds keep their
+        references); the loader fills it from its slice of the weight, which this rank quantizes
+        (compiler/parallel/plan.py says why that equals the slice of the one-process quantization)."""
+        O, I = part.local_shape()
+        if self.mode == "int4":
+            what = f"{where}: runtime.quant=int4 under {run}"
+            cols = part.ranges(1) or ()
+            if any(a % self.group or b % self.group for a, b in cols):
+                raise ConfigError(f"{what}: a [{self.out_features}, {self.in_features}] linear splits its inputs at "
+                                  f"{[list(r) for r in cols]}, which cut int4's groups of runtime.quant_group="
+                                  f"{self.group}; choose a tp or a quant_group that keeps every cut a multiple of it "
+                                  f"(or runtime.quant=int8)")
+            if O % INT4_ROWS:
+                raise ConfigError(f"{what}: a [{self.out_features}, {self.in_features}] linear keeps {O} output rows "
+                                  f"per rank; torch's int4 kernel needs a multiple of {INT4_ROWS} (choose another "
+                                  f"tp, or runtime.quant=int8)")
+        bias = self.bias
+        local = QuantLinear(I, O, False, self.mode, self.group, self.compute_dtype, tied_to=self.tied_to,
+                            device=self.qweight.device)
+        self.__dict__.update(local.__dict__)
+        self.bias = bias
+
+    def vocab_parallel(self, rows: tuple[int, int], gather) -> "VocabParallelQuantHead":
+        return VocabParallelQuantHead(self, rows, gather)
+
+
+class VocabParallelQuantHead(QuantLinear):
+    """A quantized output head (runtime.quant: the head is int8) under tensor parallelism: this
+    rank's vocabulary rows [a, b), quantized from its slice of the head (or of the tied
+    embedding); gather(local logits [.., V/P]) -> [.., V] joins the ranks' (parallel/plan.py)."""
+
+    def __init__(self, q: QuantLinear, rows: tuple[int, int], gather):
+        super().__init__(q.in_features, rows[1] - rows[0], False, q.mode, q.group, q.compute_dtype,
+                         tied_to=q.tied_to, device=q.qweight.device)
+        self.rows, self.gather = rows, gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gather(super().forward(x))
+
+    def load_weight(self, value, absmax=None) -> str:
+        if isinstance(value, torch.Tensor) and value.shape[0] != self.out_features:
+            value = value[self.rows[0]:self.rows[1]]  # a random build's tied embedding (fill_tied), whole
+        return super().load_weight(value, absmax)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import Residual
+from ..contracts import KeepFloat32, KindSpec, Residual
 from ..registry import register
 
 
@@ -49,11 +49,9 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-class _StreamProjection(nn.Module):
+class _StreamProjection(nn.Module, KeepFloat32):
     """The perceptron both mHC modules read the streams with: fn [M, N*D], base [M], scale [S];
     mixes = fn @ rmsnorm(flattened streams), in float32."""
-
-    keep_float32 = True
 
     def __init__(self, n: int, dim: int, outputs: int, scales: int, eps: float, norm_eps: float):
         super().__init__()
@@ -137,7 +135,7 @@ class HyperHead(_StreamProjection):
 @register("residual", "mhc")
 class MHC(Residual):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "mhc"
         streams: int = 4
         sinkhorn_iters: int = 20

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contracts import Residual
+from ..contracts import KindSpec, Residual
 from ..registry import lookup, register
 
 
@@ -44,7 +44,7 @@ class _Add(nn.Module):
 @register("residual", "prenorm")
 class PreNorm(Residual):
     @dataclass
-    class Spec:
+    class Spec(KindSpec):
         kind: str = "prenorm"
         scale: float = 1.0  # h + scale * y (Granite's residual_multiplier)
 

@@ -1,9 +1,9 @@
-"""What each kind of module must (abstract) or may (a default here) provide, written once.
+"""The slots: what each kind of module must (abstract) or may (a default here) provide.
 
-A kind is a class registered under a slot (registry.py) with a dataclass `Spec` that validates
-its config node. `register` checks the class against its slot's contract below, so a kind that
-lacks a hook fails when its file is imported, naming the hook, not later as a wrong count.
-Shape letters are the glossary's (glossary.py).
+A kind is a class registered under a slot (registry.py) with a dataclass `Spec` (a `KindSpec`)
+that validates its config node. `register` checks the class against its slot's contract below,
+so a kind that lacks a hook fails when its file is imported, naming the hook, not later as a
+wrong count. Shape letters are the glossary's (glossary.py).
 
     slot      contract    built as                       entry points
     mixer     Mixer       cls(spec, ctx: BuildContext)   prefill(x, cache, ctx), decode(x, cache, ctx)
@@ -12,39 +12,45 @@ Shape letters are the glossary's (glossary.py).
     rope      Rope        cls(spec)                      table(rot_dim, max_seq, device)
     residual  Residual    static methods on the class    connection(spec, ctx), model_streams(spec, ctx)
 
+ctx is the step context (context.py); a mixer's cache is declared by CacheField (cache.py).
 Mixers and FFNs may also declare how they split over the ranks of a tensor/expert-parallel run
-(`shard(plan)`, see compiler/parallel/plan.py); a kind without it refuses runtime.parallel.
-
-Every Spec may define `resolve(model) -> Spec` (fill derived dims) and `check(model) -> str | None`
-(a problem to report), where `model` holds dim, vocab_size, n_layers, max_position, and for
-mixers and ffns also the resolved norm and rope specs and the rope slot names.
-
-Modules inside a kind (or the kind itself) may take part in analysis and initialisation through
-the small protocols at the end (`RefinesActiveParameters`, `ExtraTokenFlops`, `OwnInit`), and in
-`zoo patterns` (compiler/patterns.py) through the optional analysis protocols after them
-(`AttentionProbe` for softmax mixers, `MixerStatistics` for recurrent ones, `StreamMixing` for
-residual connections that mix streams).
+(`shard(plan)`, see compiler/parallel/plan.py, with contracts.span); a kind without it refuses
+runtime.parallel.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from abc import ABC, abstractmethod
-from typing import Protocol, runtime_checkable
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .engine.cache import CacheField
+from ..errors import ConfigError
+from .cache import CacheField
+
+
+class KindSpec:
+    """Base of every kind's dataclass `Spec` (its config node; a `kind` field names the kind).
+
+    resolve(model) -> Spec fills derived dims (returns a new spec), check(model) -> a problem to
+    report or None; `model` holds dim, vocab_size, n_layers, max_position, and for mixers and
+    ffns also the resolved norm and rope specs and the rope slot names. Defaults: nothing to
+    derive, nothing to report."""
+
+    def resolve(self, model: dict) -> "KindSpec":
+        return self
+
+    def check(self, model: dict) -> Optional[str]:
+        return None
 
 
 class Mixer(nn.Module, ABC):
     """Mixes information across positions: attention, MLA, DSA, DeltaNet, ...
 
-    ctx (prefill and decode): "ids" token ids [B, L] (or [B, 1]), "rope" {rope key: (cos, sin)}
-    with cos/sin [L, R/2] in prefill and [B, R/2] in decode, and in decode "pos" [B] (the slot
-    each row writes) and "one_query_kernel" (bool: zoo's CPU decode-attention kernel is built;
-    absent means no). The cache is this layer's dict of tensors allocated from `cache_fields`.
+    ctx (prefill and decode): the step context (contracts.StepContext: ids, rope, and in decode
+    pos and one_query_kernel). The cache is this layer's dict of tensors allocated from
+    `cache_fields`.
     """
 
     Spec: type
@@ -177,8 +183,6 @@ class Residual(ABC):
 
 def no_sharding_plan(module, plan) -> bool:
     """The default `shard` hook: a kind without a sharding plan refuses tp / ep, naming itself."""
-    from .errors import ConfigError
-
     raise ConfigError(f"{plan.source}: {plan.where}: kind {module.kind!r} declares no sharding plan (its shard() "
                       f"hook), so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
@@ -192,7 +196,7 @@ def contract_problems(slot: str, cls: type) -> list[str]:
     problems = []
     if not issubclass(cls, base):
         problems.append(f"is not a subclass of zoo.compiler.contracts.{base.__name__}")
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))  # reflection: a class outside ABC has none
     if missing:
         problems.append(f"does not implement {missing}")
     spec = cls.__dict__.get("Spec") or next((c.__dict__["Spec"] for c in cls.__mro__ if "Spec" in c.__dict__), None)
@@ -200,94 +204,6 @@ def contract_problems(slot: str, cls: type) -> list[str]:
         problems.append("has no dataclass `Spec`")
     elif "kind" not in {f.name for f in dataclasses.fields(spec)}:
         problems.append("its Spec has no `kind` field")
+    elif not issubclass(spec, KindSpec):
+        problems.append("its Spec does not subclass zoo.compiler.contracts.KindSpec")
     return problems
-
-
-# ---------------------------------------------------------------------------- module hooks
-
-
-@runtime_checkable
-class RefinesActiveParameters(Protocol):
-    """A module whose parameters one token does not all touch (MoE experts, a hash table, ...)."""
-
-    def active_parameters(self, matmul_only: bool = False) -> int:
-        """Parameters one token touches below this module (matmul_only: >= 2-D weights only)."""
-
-
-@runtime_checkable
-class ExtraTokenFlops(Protocol):
-    """A module doing contractions its parameters do not show (mHC stream mixing, a compressor's
-    pooling)."""
-
-    def token_flops(self) -> int:
-        """Context-independent FLOPs per token beyond 2 x its matmul parameters."""
-
-
-@runtime_checkable
-class KeepsLinearsFloat(Protocol):
-    """A module whose nn.Linear children named here must stay floating point under
-    `runtime.quant` (compiler/quant), because it reads their `.weight` directly (MLA's absorbed
-    wkv_b) instead of calling them. Any other nn.Linear of any kind may become a QuantLinear,
-    which computes the same forward(x) [..., I] -> [..., O] and has no float `.weight`."""
-
-    float_linears: dict[str, str]  # child name -> why it stays float (shown in the build report)
-
-
-@runtime_checkable
-class OwnInit(Protocol):
-    """A module with its own random/neutral initialisation (norms, gates, stream projections)."""
-
-    def init_weights(self, generator: torch.Generator | None = None) -> None: ...
-
-
-# ---------------------------------------------------------------------------- analysis hooks
-# (compiler/patterns.py, `zoo patterns`). Optional: a kind without them is reported as such.
-
-
-@dataclass
-class AttentionMaps:
-    """What a softmax mixer attends to over a prompt at positions 0..L-1, for heads h (a slice of
-    its H query heads), float32:
-
-    probs   [B, h, L, L]  weight of query t on prompt token s (0 where t does not attend to s)
-    logits  [B, h, L, L]  the scaled q.k score of (t, s) wherever the kind computes one (its
-                          causal / window mask), -inf elsewhere; a sparse kind (DSA) gives the
-                          dense scores, before its selection
-    extras  per-kind views with the same leading [B, h, L] (or [B, L] for per-query picks):
-            "sink" [B, h, L] the learned sink's share; "entries" [B, h, L, Ne] the share of
-            compressed entries; "picks" [B, L, Ks] the indexer's chosen keys (-1: none);
-            "captured" [B, h, L] the share of the dense softmax mass that the picks hold.
-    For every query, probs.sum(-1) + sink + entries.sum(-1) == 1.
-    """
-
-    probs: torch.Tensor
-    logits: torch.Tensor
-    extras: dict = field(default_factory=dict)
-
-
-@runtime_checkable
-class AttentionProbe(Protocol):
-    """A softmax mixer that can show its attention. The probe must run the mixer's own code
-    (projections, RoPE, scale, masks, sinks, selection) on the prefill's inputs; only the fused
-    kernel (SDPA) is replaced by an explicit softmax. Adding it to a new kind: factor the kind's
-    score computation into a helper its prefill calls, and call that helper here too."""
-
-    def attention_probe(self, x: torch.Tensor, ctx: dict, heads: slice = slice(None)) -> AttentionMaps:
-        """x [B, L, D] and ctx exactly as `prefill` gets them (positions 0..L-1) -> the maps of
-        query heads `heads`; touches no cache."""
-
-
-@runtime_checkable
-class MixerStatistics(Protocol):
-    """A mixer without attention probabilities (linear / recurrent) that reports its gates and state."""
-
-    def mixer_statistics(self, x: torch.Tensor, ctx: dict) -> dict[str, torch.Tensor]:
-        """x [B, L, D], ctx as `prefill` gets them -> name -> [B, heads] float32 per-head statistics."""
-
-
-@runtime_checkable
-class StreamMixing(Protocol):
-    """A residual connection that mixes N streams (mHC)."""
-
-    def mixing(self, h: torch.Tensor) -> torch.Tensor:
-        """residual state h [..., N, D] -> the stream-mixing matrix it applies [..., N, N] (float32)."""

@@ -1,0 +1,23 @@
+"""The step context: what the engine hands every mixer and FFN entry point besides x and the
+cache, one dict per prefill or decode step (built by compiler/engine/graphs.py).
+
+    "ids"               token ids [B, L] in prefill, [B, 1] in decode (hash routing reads them)
+    "rope"              {rope key: (cos, sin)}, cos/sin [L, R/2] in prefill, [B, R/2] in decode
+                        (the key: position/rope.rope_key(R, slot))
+    "pos"               decode only: [B] the slot each row writes
+    "one_query_kernel"  decode only: bool, zoo's CPU decode-attention kernel is built (absent: no)
+"""
+from __future__ import annotations
+
+from typing import TypedDict
+
+import torch
+
+
+class StepContext(TypedDict, total=False):
+    """See the module docstring; a plain dict at run time (graphs are traced through it)."""
+
+    ids: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    pos: torch.Tensor
+    one_query_kernel: bool
