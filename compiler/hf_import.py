@@ -546,7 +546,7 @@ def _longrope_from_hf(config: dict, params: dict, theta: float, rule: dict, wher
 def cases_from_hf(config: dict, cases: dict, where: str, file: str) -> dict:
     """The zoo settings the import map's `cases` give for config.json's values: {zoo key: value}.
     A case is a key or an expression (`"sliding_window is not None"`); its value selects one
-    entry of `values` (YAML `null:` / `true:` keys match null and booleans); an absent key takes
+    entry of `values` (`true:` / `false:` keys match booleans, never 1 / 0); an absent key takes
     `default`; a value with no entry is an error (the modules would build a different model)."""
     out: dict = {}
     for key, case in cases.items():
@@ -588,7 +588,7 @@ def field_from_hf(config: dict, zoo_key: str, rule: Any, where: str, file: str) 
         expr = parse(rule, file, f"fields.{zoo_key}")
         if expr.bare_key is None:
             return expr.evaluate(config, where)
-        rule = [expr.bare_key]
+        rule = expr.bare_key
     key, default = (rule["key"], rule.get("default", _ABSENT)) if isinstance(rule, dict) else (rule, _ABSENT)
     value = _get_first(config, key)
     if value is not _ABSENT:

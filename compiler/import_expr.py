@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -326,10 +327,11 @@ class _Evaluator:
 
 def parse_range(source: Any, file: str, entry: str) -> tuple[Expr, Expr]:
     """`START..END` (inclusive, each an expression) -> the two parsed ends."""
-    if not isinstance(source, str) or source.count("..") != 1:
+    parts = re.split(r"(?<!\.)\.\.(?!\.)", source) if isinstance(source, str) else []
+    if len(parts) != 2 or "..." in source:
         raise ConfigError(f"{file}: {entry} = {source!r}: expected an inclusive layer range `START..END` "
                           f"(each an expression, e.g. `first_k_dense_replace..num_hidden_layers - 1`)")
-    start, end = source.split("..")
+    start, end = parts
     return parse(start, file, f"{entry} (start)"), parse(end, file, f"{entry} (end)")
 
 
