@@ -7,7 +7,11 @@ from and which config.json key fills which zoo key. Nothing here names a family.
       mixers.attn.q_lora_rank: {key: q_lora_rank, default: 1536, nullable: true}  # null kept as null
       mixers.attn.rotary_fraction: {key: [rope_parameters.partial_rotary_factor,
                                           partial_rotary_factor], default: 1.0}  # first present
+      mixers.attn.window: "sliding_window ?? null"   # an expression (compiler/import_expr.py):
+                                 #   keys, arithmetic, comparisons, and/or/not, x if c else y,
+                                 #   `k ?? v`, default(k, v), has(k), min/max/...
     expect: {hidden_act: silu}   # values the zoo modules assume; anything else is an error
+    require: {"num_attention_heads % num_key_value_heads == 0": why}   # conditions that must hold
     set: {mixers.attn.index_rope_interleaved: false}   # fixed for this model_type (config.json never says)
     cases:                       # a config.json value -> the zoo settings it implies (after fields)
       topk_method:
@@ -16,6 +20,7 @@ from and which config.json key fills which zoo key. Nothing here names a family.
           greedy: {ffns.moe.n_group: 1, ffns.moe.topk_group: 1}
           group_limited_greedy: {ffns.moe.group_score: max}
     rope: rope                   # zoo key that receives the rope spec
+    rope: {to: rope, aliases: {su: longrope}, original_max_position: "original_max_position_embeddings ?? 4096"}
     # per layer kind (Gemma 3): rope_parameters holds one dict per layer type; `params` names the
     # one a slot reads; older configs give the slot's theta in its own key (`legacy_theta`)
     rope: {to: rope, params: full_attention, theta_default: 1.0e6}
@@ -34,10 +39,16 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     #   - {key: layer_types, absent: full_attention, kinds: {...}}  # no such key: every layer that kind
     # or `listed: {key: linear_attn_config.full_attn_layers, base: 1, kind: full_attention,
     #              other: linear_attention}`: `kind` on the layers a list of indices names
+    # or `range: {layers: "moe_layer_start_index..moe_layer_end_index", kind: moe, other: dense}`
+    #   (inclusive, each end an expression; a list of ranges for several)
+    # or `when: {test: "(layer + 1) % moe_layer_interval == 0", kind: moe, other: dense}`
+    #   (a test over `layer`, the 0-based index); a rule may have only a fill, no `key`
     irrelevant:                  # config.json keys that do not change inference, with the reason
       initializer_range: training-time init
-    # Every config.json key must be covered: by fields, expect, the rope / layout readers,
-    # irrelevant, or conf/hf/common.yaml (keys of every PretrainedConfig); any other key is an error.
+    # Every config.json key must be covered: by fields, expect, require, cases, the rope / layout
+    # readers, irrelevant, or conf/hf/common.yaml (keys of every PretrainedConfig); keys with a
+    # leading underscore are transformers' metadata; any other key is an error. docs/adding-a-family.md
+    # documents each form with an example.
 """
 from __future__ import annotations
 
@@ -73,7 +84,6 @@ ROPE_PARAM_KEYS = {
     "longrope": {"rope_type", "type", "rope_theta", "short_factor", "long_factor", "factor", "attention_factor",
                  "original_max_position_embeddings"},
 }
-PRIVATE_KEY = "transformers' private metadata (a leading underscore: written by transformers, never read as architecture)"
 ADDING_A_FAMILY = "docs/adding-a-family.md"
 
 
@@ -256,7 +266,9 @@ def check_keys(config: dict, spec: dict, where: str) -> None:
     may change the model in a way the zoo would not reproduce, so it is an error."""
     covered = covered_keys(spec)
     for key in config:
-        if key not in covered and not key.startswith("_"):  # transformers' private keys: PRIVATE_KEY
+        # a leading underscore: transformers' private metadata (_name_or_path, the _model_name_or_path
+        # it writes after loading a GGUF), never read as architecture
+        if key not in covered and not key.startswith("_"):
             value = repr(config[key])
             value = value if len(value) <= 80 else value[:77] + "..."
             raise ConfigError(f"{where}: config.json key {key!r} = {value} is not covered by {spec['file']} for "

@@ -160,7 +160,7 @@ FLAGSHIPS = {
                                      attention_multiplier=0.0078125, logits_scaling=16.0)),
     "phi3_mini_4k": ("Phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                                  tie_word_embeddings=False)),
+                                  tie_word_embeddings=False, sliding_window=2047)),
 }
 
 
