@@ -183,3 +183,45 @@ def test_gguf_loaded_then_saved_checkpoint(references, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     m = zoo.from_pretrained(str(copy), compile=False, max_batch=BATCH, max_seq=24)
     check_parity(ref, m, ids(7, 3), steps=3)
+
+
+def test_phi3_5_mini_published_config_imports():
+    """microsoft/Phi-3.5-mini-instruct's config.json keys as published: longrope in rope_scaling
+    (type "longrope", 48 factors each for head_dim 96), the top-level pre-training length, a
+    sliding_window longer than the context. Factor values here are placeholders."""
+    from zoo.compiler.position.rope import make_rope
+
+    published = {
+        "_name_or_path": "Phi-3.5-mini-instruct", "architectures": ["Phi3ForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                                               "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+        "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"long_factor": [1.0 + i / 10 for i in range(48)], "short_factor": [1.0] * 48,
+                         "type": "longrope"},
+        "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.3", "use_cache": True, "vocab_size": 32064}
+    spec = validate(import_config(published, "config.json"), "config.json")
+    rope = make_rope(spec.rope)
+    assert spec.rope.kind == "longrope" and spec.rope.original_max_position == 4096 and spec.rope.factor == 32.0
+    assert rope.cos_sin_scale() == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert spec.mixers["attn"].window == 262144 and spec.max_position == 131072
+    short, _ = rope.table(96, 8, "cpu")  # 48 pairs of head_dim 96
+    long, _ = rope.table(96, 4097, "cpu")
+    assert short.shape == (8, 48) and not torch.equal(short, long[:8])
+
+
+def test_zoo_import_round_trip_longrope(references, tmp_path, monkeypatch):
+    """`zoo import` writes a conf carrying the longrope spec whole; it builds the same model."""
+    from zoo.cli import main
+
+    _, path = references["phi3_longrope"]
+    monkeypatch.setenv("ZOO_CONF_DIR", str(tmp_path / "confs"))
+    assert main(["import", str(path), "name=phi3_longrope_imported"]) == 0
+    built = zoo.build("phi3_longrope_imported", weights=str(path), compile=False, max_seq=24)
+    direct = zoo.from_pretrained(str(path), compile=False, max_seq=24)
+    assert built.spec.rope == direct.spec.rope
+    x = ids(19, 4)[:1]
+    torch.testing.assert_close(built.prefill(x), direct.prefill(x), rtol=0, atol=0)
