@@ -335,7 +335,7 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str,
         types = types[:n_layers]
     if not isinstance(types, list) or len(types) != n_layers:
         raise ConfigError(f"{where}: {name} has {len(types) if isinstance(types, list) else types!r} "
-                          f"entries but the model has {n_layers} layers")
+                          f"entries but the model has {n_layers} layers (see {file})")
     pending = rule.get("pending") or {}
     later = {t: [i for i, x in enumerate(types) if x == t] for t in sorted({t for t in types if t in pending}, key=str)}
     if later:
@@ -486,23 +486,33 @@ def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: s
         raise ConfigError(f"{where}: config.json has no rope_theta (in rope_parameters or at the top level) and "
                           f"{file} gives no rope.theta_default")
     theta = float(theta)
+    which = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+
+    def need(key: str, cast):
+        """A number the rope type requires: absent or not a number is an error naming it."""
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: config.json {which}.{key} = {value!r}: the {rope_type!r} rope needs a "
+                              f"number there (see {file})")
+        return cast(value)
+
     if rope_type == "default":
         return {"kind": "default", "theta": theta}
     if rope_type == "linear":
-        return {"kind": "linear", "theta": theta, "factor": float(params["factor"])}
+        return {"kind": "linear", "theta": theta, "factor": need("factor", float)}
     if rope_type == "llama3":
-        return {"kind": "llama3", "theta": theta, "factor": float(params["factor"]),
-                "low_freq_factor": float(params["low_freq_factor"]),
-                "high_freq_factor": float(params["high_freq_factor"]),
-                "original_max_position": int(params["original_max_position_embeddings"])}
+        return {"kind": "llama3", "theta": theta, "factor": need("factor", float),
+                "low_freq_factor": need("low_freq_factor", float),
+                "high_freq_factor": need("high_freq_factor", float),
+                "original_max_position": need("original_max_position_embeddings", int)}
     if rope_type == "yarn":
         original = _present(params, "original_max_position_embeddings")
         if original is _ABSENT:
             original = _present(config, "max_position_embeddings")
         if original is _ABSENT:
             raise ConfigError(f"{where}: yarn rope without original_max_position_embeddings or "
-                              f"max_position_embeddings in config.json")
-        spec = {"kind": "yarn", "theta": theta, "factor": float(params["factor"]),
+                              f"max_position_embeddings in config.json (see {file})")
+        spec = {"kind": "yarn", "theta": theta, "factor": need("factor", float),
                 "original_max_position": int(original),
                 # absent mscale: transformers scales cos/sin by mscale(factor) alone, which the
                 # zoo spec expresses as mscale 0 (see YarnRope.cos_sin_scale)

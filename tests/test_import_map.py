@@ -336,3 +336,16 @@ def test_doc_override_example_composes(tmp_path, monkeypatch):
     (tmp_path / name).write_text(text.replace("- override rope: llama3", "- rope: llama3"))
     with pytest.raises(ConfigError, match="Multiple values for rope. To override a value use 'override rope: llama3'"):
         compose(Path(name).stem)
+
+
+def test_a_rope_parameter_the_type_needs_is_named_not_a_key_error():
+    """A llama3 rope_parameters without high_freq_factor: an error naming it and the map (it
+    was a bare KeyError)."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2).to_dict()
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192}
+    with pytest.raises(ConfigError, match=r"rope_parameters.high_freq_factor = None: the 'llama3' rope needs a "
+                                          r"number there \(see conf/hf/llama.yaml\)"):
+        import_config(config, "config.json")
