@@ -545,7 +545,8 @@ def _longrope_from_hf(config: dict, params: dict, theta: float, rule: dict, wher
         raise ConfigError(f"{where}: longrope needs the pre-training length as a positive integer "
                           f"({which}.original_max_position_embeddings or max_position_embeddings), got "
                           f"{original!r} (see {file})")
-    spec: dict = {"kind": "longrope", "theta": theta, "original_max_position": original}
+    # long: null (pick by the engine's max_seq), present so that `rope.long=true` can override it
+    spec: dict = {"kind": "longrope", "theta": theta, "original_max_position": original, "long": None}
     for key in ("short_factor", "long_factor"):
         factors = params.get(key)
         if not isinstance(factors, list) or not factors or \

@@ -112,6 +112,19 @@ def test_longrope_long_factors(references, name):
     check_decode_equals_prefill(m, seq, prompt_len=ORIGINAL + 1)
 
 
+def test_longrope_list_can_be_forced(references):
+    """`rope.long=true` gives the long factors to an engine whose context fits the pre-training
+    length: transformers' logits for a sequence longer than it, over the first positions."""
+    ref, path = references["phi3_longrope"]
+    forced = zoo.from_pretrained(str(path), overrides=["rope.long=true"], compile=False, max_batch=BATCH, max_seq=ORIGINAL)
+    long = ids(ORIGINAL + 2, 5)
+    with torch.no_grad():
+        want = ref(long).logits[:, :ORIGINAL]
+    from tests.helpers import assert_logits_close
+
+    assert_logits_close(forced.prefill(long[:, :ORIGINAL]), want, what="forced long factors")
+
+
 def test_longrope_spec_and_attention_factor(references):
     """What the import reads: the factors, the pre-training length, factor = max / original and
     transformers' default attention factor sqrt(1 + ln(factor) / ln(original)); an explicit one wins."""
