@@ -53,8 +53,9 @@ def test_every_kind_meets_its_contract(slot):
 
 @pytest.mark.parametrize("slot", SLOTS)
 def test_every_kind_is_built_by_a_shipped_config(built, slot):
-    # "linear" rope (position interpolation) is reached from config.json imports only
-    reached_by_import_only = {"rope": {"linear"}}.get(slot, set())
+    # "linear" rope (position interpolation) and "longrope" (its factors are per checkpoint) are
+    # reached from config.json imports only
+    reached_by_import_only = {"rope": {"linear", "longrope"}}.get(slot, set())
     assert set(registered(slot)) - reached_by_import_only <= set(built[slot])
 
 

@@ -160,7 +160,7 @@ FLAGSHIPS = {
                                      attention_multiplier=0.0078125, logits_scaling=16.0)),
     "phi3_mini_4k": ("Phi3", dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                                  tie_word_embeddings=False)),
+                                  tie_word_embeddings=False, sliding_window=2047)),
 }
 
 
@@ -183,10 +183,9 @@ def test_flagship_parameter_count(preset):
 
 
 @pytest.mark.parametrize("family, change, words", [
-    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 6,
-                                  "long_factor": [1.0] * 6, "original_max_position_embeddings": 128}},
-     ["'longrope'", "conf/hf/phi3.yaml"]),
-    ("phi3", {"sliding_window": 2047}, ["sliding_window=2047", "conf/hf/phi3.yaml"]),
+    # Phi-3's longrope and sliding_window import now: tests/test_published_configs.py
+    ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     ["'dynamic'", "conf/hf/phi3.yaml"]),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
      ["use_sliding_window=True", "conf/hf/qwen2.yaml"]),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},

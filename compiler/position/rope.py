@@ -1,4 +1,4 @@
-"""Rotary position embeddings: frequency schedules (default, linear, llama3, yarn) and rotation.
+"""Rotary position embeddings: frequency schedules (default, linear, llama3, yarn, longrope) and rotation.
 
 A rope spec gives the inverse frequencies of the rotated channels; the engine turns them into
 cos/sin tables [max_seq, R/2] once, and each step hands the rows for the current positions to
@@ -10,12 +10,13 @@ every layer. Two channel layouts exist in checkpoints:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 
 from ..contracts import KindSpec, Rope
+from ..errors import ConfigError
 from ..registry import lookup, register
 
 
@@ -149,6 +150,67 @@ class YarnRope(_Rope):
     def softmax_scale_factor(self) -> float:
         s = self.spec
         return yarn_mscale(s.factor, s.mscale_all_dim) ** 2 if s.mscale_all_dim else 1.0
+
+
+@register("rope", "longrope")
+class LongRope(_Rope):
+    """LongRoPE (Phi-3 / Phi-3.5 long-context checkpoints): the default frequencies, each channel
+    pair's divided by its own factor, one list for contexts up to `original_max_position`
+    (`short_factor`) and one beyond (`long_factor`); cos and sin are scaled by `attention_factor`
+    (absent: sqrt(1 + ln(factor) / ln(original_max_position)), 1 for factor <= 1).
+
+    Which list: transformers picks per forward call (by the largest position in it), so its
+    cached keys mix both lists once a sequence crosses original_max_position. zoo picks once per
+    engine, from its context: the long list when max_seq > original_max_position (as vLLM does),
+    so decode always equals a prefill of the same tokens, and both equal transformers' forward
+    over any sequence on the same side of original_max_position as max_seq. `long: true/false`
+    forces a list."""
+
+    @dataclass
+    class Spec(KindSpec):
+        kind: str = "longrope"
+        theta: float = 10000.0
+        short_factor: List[float] = field(default_factory=lambda: [1.0])
+        long_factor: List[float] = field(default_factory=lambda: [1.0])
+        original_max_position: int = 4096
+        factor: float = 1.0  # context extension; only sets the default attention_factor
+        attention_factor: Optional[float] = None
+        long: Optional[bool] = None  # None: long when the engine's max_seq > original_max_position
+
+        def check(self, model: dict) -> Optional[str]:
+            if not self.short_factor or not self.long_factor or len(self.short_factor) != len(self.long_factor):
+                return (f"short_factor and long_factor need one entry per rotated channel pair, the same "
+                        f"number each; got {len(self.short_factor)} and {len(self.long_factor)}")
+            if min(self.short_factor + self.long_factor) <= 0 or self.original_max_position <= 0:
+                return "factors and original_max_position must be positive"
+            return None
+
+    def uses_long(self, max_seq: int) -> bool:
+        return self.spec.long if self.spec.long is not None else max_seq > self.spec.original_max_position
+
+    def factors(self, rot_dim: int, max_seq: int) -> torch.Tensor:
+        """[R/2] float32: the per-pair divisors for an engine of context max_seq."""
+        name = "long_factor" if self.uses_long(max_seq) else "short_factor"
+        values = getattr(self.spec, name)
+        if len(values) != rot_dim // 2:
+            raise ConfigError(f"rope longrope: {name} has {len(values)} entries, but the rotation over {rot_dim} "
+                              f"channels has {rot_dim // 2} pairs")
+        return torch.tensor(values, dtype=torch.float32)
+
+    def table(self, rot_dim: int, max_seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        # transformers' order of operations: 1 / (factor * theta^(2i/R))
+        exponent = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+        inv = (1.0 / (self.factors(rot_dim, max_seq) * s.theta ** exponent)).to(device)
+        freqs = torch.outer(torch.arange(max_seq, device=device, dtype=torch.int64).float(), inv)
+        scale = self.cos_sin_scale()
+        return freqs.cos() * scale, freqs.sin() * scale
+
+    def cos_sin_scale(self) -> float:
+        s = self.spec
+        if s.attention_factor is not None:
+            return s.attention_factor
+        return 1.0 if s.factor <= 1.0 else math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position))
 
 
 def make_rope(spec) -> _Rope:
