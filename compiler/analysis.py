@@ -40,7 +40,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .contracts import ExtraTokenFlops, RefinesActiveParameters
-from .build import cache_stage, cast_stage, count_stage
+from . import build as stages
 from .config import conf_dir
 from .engine.cache import plan_caches
 from .model import Decoder, build_model, cast, count_parameters, parameter_bytes, torch_dtype
@@ -104,10 +104,10 @@ class KindSummary:
 
 def mtp_parameters(spec: ModelSpec) -> int:
     """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none:
-    the model built with them (cast_stage(mtp=True)), their blocks counted."""
+    the model built with them (stages.cast_stage(mtp=True)), their blocks counted."""
     if not spec.mtp_layers:
         return 0
-    return count_parameters(cast_stage(spec, torch.float32, mtp=True).module.mtp)
+    return count_parameters(stages.cast_stage(spec, torch.float32, mtp=True).module.mtp)
 
 
 def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: str = "bfloat16",
@@ -117,11 +117,11 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
         raise ValueError(f"context={context} and batch={batch} must be >= 1")
     params_mtp = mtp_parameters(spec)
     # the stages of a dry build (compiler/build.py), without the MTP layers (reported apart)
-    model: Decoder = cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
+    model: Decoder = stages.cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
     cdt, wsize = torch_dtype(cache_dtype), torch_dtype(weight_dtype).itemsize
-    plan = cache_stage(model, 1, _BIG_SEQ, cdt).plan
+    plan = stages.cache_stage(model, 1, _BIG_SEQ, cdt).plan
 
-    counted = count_stage(model)
+    counted = stages.count_stage(model)
     total = counted.params
     embed_params = model.embed.weight.numel()
     # the embedding table is a lookup; the head multiplies every token even when tied to it
@@ -171,7 +171,7 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
 
     cache_per_token = sum(k.cache_bytes_per_token * k.layers for k in kinds.values())
     state_per_seq = sum(k.state_bytes_per_sequence * k.layers for k in kinds.values())
-    cache_at_context = sum(f.nbytes for layer in cache_stage(model, 1, context, cdt).plan.layers
+    cache_at_context = sum(f.nbytes for layer in stages.cache_stage(model, 1, context, cdt).plan.layers
                            for f in layer.values() if f.grows)
     weight_bytes = counted.param_bytes
 
@@ -254,7 +254,7 @@ def _rank_model(spec: ModelSpec, tp: int, ep: int, weight_dtype: str):
     from .parallel.mesh import Mesh
     from .parallel.plan import shard_model
 
-    model = cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
+    model = stages.cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
     size = max(tp, ep)
     report = shard_model(model, Mesh(size=size, rank=0, tp=tp, ep=ep, group_name="analysis",
                                      device=torch.device("meta")))
