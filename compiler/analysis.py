@@ -43,7 +43,7 @@ from .contracts import ExtraTokenFlops, RefinesActiveParameters
 from . import build as stages
 from .config import conf_dir
 from .engine.cache import plan_caches
-from .model import Decoder, build_model, cast, count_parameters, parameter_bytes, torch_dtype
+from .model import Decoder, build_model, count_parameters, parameter_bytes, torch_dtype
 from .residual.prenorm import residual_kind
 from .spec import ModelSpec
 
@@ -236,12 +236,8 @@ def _decode_weight_bytes(model: Decoder, batch: int, size: int) -> float:
 
 def cache_curve(spec: ModelSpec, contexts, cache_dtype: str = "bfloat16") -> list[int]:
     """Cache bytes (growing fields + constant state) of one sequence at each context length."""
-    model = build_model(spec, mtp=False)
-    out = []
-    for t in contexts:
-        plan = plan_caches(model, 1, int(t), torch_dtype(cache_dtype))
-        out.append(plan.total_bytes())
-    return out
+    model = stages.cast_stage(spec, torch_dtype(cache_dtype), mtp=False).module
+    return [stages.cache_stage(model, 1, int(t), torch_dtype(cache_dtype)).total_bytes for t in contexts]
 
 
 # ---------------------------------------------------------------------------- parallel plans

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -377,12 +377,12 @@ class BuildReport:
     device: str  # "meta" for dry builds
     dry: bool
     runner: str  # RUNNERS
-    compile_seconds: dict = field(default_factory=dict)
-    load: Optional[LoadReport] = None
-    load_seconds: float = 0.0
-    parallel: Optional[dict] = None  # tp, ep, rank, size, head: this rank's share (params are per rank)
-    quant: Any = None  # quant.apply.QuantReport: which linears are quantized, what stays float and why
-    float32_products: int = 0  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
+    compile_seconds: dict  # per graph ({} when nothing compiles)
+    load: Optional[LoadReport]  # None: random weights (or dry)
+    load_seconds: float
+    parallel: Optional[dict]  # tp, ep, rank, size, head: this rank's share (params are per rank)
+    quant: Any  # quant.apply.QuantReport: which linears are quantized, what stays float and why; None: float
+    float32_products: int  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
 
     @property
     def needed_bytes(self) -> int:

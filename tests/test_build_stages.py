@@ -16,7 +16,7 @@ from zoo.compiler import build as stages
 from zoo.compiler.analysis import analyze
 from zoo.compiler.build import (RUNNERS, STAGES, BuildRecords, BuildReport, CountStage, ShardStage, cast_stage,
                                 report_from, runner_stage, spec_stage)
-from zoo.compiler.config import compose, load_config
+from zoo.compiler.config import compose
 from zoo.compiler.errors import ConfigError, InputError
 from zoo.compiler.model import count_parameters
 
