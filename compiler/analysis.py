@@ -32,7 +32,6 @@ and `ExtraTokenFlops` (mHC, compressors).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +40,10 @@ import torch
 from omegaconf import OmegaConf
 
 from .contracts import ExtraTokenFlops, RefinesActiveParameters
-from .engine.cache import plan_caches
+from . import build as stages
 from .config import conf_dir
-from .model import BuildContext, Decoder, build_model, cast, count_parameters, parameter_bytes, torch_dtype
-from .position.rope import make_rope
+from .engine.cache import plan_caches
+from .model import Decoder, build_model, count_parameters, parameter_bytes, torch_dtype
 from .residual.prenorm import residual_kind
 from .spec import ModelSpec
 
@@ -103,23 +102,12 @@ class KindSummary:
     prefill_flops_per_layer: int
 
 
-def main_model_spec(spec: ModelSpec) -> ModelSpec:
-    """`spec` without its MTP layers built (they never count in the per-token figures)."""
-    if not spec.checkpoint.mtp:
-        return spec
-    return dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=False))
-
-
 def mtp_parameters(spec: ModelSpec) -> int:
-    """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none."""
+    """Parameters of the spec's MTP layers (their own embedding/head copies included), 0 if none:
+    the model built with them (stages.cast_stage(mtp=True)), their blocks counted."""
     if not spec.mtp_layers:
         return 0
-    from .mtp import mtp_layers
-
-    on = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, mtp=True))
-    with torch.device("meta"):
-        layers = mtp_layers(BuildContext(on, make_rope(on.rope)))
-    return count_parameters(layers)
+    return count_parameters(stages.cast_stage(spec, torch.float32, mtp=True).module.mtp)
 
 
 def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: str = "bfloat16",
@@ -128,12 +116,13 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
     if context < 1 or batch < 1:
         raise ValueError(f"context={context} and batch={batch} must be >= 1")
     params_mtp = mtp_parameters(spec)
-    spec = main_model_spec(spec)
-    model: Decoder = cast(build_model(spec), torch_dtype(weight_dtype))
+    # the stages of a dry build (compiler/build.py), without the MTP layers (reported apart)
+    model: Decoder = stages.cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
     cdt, wsize = torch_dtype(cache_dtype), torch_dtype(weight_dtype).itemsize
-    plan = plan_caches(model, 1, _BIG_SEQ, cdt)
+    plan = stages.cache_stage(model, 1, _BIG_SEQ, cdt).plan
 
-    total = count_parameters(model)
+    counted = stages.count_stage(model)
+    total = counted.params
     embed_params = model.embed.weight.numel()
     # the embedding table is a lookup; the head multiplies every token even when tied to it
     no_embed = frozenset({id(model.embed.weight)})
@@ -182,9 +171,9 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
 
     cache_per_token = sum(k.cache_bytes_per_token * k.layers for k in kinds.values())
     state_per_seq = sum(k.state_bytes_per_sequence * k.layers for k in kinds.values())
-    cache_at_context = sum(f.nbytes for layer in plan_caches(model, 1, context, cdt).layers
+    cache_at_context = sum(f.nbytes for layer in stages.cache_stage(model, 1, context, cdt).plan.layers
                            for f in layer.values() if f.grows)
-    weight_bytes = parameter_bytes(model)
+    weight_bytes = counted.param_bytes
 
     out: dict[str, Any] = {
         "name": spec.name, "source": spec.source, "n_layers": spec.n_layers,
@@ -196,6 +185,7 @@ def analyze(spec: ModelSpec, context: int = 4096, batch: int = 1, cache_dtype: s
         "params_head": model.head.weight.numel(),
         "params_mtp": params_mtp,
         "residual_streams": residual_kind(spec.residual).n_streams(spec.residual),
+        "rope_slots": sorted({slot for slot, _ in model.rope_slots()}),  # the rope schedules the layers read
         "kinds": [k.__dict__ for k in kinds.values()],
         "cache_dtype": cache_dtype, "weight_dtype": weight_dtype,
         "cache_bytes_per_token": int(round(cache_per_token)),
@@ -246,12 +236,8 @@ def _decode_weight_bytes(model: Decoder, batch: int, size: int) -> float:
 
 def cache_curve(spec: ModelSpec, contexts, cache_dtype: str = "bfloat16") -> list[int]:
     """Cache bytes (growing fields + constant state) of one sequence at each context length."""
-    model = build_model(main_model_spec(spec))
-    out = []
-    for t in contexts:
-        plan = plan_caches(model, 1, int(t), torch_dtype(cache_dtype))
-        out.append(plan.total_bytes())
-    return out
+    model = stages.cast_stage(spec, torch_dtype(cache_dtype), mtp=False).module
+    return [stages.cache_stage(model, 1, int(t), torch_dtype(cache_dtype)).total_bytes for t in contexts]
 
 
 # ---------------------------------------------------------------------------- parallel plans
@@ -264,7 +250,7 @@ def _rank_model(spec: ModelSpec, tp: int, ep: int, weight_dtype: str):
     from .parallel.mesh import Mesh
     from .parallel.plan import shard_model
 
-    model = cast(build_model(spec), torch_dtype(weight_dtype))
+    model = stages.cast_stage(spec, torch_dtype(weight_dtype), mtp=False).module
     size = max(tp, ep)
     report = shard_model(model, Mesh(size=size, rank=0, tp=tp, ep=ep, group_name="analysis",
                                      device=torch.device("meta")))
@@ -277,7 +263,6 @@ def parallel_plan(spec: ModelSpec, tp: int, ep: int, context: int = 4096, batch:
     """Per-rank weight, cache and state bytes under runtime.parallel tp / ep, what fits one device
     of `device` (the largest batch at `context`, the largest context at `batch`), and how many
     devices the model needs at bf16 / fp8 / int4 weights (with batch x context of cache)."""
-    spec = main_model_spec(spec)
     model, report = _rank_model(spec, tp, ep, weight_dtype)
     cdt = torch_dtype(cache_dtype)
     plan = plan_caches(model, 1, _BIG_SEQ, cdt)
@@ -307,14 +292,13 @@ def devices_needed(spec: ModelSpec, memory: float, context: int, batch: int, cac
     or where no valid split fits."""
     from .errors import ConfigError
 
-    spec = main_model_spec(spec)
     cdt = torch_dtype(cache_dtype)
     found: dict[str, Any] = {w: None for w in QUANT_BYTES}
     n = 1
     while n <= max_devices and any(v is None for v in found.values()):
         try:
             if n == 1:
-                model = build_model(spec)
+                model = build_model(spec, mtp=False)
             else:
                 model, _ = _rank_model(spec, n, n, "bfloat16")
         except ConfigError:

@@ -17,7 +17,7 @@ from torch import nn
 from .block import Block, BuildContext
 from .contracts import KeepFloat32, OwnInit
 from .errors import ConfigError
-from .mtp import mtp_layers
+from .mtp import MTPLayer
 from .norm.norms import make_norm
 from .position.rope import make_rope
 from .residual.prenorm import residual_kind
@@ -43,7 +43,10 @@ class ScaledEmbedding(nn.Embedding):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """mtp: build the spec's multi-token-prediction layers (`spec.mtp_layers`) after the stack, to
+    be loaded from a checkpoint that has them; an input of the build, not a field of the spec."""
+
+    def __init__(self, spec: ModelSpec, *, mtp: bool):
         super().__init__()
         self.spec = spec
         self.rope_impl = make_rope(spec.rope)
@@ -55,7 +58,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
         self.norm = make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
-        self.mtp = mtp_layers(ctx)  # multi-token-prediction blocks; empty unless enabled
+        self.mtp = nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers) if mtp else nn.ModuleList()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -99,10 +102,11 @@ class Decoder(nn.Module):
         return logits
 
 
-def build_model(spec: ModelSpec) -> Decoder:
-    """The module tree on the meta device: no memory is allocated."""
+def build_model(spec: ModelSpec, *, mtp: bool) -> Decoder:
+    """The module tree on the meta device: no memory is allocated. mtp: with the spec's
+    multi-token-prediction layers (a build reads it from checkpoint.mtp, compiler/build.py)."""
     with torch.device("meta"):
-        model = Decoder(spec)
+        model = Decoder(spec, mtp=mtp)
     return model.requires_grad_(False)
 
 

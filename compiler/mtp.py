@@ -52,11 +52,3 @@ class MTPLayer(Block):
         hidden = self.norm(model.streams.collapse(h))
         head = model.head if self.shares_embeddings else self.head
         return hidden, head(hidden).float()
-
-
-def mtp_layers(ctx: BuildContext) -> nn.ModuleList:
-    """The MTP layers a spec asks for: none unless `checkpoint.mtp` (they are built to be loaded)."""
-    spec = ctx.spec
-    if not spec.checkpoint.mtp:
-        return nn.ModuleList()
-    return nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers)

@@ -291,10 +291,10 @@ S5 = "5. Tensor / expert parallel (NCCL)"
 
 @torch.no_grad()
 def copy_sharded(par, ref) -> None:
-    """The single-process model's weights into a parallel rank's share (module.shard_slices, in
+    """The single-process model's weights into a parallel rank's share (records.shard.slices, in
     place: the compiled graphs and the captured CUDA graph keep their storages)."""
     full = ref.module.state_dict()
-    slices = par.module.shard_slices
+    slices = par.records.shard.slices
     for name, p in par.module.named_parameters():
         s = slices.get(name)
         if s is not None and s.zero:

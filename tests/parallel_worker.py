@@ -60,7 +60,7 @@ def main(job_path: str) -> int:
                                      "parallel": m.info.parallel}
             if case.get("kernel_weights"):
                 results[case["name"]].update(kernel_weights=kernel_weights(m.module), slices={
-                    n: (s.full, s.cuts, s.zero) for n, s in m.module.shard_slices.items()})
+                    n: (s.full, s.cuts, s.zero) for n, s in m.records.shard.slices.items()})
         except Exception as e:  # reported to the test, which fails with it
             results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         line = (f"rank {rank}: {case['name']} {'error' if 'error' in results[case['name']] else 'done'} "

@@ -28,7 +28,7 @@ def built() -> dict:
     out: dict = {slot: {} for slot in SLOTS}
     for name in available_configs():
         spec = load_config(name)
-        model = build_model(spec)
+        model = build_model(spec, mtp=spec.checkpoint.mtp)
         for i, layer in enumerate(spec.layers):
             block = model.layers[i]
             out["mixer"].setdefault(layer.mixer.kind, (block.mixer, model))

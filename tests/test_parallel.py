@@ -294,7 +294,8 @@ def _mesh(size: int, rank: int, tp: int, ep: int) -> Mesh:
 
 
 def _meta(conf: str, overrides=()):
-    return build_model(validate(compose(conf, list(overrides)), source=f"conf/{conf}.yaml"))
+    spec = validate(compose(conf, list(overrides)), source=f"conf/{conf}.yaml")
+    return build_model(spec, mtp=spec.checkpoint.mtp)
 
 
 def test_plan_shapes_deepseek_v3_tp8_ep8():
@@ -411,11 +412,11 @@ def test_rank_reads_only_its_slices(tmp_path):
     make_reference(tmp_path, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True), {})
     source = SafetensorsSource(tmp_path)
     spec = validate(import_config(source.config(), source.description), source=source.description)
-    whole = materialize(build_model(spec), "cpu", torch.float32)
+    whole = materialize(build_model(spec, mtp=False), "cpu", torch.float32)
     whole_plan = plan_load(whole, source, checkpoint_stages(source, spec))
     execute(whole_plan, whole, source)
 
-    model = build_model(spec)
+    model = build_model(spec, mtp=False)
     report = shard_model(model, _mesh(2, 1, 2, 1))
     source = SafetensorsSource(tmp_path)
     full_reads, part_reads = [], []

@@ -120,7 +120,7 @@ def test_hybrid_layout_one_slot_name():
     assert spec.n_layers == 48
     assert [layer.mixer_name for layer in spec.layers] == ["linear", "linear", "linear", "attn"] * 12
     assert {layer.ffn_name for layer in spec.layers} == {"moe"}
-    model = build_model(load_config("qwen3_next_tiny"))
+    model = build_model(load_config("qwen3_next_tiny"), mtp=False)
     assert len(model.layers) == 8
     for i, block in enumerate(model.layers):
         names = [n for n, _ in block.named_children()]
@@ -153,7 +153,7 @@ def test_import_real_config():
     assert (imported.norm, imported.rope, imported.dim, imported.vocab_size, imported.max_position) == \
            (preset.norm, preset.rope, preset.dim, preset.vocab_size, preset.max_position)
     assert imported.mtp == preset.mtp and imported.checkpoint.rules == preset.checkpoint.rules
-    assert count_parameters(build_model(imported)) == real_parameter_count()
+    assert count_parameters(build_model(imported, mtp=False)) == real_parameter_count()
     # the transformers 5 form: a per-layer list and rope_parameters
     new = {k: v for k, v in REAL_CONFIG.items() if k not in ("full_attention_interval", "rope_theta",
                                                              "partial_rotary_factor")}
@@ -194,7 +194,7 @@ def test_imported_tiny_is_the_tiny_twin(reference):
     imported = validate(import_config(config, "tiny", CHUNK), "tiny")
     twin = load_config("qwen3_next_tiny")
     assert [(x.mixer, x.ffn) for x in imported.layers] == [(x.mixer, x.ffn) for x in twin.layers]
-    assert count_parameters(build_model(imported)) == count_parameters(build_model(twin))
+    assert count_parameters(build_model(imported, mtp=False)) == count_parameters(build_model(twin, mtp=False))
 
 
 # ----------------------------------------------------------------------------- parity
@@ -349,7 +349,7 @@ def test_rules_plan_the_real_checkpoint(mtp):
 
     spec = load_config("qwen3_next", [f"checkpoint.mtp={str(mtp).lower()}"])
     entries = real_checkpoint_headers()
-    plan = plan_load(build_model(spec), HeaderSource(entries),
+    plan = plan_load(build_model(spec, mtp=mtp), HeaderSource(entries),
                      [load_stage(name, spec.config) for name in spec.checkpoint.rules])
     mtp_names = sorted(n for n in entries if n.startswith("mtp."))
     assert len(mtp_names) == 4 + 6 + 2 + 2 + 3 + 3 * 512  # fc+norms, attn, norms, gates, shared, experts

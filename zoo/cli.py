@@ -157,7 +157,7 @@ def resolve_target(text: str, revision=None):
 
 def cmd_report(opts: dict, overrides: list[str]) -> int:
     from .compiler.analysis import analyze
-    from .compiler.spec import validate
+    from .compiler.build import spec_stage
 
     from .report import plot_cache, print_analysis
 
@@ -170,7 +170,7 @@ def cmd_report(opts: dict, overrides: list[str]) -> int:
     dtype = opts.get("dtype", "bfloat16")
     for target in targets:
         cfg, label = resolve_target(" ".join([target, *overrides]), opts.get("revision"))
-        specs.append(validate(cfg, source=label))
+        specs.append(spec_stage(cfg, label).spec)
         results.append(analyze(specs[-1], context=int(opts.get("context", 4096)), batch=int(opts.get("batch", 1)),
                                cache_dtype=dtype, weight_dtype=dtype, device=opts.get("device")))
         if "tp" in opts or "ep" in opts:
@@ -193,7 +193,7 @@ def cmd_report(opts: dict, overrides: list[str]) -> int:
 
 def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
     from .compiler.analysis import analyze
-    from .compiler.spec import validate
+    from .compiler.build import spec_stage
 
     from .report import config_diff, print_diff
 
@@ -202,7 +202,7 @@ def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
     sides = []
     for text in positional:
         cfg, label = resolve_target(text, opts.get("revision"))
-        spec = validate(cfg, source=label)
+        spec = spec_stage(cfg, label).spec
         dtype = opts.get("dtype", "bfloat16")
         sides.append((label, spec, analyze(spec, context=int(opts.get("context", 4096)), cache_dtype=dtype,
                                            weight_dtype=dtype)))
@@ -244,11 +244,10 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
 def cmd_check(opts: dict, overrides: list[str]) -> int:
     from .compiler.checkpoint.hub import open_source
     from .compiler.checkpoint.loader import plan_load
+    from .compiler.build import cast_stage, spec_stage
     from .compiler.checkpoint.rules import checkpoint_stages
     from .compiler.config import compose
     from .compiler.hf_import import import_config
-    from .compiler.model import build_model, cast, torch_dtype
-    from .compiler.spec import validate
 
     from .report import print_check
 
@@ -259,9 +258,9 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
         cfg, label = compose(opts["conf"], overrides), f"conf/{opts['conf']}.yaml"
     else:
         cfg, label = import_config(source.config(), source.description, overrides), source.description
-    spec = validate(cfg, source=label)
-
-    model = cast(build_model(spec), torch_dtype(spec.runtime.dtype))
+    s = spec_stage(cfg, label)
+    spec = s.spec
+    model = cast_stage(spec, s.dtype, mtp=s.mtp).module
     plan = plan_load(model, source, checkpoint_stages(source, spec), strict=False)
     data = list(getattr(source, "data_problems", None) or [])
     print_check(source.description, label, plan, data)

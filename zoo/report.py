@@ -1,4 +1,6 @@
-"""The build report: layout, exact parameter count, cache bytes, memory, compile and load times."""
+"""The build report (read from compiler/build.py's BuildReport and stage records: layout, exact
+parameter count, cache bytes, memory, runner, compile and load times), `zoo report`, `zoo diff`
+and `zoo check`."""
 from __future__ import annotations
 
 from rich.console import Console
@@ -51,6 +53,7 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
                      + f"  (graphs: {model.engine.graph_counts()})"))
     else:
         rows.append(("compile", "off (eager)"))
+    rows.append(("runner", _RUNNER_TEXT[info.runner]))
     if info.load is not None:
         rows.append(("weights loaded", f"{info.load.tensors_read} tensors, {human_bytes(info.load.bytes_read)} "
                                        f"in {info.load.seconds:.2f} s"))
@@ -69,6 +72,14 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         rows.append(("shape check", f"prefill logits {list(shapes['prefill'])}, decode logits "
                                     f"{list(shapes['decode']) if shapes['decode'] else '-'}"))
     return rows
+
+
+_RUNNER_TEXT = {  # compiler/build.py RUNNERS
+    "eager": "eager (plain PyTorch)",
+    "compiled": "compiled regions (torch.compile)",
+    "aot": "AOTInductor packages (torch's C++ runner)",
+    "cuda_graph": "decode replayed as a CUDA graph",
+}
 
 
 def _by_outcome(tensors: dict[str, str]) -> dict[str, list[str]]:
@@ -98,7 +109,7 @@ def _mtp_row(model) -> str:
 
     n = len(model.spec.mtp_layers)
     what = f"{n} multi-token-prediction layer{'s' if n > 1 else ''}"
-    if not len(model.module.mtp):
+    if not model.records.cast.mtp:
         return f"{what} in the checkpoint, not built (checkpoint.mtp=false)"
     return f"{what}, {count_parameters(model.module.mtp):,} of the parameters"
 
@@ -294,24 +305,23 @@ FIGURES = ("params_total", "params_active", "params_active_layers", "params_mtp"
            "prefill_flops_per_token", "decode_bytes_per_step", "decode_arithmetic_intensity")
 
 
-def resolved_tree(spec) -> dict:
+def resolved_tree(spec, rope_slots: list[str]) -> dict:
     """A spec as nested plain data: the config's top-level keys with every `kind:` node (norm,
     rope, residual, mixers.*, ffns.*, ropes.*) replaced by its resolved Spec (derived dims filled
     in, defaults explicit). Only what the model is built from: mixers, ffns and rope slots no
-    layer uses are left out, and the mtp node when there are no MTP layers."""
+    layer uses are left out (rope_slots: the slots the built layers read, analysis's
+    `rope_slots`), and the mtp node when there are no MTP layers."""
     from dataclasses import asdict
 
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(spec.config, resolve=True)
-    for slot in ("norm", "rope", "residual"):
-        tree[slot] = asdict(getattr(spec, slot))
+    tree.update(norm=asdict(spec.norm), rope=asdict(spec.rope), residual=asdict(spec.residual))
     layers = (*spec.layers, *spec.mtp_layers)
     mixers, ffns = {x.mixer_name for x in layers}, {x.ffn_name for x in layers}
     tree["mixers"] = {k: asdict(v) for k, v in spec.mixers.items() if k in mixers}
     tree["ffns"] = {k: asdict(v) for k, v in spec.ffns.items() if k in ffns}
-    slots = {getattr(spec.mixers[k], "rope_slot", "rope") for k in mixers}
-    tree["ropes"] = {k: asdict(v) for k, v in spec.ropes.items() if k in slots}
+    tree["ropes"] = {k: asdict(v) for k, v in spec.ropes.items() if k in rope_slots}
     if not tree["ropes"]:
         del tree["ropes"]
     if not spec.mtp_layers:
@@ -362,7 +372,7 @@ def config_diff(a, b, ra: dict, rb: dict) -> dict:
     """What differs between two resolved specs (structure-aware, layout as runs of layer kinds),
     and their derived figures (analysis dicts ra, rb) side by side with ratios B / A."""
     rows: list[dict] = []
-    _compare(resolved_tree(a), resolved_tree(b), "", rows)
+    _compare(resolved_tree(a, ra["rope_slots"]), resolved_tree(b, rb["rope_slots"]), "", rows)
     runs_a, runs_b = a.layout_runs(), b.layout_runs()
     figures = [{"figure": f, "a": ra[f], "b": rb[f], "ratio": (rb[f] / ra[f]) if ra[f] else None} for f in FIGURES]
     return {"changed": rows,

@@ -1,81 +1,35 @@
-"""Build pipeline and the user-facing Model.
+"""The user API: `build` (a conf), `from_pretrained` (a checkpoint) and the Model they return.
 
-    spec (conf or config.json) -> modules on meta -> memory check -> materialize -> weights
-      (checkpoint rules, or random init) -> Engine (caches + prefill/decode graphs) -> Model
+    conf / config.json -> composed config -> compiler/build.py's stages (spec, cast, quant, shard,
+      precision, count, cache, fit, load, weights, runner, engine) -> Model
 """
 from __future__ import annotations
 
 import json
-import os
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .compiler.build import BuildRecords, BuildReport, check_source, report_from, run_build
 from .compiler.checkpoint.hub import open_source
-from .compiler.checkpoint.loader import LoadReport, execute, plan_load
-from .compiler.checkpoint.rules import checkpoint_stages
-from .compiler.checkpoint.weight_cache import cached_execute
 from .compiler.config import apply_overrides, compose
-from .compiler.errors import InputError, ZooError
+from .compiler.errors import InputError
 from .compiler.engine.graphs import Engine
 from .compiler.hf_import import import_config
-from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
-                            torch_dtype)
-from .compiler.matmul_precision import upcast_products
-from .compiler.quant.apply import QuantReport, compute_dtype_for, fill_tied, quantize_linears, quantized_bytes
-from .compiler.quant.experts import QuantExperts
-from .compiler.quant.linear import QuantLinear
-from .compiler.spec import ModelSpec, use_aot, validate
+from .compiler.model import Decoder
+from .compiler.spec import ModelSpec
 
 from .sampling import sample
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new allocations on `device`."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "meta":
-        return 1 << 62
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass
-class BuildInfo:
-    params: int
-    param_bytes: int
-    cache_bytes: int
-    cache_bytes_per_token: int
-    state_bytes_per_sequence: int
-    available_bytes: int
-    device: str
-    dry: bool
-    compile_seconds: dict = field(default_factory=dict)
-    load: Optional[LoadReport] = None
-    load_seconds: float = 0.0
-    parallel: Optional[dict] = None  # tp, ep, rank, size, head: this rank's share (params are per rank)
-    quant: Optional[QuantReport] = None  # which linears are quantized, what stays float and why
-    float32_products: int = 0  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
-
-    @property
-    def needed_bytes(self) -> int:
-        return self.param_bytes + self.cache_bytes
-
 
 class Model:
     """A built model: `prefill`, `decode`, `reset`, `generate`. See README for the API."""
 
-    def __init__(self, spec: ModelSpec, module: Decoder, engine: Engine, info: BuildInfo,
+    def __init__(self, spec: ModelSpec, module: Decoder, engine: Engine, records: BuildRecords,
                  eos_ids: Sequence[int] = (), tokenizer=None):
-        self.spec, self.module, self.engine, self.info = spec, module, engine, info
+        self.spec, self.module, self.engine = spec, module, engine
+        self.records = records  # what each build stage decided (compiler/build.py)
+        self.info: BuildReport = report_from(records)
         self.eos_ids = sorted(set(eos_ids))
         self.tokenizer = tokenizer
 
@@ -150,105 +104,17 @@ def _runtime_overrides(cfg: DictConfig, **kw) -> None:
 def build_from_config(cfg: DictConfig, source_desc: str, weights=None, *, seed: int = 0,
                       dry: Optional[bool] = None, progress: bool = False, eos_ids: Sequence[int] = (),
                       tokenizer=None) -> Model:
-    """Validate, build on meta, check memory, materialize, load or init, make the engine.
+    """Run the build stages (compiler/build.py) on a composed config and wrap the result.
 
-    dry: None builds for real when it fits and raises otherwise; True always builds on the meta
-    device (report + shape check of both graphs); False raises when it does not fit.
+    weights: a checkpoint Source, a path or repo id, or None (random weights). dry: None builds
+    for real when it fits and raises otherwise; True always builds on the meta device (report +
+    shape check of both graphs); False raises when it does not fit.
     """
-    spec = validate(cfg, source=source_desc)
-    rt = spec.runtime
-    device = torch.device(rt.device)
-    dtype, cache_dtype = torch_dtype(rt.dtype), torch_dtype(rt.cache_dtype or rt.dtype)
-    meta_model = cast(build_model(spec), dtype)
-    if weights is not None and not hasattr(weights, "entries"):
-        weights = open_source(str(weights))
-    # quantized before it is sharded: every rank quantizes the linears one process would
-    quant = quantize_linears(meta_model, rt.quant, rt.quant_group, compute_dtype_for(device, dtype),
-                             device=device) if rt.quant else None
-    mesh, slices = _shard(spec, meta_model, weights)
-    # bfloat16 on a CPU without native bfloat16 GEMMs: many-token products in float32
-    float32_products = upcast_products(meta_model, dtype, mesh.device if mesh is not None else device)
-    if mesh is not None:
-        device = mesh.device
-    params = count_parameters(meta_model) + sum(m.in_features * m.out_features for m in meta_model.modules()
-                                                if isinstance(m, QuantLinear) and not m.tied_to) \
-        + sum(m.numel() for m in meta_model.modules() if isinstance(m, QuantExperts))
-    param_bytes = parameter_bytes(meta_model) + quantized_bytes(meta_model)
-    from .compiler.engine.cache import plan_caches
-
-    plan = plan_caches(meta_model, rt.max_batch, rt.max_seq, cache_dtype)
-    info = BuildInfo(params=params, param_bytes=param_bytes, cache_bytes=plan.total_bytes(),
-                     cache_bytes_per_token=plan.bytes_per_token(),
-                     state_bytes_per_sequence=plan.state_bytes_per_sequence(),
-                     available_bytes=available_memory(device), device=str(device), dry=False, quant=quant,
-                     float32_products=float32_products)
-    if mesh is not None:
-        info.parallel = {"tp": mesh.tp, "ep": mesh.ep, "rank": mesh.rank, "size": mesh.size, "head": slices[1]}
-    fits = info.needed_bytes <= info.available_bytes
-    if dry is None:
-        dry = not fits and weights is None
-    if dry:
-        return _dry_model(spec, meta_model, info, cache_dtype)
-    if not fits:
-        raise ZooError(f"{spec.name}: needs {info.needed_bytes / 2**30:.2f} GiB ({params:,} parameters in "
-                       f"{rt.dtype} + {info.cache_bytes / 2**30:.2f} GiB of caches) but {device} has "
-                       f"{info.available_bytes / 2**30:.2f} GiB available; nothing was allocated")
-
-    source = None
-    if weights is not None:
-        source = weights if hasattr(weights, "entries") else open_source(str(weights))
-        load_plan = plan_load(meta_model, source, checkpoint_stages(source, spec),  # every check before allocating
-                              slices=slices[0] if mesh is not None else None)
-    t0 = time.perf_counter()
-    module = materialize(meta_model, device, dtype)
-    if mesh is not None:
-        module.shard_slices = slices[0]  # {parameter: parallel.plan.Slice}: what this rank holds
-    if source is not None:
-        # converted weights (GGUF dequantized or repacked, quantized at load) come from the
-        # weight cache after the first load (compiler/checkpoint/weight_cache.py); not per rank
-        settings = {"dtype": rt.dtype, "quant": rt.quant, "quant_group": rt.quant_group, "device": str(device)}
-        info.load = cached_execute(load_plan, module, source, settings, enabled=mesh is None,
-                                   progress=_progress_bar(load_plan.bytes_to_read, progress),
-                                   row_absmax=None if mesh is None else mesh.max_over_ranks)
-    else:
-        # drawn where the weights live: an 8B model on a GPU never passes through host memory
-        # (the numbers depend on the device's generator; the same seed repeats on one device)
-        module.init_weights(torch.Generator(device=device).manual_seed(seed))
-        fill_tied(module)
-    info.load_seconds = time.perf_counter() - t0
-    engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=rt.compile, cuda_graph=rt.cuda_graph, aot=use_aot(rt))
-    if rt.compile or engine.use_cuda_graph:
-        info.compile_seconds = engine.warmup()
-    return Model(spec, module, engine, info, eos_ids=eos_ids, tokenizer=tokenizer)
-
-
-def _shard(spec: ModelSpec, meta_model: Decoder, weights):
-    """Under runtime.parallel: the mesh (creating the process group from torchrun's environment),
-    a check that every rank builds the same config from the same checkpoint, and the model on
-    meta cut to this rank's share. (None, None) for a single process."""
-    from .compiler.parallel.mesh import check_same_on_all_ranks, setup
-    from .compiler.parallel.plan import shard_model
-
-    par = spec.runtime.parallel
-    mesh = setup(par.tp, par.ep, spec.runtime.device, spec.source)
-    if mesh is None:
-        return None, None
-    check_same_on_all_ranks(mesh, "the config", OmegaConf.to_yaml(spec.config, resolve=True))
-    if weights is not None and hasattr(weights, "entries"):
-        headers = sorted((n, tuple(i.shape), i.dtype, i.nbytes) for n, i in weights.entries().items())
-        check_same_on_all_ranks(mesh, f"the checkpoint ({weights.description})", repr(headers))
-    report = shard_model(meta_model, mesh)
-    return mesh, (report.slices, report.head)
-
-
-def _dry_model(spec: ModelSpec, meta_model: Decoder, info: BuildInfo, cache_dtype) -> Model:
-    """A model on the meta device: the report plus a shape check of both graphs."""
-    info.dry, info.device = True, "meta"
-    rt = spec.runtime
-    engine = Engine(meta_model, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=False, cuda_graph=False)
-    return Model(spec, meta_model, engine, info)
+    source = None if weights is None else check_source(weights, source_desc)
+    records = run_build(cfg, source_desc, source, seed=seed, dry=dry,
+                        progress=_progress_bar if progress else None)
+    return Model(records.spec.spec, records.weights.module, records.engine.engine, records,
+                 eos_ids=eos_ids, tokenizer=tokenizer)
 
 
 def shape_check(model: Model) -> dict[str, tuple[int, ...]]:
@@ -263,9 +129,8 @@ def shape_check(model: Model) -> dict[str, tuple[int, ...]]:
     return {"prefill": prefill, "decode": decode}
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
+def _progress_bar(total: int):
+    """A progress bar on stderr for `total` bytes; returns the callback that advances it."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -302,7 +167,7 @@ def build(conf_name: str, overrides: Sequence[str] = (), weights=None, *, device
         weights = OmegaConf.select(cfg, "checkpoint.weights", default=None)
     eos, tok = (), None
     if weights is not None:
-        source = open_source(str(weights))
+        source = check_source(weights, source_desc)
         eos = _eos_ids(source.config(), source)
         tok = load_tokenizer_for(source)
         weights = source
@@ -357,10 +222,11 @@ def load_tokenizer_for(source):
 def _eos_ids(config: dict, source=None) -> list[int]:
     """Every end token: config.json's (or GGUF metadata's) eos_token_id, an int or a list, plus a
     checkpoint directory's generation_config.json eos_token_id (Llama 3 ends chat turns with
-    <|eot_id|>, listed only there)."""
+    <|eot_id|>, listed only there; a GGUF file has no directory)."""
+    from .compiler.checkpoint.safetensors_source import SafetensorsSource
+
     found = []
-    directory = getattr(source, "directory", None)
-    gen = directory / "generation_config.json" if directory is not None else None
+    gen = source.directory / "generation_config.json" if isinstance(source, SafetensorsSource) else None
     for eos in (config.get("eos_token_id"),
                 json.loads(gen.read_text()).get("eos_token_id") if gen is not None and gen.is_file() else None):
         if eos is not None:

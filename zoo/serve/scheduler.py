@@ -93,7 +93,7 @@ class Scheduler:
 
     def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None):
         self.engine = model.engine
-        tok = getattr(model, "tokenizer", None)
+        tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
         self.max_queue = max_queue
         self.metrics = metrics

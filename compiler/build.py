@@ -1,0 +1,425 @@
+"""The build pipeline as named stages. Each stage is one function that returns a frozen record of
+what it decided; `run_build` runs them in order, once each, and `BuildReport` is assembled from
+the records. The Python API (zoo/runtime.py), the CLI, `zoo report` / `zoo diff` (analysis.py:
+spec, cast, count and cache stages on meta) and the server (through zoo.build) all go through here.
+
+    spec_stage      config -> ModelSpec, the torch device and dtypes           SpecStage
+    cast_stage      modules on meta in the weight dtype; MTP layers or not     CastStage
+    quant_stage     linears / expert stacks -> quantized (runtime.quant)       QuantStage
+    shard_stage     this rank's share under runtime.parallel                   ShardStage
+    precision_stage bfloat16 CPU linears whose many-token products run float32 PrecisionStage
+    count_stage     exact parameters and bytes (quantized weights included)    CountStage
+    cache_stage     every mixer's cache fields at max_batch x max_seq          CacheStage
+    fit_stage       needed vs available bytes; dry or real (or an error)        FitStage
+    load_stage      the checkpoint mapped from headers (before allocating)     LoadStage
+    weights_stage   storage allocated on the device, weights loaded or drawn   WeightsStage
+    runner_stage    which runner the engine uses, from runtime and device      RunnerStage
+    engine_stage    the Engine (made here only), warmed up when it compiles    EngineStage
+
+The stages cast .. precision refine one meta module in place (quantized and sharded submodules
+replace float ones); their records hold what each decided, never a copy of the module's state.
+What changes the model's structure and is no part of the architecture is an explicit input of the
+stage that needs it: whether the MTP layers are built (`cast_stage(mtp=)`), the checkpoint whose
+headers every rank must share (`shard_stage(source=)`), the device the quantized kernels run on.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint.loader import LoadPlan, LoadReport
+from .engine.cache import CachePlan, plan_caches
+from .errors import ConfigError, InputError, ZooError
+from .model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes, torch_dtype
+from .spec import ModelSpec, use_aot, validate
+
+# every stage function, in the order run_build calls them (tests count calls through this list)
+STAGES = ("spec_stage", "cast_stage", "quant_stage", "shard_stage", "precision_stage", "count_stage",
+          "cache_stage", "fit_stage", "load_stage", "weights_stage", "runner_stage", "engine_stage")
+
+# the Source protocol's members the pipeline calls (checkpoint/source.py)
+SOURCE_MEMBERS = ("entries", "read_order", "read", "config", "format_stages", "close")
+
+
+def check_source(weights: Any, where: str):
+    """`weights` as a checkpoint Source: a path or repo id (str / os.PathLike) is opened; any
+    other object must provide the Source protocol (checkpoint/source.py), else InputError naming
+    what it lacks."""
+    from .checkpoint.hub import open_source
+
+    if isinstance(weights, (str, os.PathLike)):
+        return open_source(str(weights))
+    missing = [m for m in SOURCE_MEMBERS if not callable(getattr(type(weights), m, None))]
+    if not isinstance(getattr(weights, "description", None), str):
+        missing.append("description (str)")
+    if missing:
+        raise InputError(f"{where}: weights={weights!r} is neither a path / repo id nor a checkpoint source "
+                         f"(it lacks {missing} of the Source protocol, compiler/checkpoint/source.py)")
+    return weights
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new allocations on `device`."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "meta":
+        return 1 << 62
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class SpecStage:
+    spec: ModelSpec
+    device: torch.device  # runtime.device (a parallel run's rank device comes from shard_stage)
+    dtype: torch.dtype  # runtime.dtype: the weights
+    cache_dtype: torch.dtype  # runtime.cache_dtype, or dtype
+    mtp: bool  # build the MTP layers: checkpoint.mtp, checked against the spec's mtp node
+
+
+@dataclass(frozen=True)
+class CastStage:
+    module: Decoder  # on meta, refined in place by the quant / shard / precision stages
+    dtype: torch.dtype
+    mtp: bool  # whether module.mtp holds the spec's MTP layers
+
+
+@dataclass(frozen=True)
+class QuantStage:
+    report: Any  # quant.apply.QuantReport: which linears are quantized and why others are not; None: float
+
+
+@dataclass(frozen=True)
+class ShardStage:
+    """This rank's share under runtime.parallel; mesh None for one process."""
+
+    mesh: Any  # parallel.mesh.Mesh | None
+    slices: Optional[dict]  # {parameter: parallel.plan.Slice}: what this rank holds (the loader reads them)
+    head: Optional[str]  # "vocab-parallel" or "replicated (why)"
+
+    @property
+    def parallel(self) -> Optional[dict]:
+        """tp, ep, rank, size, head (what reports and rank-0-only output read); None for one process."""
+        if self.mesh is None:
+            return None
+        m = self.mesh
+        return {"tp": m.tp, "ep": m.ep, "rank": m.rank, "size": m.size, "head": self.head}
+
+
+@dataclass(frozen=True)
+class PrecisionStage:
+    float32_products: int  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
+    device: torch.device  # where the model runs: runtime.device, or this rank's device
+
+
+@dataclass(frozen=True)
+class CountStage:
+    params: int  # per rank under runtime.parallel; quantized weights counted as weights
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class CacheStage:
+    plan: CachePlan
+    total_bytes: int
+    bytes_per_token: int
+    state_bytes_per_sequence: int
+
+
+@dataclass(frozen=True)
+class FitStage:
+    needed_bytes: int
+    available_bytes: int
+    fits: bool
+    dry: bool  # built on the meta device (report + shape check only)
+
+
+@dataclass(frozen=True)
+class LoadStage:
+    source: Any  # the checkpoint Source, or None for random weights
+    plan: Optional[LoadPlan]
+
+
+@dataclass(frozen=True)
+class WeightsStage:
+    module: Decoder  # the model on its device (the meta module for dry builds)
+    load: Optional[LoadReport]  # None: random weights (or dry)
+    seconds: float
+
+
+RUNNERS = ("eager", "compiled", "aot", "cuda_graph")
+
+
+@dataclass(frozen=True)
+class RunnerStage:
+    """How the engine runs the layers: `runner` is one of RUNNERS, from the flags below.
+    eager: plain PyTorch; compiled: regions compiled with torch.compile; aot: AOTInductor
+    packages run by torch's C++ runner (CPU); cuda_graph: the decode step replayed as a CUDA
+    graph (of compiled regions when compile)."""
+
+    runner: str
+    compile: bool
+    cuda_graph: bool
+    aot: bool
+
+    @property
+    def warmup(self) -> bool:
+        """Whether the engine compiles or captures before the first call."""
+        return self.compile or self.cuda_graph
+
+
+@dataclass(frozen=True)
+class EngineStage:
+    engine: Any  # engine.graphs.Engine
+    compile_seconds: dict  # per graph, from warmup ({} when nothing compiles)
+
+
+# ---------------------------------------------------------------------------------- stages
+
+def spec_stage(cfg: DictConfig | dict, source: str) -> SpecStage:
+    """Validate the composed config; resolve the runtime's device and dtypes and whether the MTP
+    layers are built."""
+    spec = validate(cfg, source=source)
+    rt = spec.runtime
+    if spec.checkpoint.mtp and not spec.mtp_layers:
+        raise ConfigError(f"{source}: checkpoint.mtp=true but the config declares no multi-token-prediction "
+                          f"layers (mtp.n_layers={spec.mtp.n_layers}); expected checkpoint.mtp=false")
+    return SpecStage(spec, torch.device(rt.device), torch_dtype(rt.dtype), torch_dtype(rt.cache_dtype or rt.dtype),
+                     mtp=bool(spec.checkpoint.mtp))
+
+
+def cast_stage(spec: ModelSpec, dtype: torch.dtype, *, mtp: bool) -> CastStage:
+    """The module tree on meta in `dtype` (float32-kept modules aside); mtp: build the spec's
+    multi-token-prediction layers."""
+    return CastStage(cast(build_model(spec, mtp=mtp), dtype), dtype, mtp)
+
+
+def quant_stage(module: Decoder, quant: Optional[str], group: int, device: torch.device,
+                dtype: torch.dtype) -> QuantStage:
+    """runtime.quant: the eligible linears and expert stacks become quantized modules (before
+    sharding: every rank quantizes the linears one process would); device picks their kernels."""
+    if quant is None:
+        return QuantStage(None)
+    from .quant.apply import compute_dtype_for, quantize_linears
+
+    return QuantStage(quantize_linears(module, quant, group, compute_dtype_for(device, dtype), device=device))
+
+
+def shard_stage(spec: ModelSpec, module: Decoder, source) -> ShardStage:
+    """Under runtime.parallel: the mesh (the process group from torchrun's environment), a check
+    that every rank builds the same config from the same checkpoint (`source`'s headers; None:
+    random weights), and `module` cut to this rank's share."""
+    from .parallel.mesh import check_same_on_all_ranks, setup
+    from .parallel.plan import shard_model
+
+    par = spec.runtime.parallel
+    mesh = setup(par.tp, par.ep, spec.runtime.device, spec.source)
+    if mesh is None:
+        return ShardStage(None, None, None)
+    check_same_on_all_ranks(mesh, "the config", OmegaConf.to_yaml(spec.config, resolve=True))
+    if source is not None:
+        headers = sorted((n, tuple(i.shape), i.dtype, i.nbytes) for n, i in source.entries().items())
+        check_same_on_all_ranks(mesh, f"the checkpoint ({source.description})", repr(headers))
+    report = shard_model(module, mesh)
+    return ShardStage(mesh, report.slices, report.head)
+
+
+def precision_stage(module: Decoder, dtype: torch.dtype, device: torch.device) -> PrecisionStage:
+    """bfloat16 on a CPU without native bfloat16 GEMMs: many-token products in float32."""
+    from .matmul_precision import upcast_products
+
+    return PrecisionStage(upcast_products(module, dtype, device), device)
+
+
+def count_stage(module: Decoder) -> CountStage:
+    """Exact parameters (tied weights once; a quantized linear or expert stack counts its
+    weights, a quantized tied head none) and their bytes as stored."""
+    from .quant.apply import quantized_bytes
+    from .quant.experts import QuantExperts
+    from .quant.linear import QuantLinear
+
+    params = count_parameters(module) \
+        + sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, QuantLinear) and not m.tied_to) \
+        + sum(m.numel() for m in module.modules() if isinstance(m, QuantExperts))
+    return CountStage(params, parameter_bytes(module) + quantized_bytes(module))
+
+
+def cache_stage(module: Decoder, max_batch: int, max_seq: int, cache_dtype: torch.dtype) -> CacheStage:
+    """Every layer's cache fields at max_batch x max_seq (declared by the mixers, on meta)."""
+    plan = plan_caches(module, max_batch, max_seq, cache_dtype)
+    return CacheStage(plan, plan.total_bytes(), plan.bytes_per_token(), plan.state_bytes_per_sequence())
+
+
+def fit_stage(spec: ModelSpec, count: CountStage, caches: CacheStage, device: torch.device,
+              dry: Optional[bool], has_weights: bool) -> FitStage:
+    """Weights + caches against the device's free memory. dry: None builds for real when it fits
+    and on meta when it does not and no weights are given (a checkpoint that does not fit is an
+    error); True always builds on meta; False raises when it does not fit."""
+    needed, available = count.param_bytes + caches.total_bytes, available_memory(device)
+    fits = needed <= available
+    if dry is None:
+        dry = not fits and not has_weights
+    if not dry and not fits:
+        raise ZooError(f"{spec.name}: needs {needed / 2**30:.2f} GiB ({count.params:,} parameters in "
+                       f"{spec.runtime.dtype} + {caches.total_bytes / 2**30:.2f} GiB of caches) but {device} has "
+                       f"{available / 2**30:.2f} GiB available; nothing was allocated")
+    return FitStage(needed, available, fits, bool(dry))
+
+
+def load_stage(spec: ModelSpec, module: Decoder, source, shard: ShardStage) -> LoadStage:
+    """Map the checkpoint onto `module` from headers alone (every check before allocating);
+    under runtime.parallel only this rank's slices are read."""
+    if source is None:
+        return LoadStage(None, None)
+    from .checkpoint.loader import plan_load
+    from .checkpoint.rules import checkpoint_stages
+
+    return LoadStage(source, plan_load(module, source, checkpoint_stages(source, spec), slices=shard.slices))
+
+
+def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: ShardStage, device: torch.device,
+                  dtype: torch.dtype, seed: int, progress: Optional[Callable[[int], Any]] = None) -> WeightsStage:
+    """Allocate storage once on `device`, then load the planned checkpoint (through the weight
+    cache for converted weights, one process only) or draw random weights from `seed`.
+    progress: a factory taking the bytes to read and returning a callback for bytes read."""
+    from .quant.apply import fill_tied
+
+    t0 = time.perf_counter()
+    module = materialize(module, device, dtype)
+    report = None
+    if load.source is not None:
+        from .checkpoint.weight_cache import cached_execute
+
+        rt = spec.runtime
+        # converted weights (GGUF dequantized or repacked, quantized at load) come from the
+        # weight cache after the first load (checkpoint/weight_cache.py); not per rank
+        settings = {"dtype": rt.dtype, "quant": rt.quant, "quant_group": rt.quant_group, "device": str(device)}
+        report = cached_execute(load.plan, module, load.source, settings, enabled=shard.mesh is None,
+                                progress=None if progress is None else progress(load.plan.bytes_to_read),
+                                row_absmax=None if shard.mesh is None else shard.mesh.max_over_ranks)
+    else:
+        # drawn where the weights live: an 8B model on a GPU never passes through host memory
+        # (the numbers depend on the device's generator; the same seed repeats on one device)
+        module.init_weights(torch.Generator(device=device).manual_seed(seed))
+        fill_tied(module)
+    return WeightsStage(module, report, time.perf_counter() - t0)
+
+
+def runner_stage(spec: ModelSpec, device: torch.device, dry: bool) -> RunnerStage:
+    """Which runner the engine uses, from runtime.compile / cuda_graph / aot and the device; a
+    dry build runs eagerly on meta (a shape check of both graphs)."""
+    rt = spec.runtime
+    if dry:
+        return RunnerStage("eager", compile=False, cuda_graph=False, aot=False)
+    aot = use_aot(rt)
+    graph = rt.cuda_graph and device.type == "cuda"
+    runner = "cuda_graph" if graph else "aot" if aot else "compiled" if rt.compile else "eager"
+    return RunnerStage(runner, compile=rt.compile, cuda_graph=graph, aot=aot)
+
+
+def engine_stage(module: Decoder, spec: ModelSpec, runner: RunnerStage, cache_dtype: torch.dtype) -> EngineStage:
+    """The Engine (the one place one is made): caches allocated, graphs compiled or captured
+    when the runner does."""
+    from .engine.graphs import Engine
+
+    rt = spec.runtime
+    engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
+                    compile=runner.compile, cuda_graph=runner.cuda_graph, aot=runner.aot)
+    if engine.use_cuda_graph != runner.cuda_graph:
+        raise RuntimeError(f"the engine's CUDA graph ({engine.use_cuda_graph}) is not the runner stage's "
+                           f"decision ({runner}): the two disagree on when a graph applies")
+    return EngineStage(engine, engine.warmup() if runner.warmup else {})
+
+
+# ---------------------------------------------------------------------------------- driver
+
+@dataclass(frozen=True)
+class BuildRecords:
+    """Every stage's record of one build, in pipeline order."""
+
+    spec: SpecStage
+    cast: CastStage
+    quant: QuantStage
+    shard: ShardStage
+    precision: PrecisionStage
+    count: CountStage
+    cache: CacheStage
+    fit: FitStage
+    load: LoadStage
+    weights: WeightsStage
+    runner: RunnerStage
+    engine: EngineStage
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What `zoo build` reports, assembled from the records (`report_from`)."""
+
+    params: int
+    param_bytes: int
+    cache_bytes: int
+    cache_bytes_per_token: int
+    state_bytes_per_sequence: int
+    available_bytes: int
+    device: str  # "meta" for dry builds
+    dry: bool
+    runner: str  # RUNNERS
+    compile_seconds: dict  # per graph ({} when nothing compiles)
+    load: Optional[LoadReport]  # None: random weights (or dry)
+    load_seconds: float
+    parallel: Optional[dict]  # tp, ep, rank, size, head: this rank's share (params are per rank)
+    quant: Any  # quant.apply.QuantReport: which linears are quantized, what stays float and why; None: float
+    float32_products: int  # bfloat16 linears whose many-token products run in float32 (matmul_precision)
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.param_bytes + self.cache_bytes
+
+
+def report_from(r: BuildRecords) -> BuildReport:
+    """The build report, every figure read from the stage that decided it."""
+    return BuildReport(params=r.count.params, param_bytes=r.count.param_bytes, cache_bytes=r.cache.total_bytes,
+                       cache_bytes_per_token=r.cache.bytes_per_token,
+                       state_bytes_per_sequence=r.cache.state_bytes_per_sequence,
+                       available_bytes=r.fit.available_bytes,
+                       device="meta" if r.fit.dry else str(r.precision.device), dry=r.fit.dry,
+                       runner=r.runner.runner, compile_seconds=r.engine.compile_seconds, load=r.weights.load,
+                       load_seconds=r.weights.seconds, parallel=r.shard.parallel, quant=r.quant.report,
+                       float32_products=r.precision.float32_products)
+
+
+def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: int = 0, dry: Optional[bool] = None,
+              progress: Optional[Callable[[int], Any]] = None) -> BuildRecords:
+    """Every stage once, in order. source: the checkpoint (a Source; None: random weights).
+    dry: see fit_stage; a dry build stops before allocating and runs eagerly on meta."""
+    s = spec_stage(cfg, source_desc)
+    spec = s.spec
+    c = cast_stage(spec, s.dtype, mtp=s.mtp)
+    module = c.module
+    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype)
+    sh = shard_stage(spec, module, source)
+    p = precision_stage(module, s.dtype, sh.mesh.device if sh.mesh is not None else s.device)
+    n = count_stage(module)
+    ca = cache_stage(module, spec.runtime.max_batch, spec.runtime.max_seq, s.cache_dtype)
+    f = fit_stage(spec, n, ca, p.device, dry, source is not None)
+    if f.dry:
+        ld, w = LoadStage(None, None), WeightsStage(module, None, 0.0)
+    else:
+        ld = load_stage(spec, module, source, sh)
+        w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress)
+    ru = runner_stage(spec, p.device, f.dry)
+    e = engine_stage(w.module, spec, ru, s.cache_dtype)
+    return BuildRecords(s, c, q, sh, p, n, ca, f, ld, w, ru, e)
