@@ -186,13 +186,13 @@ def test_hooks_that_name_missing_children_are_refused_when_quantizing():
     from zoo.compiler.quant.apply import quantize_linears
 
     spec = load_config("deepseek_v3_tiny")
-    model = build_model(spec)
+    model = build_model(spec, mtp=False)
     moe = next(b.ffn for b in model.layers if isinstance(b.ffn, contracts.QuantStacks))
     moe.quant_stacks = ("w13", "w_missing")
     with pytest.raises(ContractError, match=r"MoE.quant_stacks names 'w_missing', which is no parameter of "
                                             r"layers\.\d+\.ffn \(expected a stacked \[E, O, I\] parameter"):
         quantize_linears(model, "int8", 32, torch.float32)
-    model = build_model(spec)
+    model = build_model(spec, mtp=False)
     mla = next(b.mixer for b in model.layers if isinstance(b.mixer, contracts.FloatLinears))
     mla.float_linears = {"wkv_missing": "a test"}
     with pytest.raises(ContractError, match=r"float_linears names 'wkv_missing', which is no nn.Linear child of "
