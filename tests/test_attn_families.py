@@ -5,19 +5,16 @@ local/global alternation with a rope per layer kind (Gemma 3), attention- and fi
 soft-capping (Gemma 2), learned sinks and a biased MoE with clamped SwiGLU (gpt-oss), sandwich
 and post-only norms, q/k norm over the whole projection (OLMo 2), embedding scaling.
 
-Each family: a tiny random transformers model with odd sizes, saved by save_pretrained and
-loaded by from_pretrained from the directory; prefill and every greedy decode step at batch 2,
-eager and compiled (one graph per layer kind, no recompiles across prompt lengths), decode ==
-a full prefill; the flagship preset's exact parameter count against transformers on meta;
-its config.json imports to the preset. One subprocess loads every family from a Hub id in an
-offline local cache; `zoo import` round-trips each.
+Each family: a tiny random transformers model with odd sizes, saved by save_pretrained; its
+prefill and every greedy decode step at batch 2, eager and compiled (one graph per layer kind, no
+recompiles across prompt lengths), decode == a full prefill run in tests/test_family_parity.py
+(the attn/* entries), as does the load of each from a Hub id in an offline local cache. Here:
+the flagship preset's exact parameter count against transformers on meta; its config.json
+imports to the preset; `zoo import` round-trips each.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,8 +25,7 @@ from zoo.compiler.errors import ConfigError
 from zoo.compiler.hf_import import import_config
 from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
-from tests.helpers import (assert_logits_close, check_decode_equals_prefill, check_parity, populate_hub_cache,
-                           save_reference)
+from tests.helpers import assert_logits_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,7 +33,8 @@ VOCAB, WINDOW, PROMPT, STEPS = 301, 6, 11, 8  # the prompt is longer than the wi
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
-# model_type: (transformers config class, tiny config kwargs, flagship preset, flagship config.json)
+# model_type: (transformers config class, tiny config kwargs, flagship preset, flagship config.json);
+# the tiny ones are tests/test_family_parity.py's attn/* entries
 FAMILIES = {
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rms_norm_eps=1e-6,
@@ -106,23 +103,10 @@ def randomize(model) -> None:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    out = {}
-    for i, model_type in enumerate(FAMILIES):
-        torch.manual_seed(i)
-        config = hf_config(model_type)
-        ref = transformers.AutoModelForCausalLM.from_config(config).eval()
-        randomize(ref)
-        path = tmp_path_factory.mktemp(model_type)
-        save_reference(ref, path)
-        out[model_type] = (ref, path)
-    return out
-
-
-@pytest.fixture(scope="module")
-def compiled(references):
-    return {t: zoo.from_pretrained(str(path), compile=True, max_batch=2, max_seq=48)
-            for t, (_, path) in references.items()}
+def references(families):
+    """{model_type: (reference, checkpoint dir)}: tests/test_family_parity.py's attn/* entries
+    (their prefill / decode parity, eager and compiled, runs there), shared for the session."""
+    return families.group("attn", with_batch=False)
 
 
 def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -180,59 +164,14 @@ def test_mxfp4_checkpoints_are_refused(references):
         import_config(config, "config.json")
 
 
-# ----------------------------------------------------------------------------- parity
+# ----------------------------------------------------------------------------- caches
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_parity_eager(references, model_type):
-    ref, path = references[model_type]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=48)
-    check_parity(ref, m, ids(2, PROMPT), steps=STEPS, rtol=1e-4)
-    check_decode_equals_prefill(m, ids(2, 20, seed=1), prompt_len=3, rtol=1e-4)
-
-
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_parity_compiled(references, compiled, model_type):
-    ref, _ = references[model_type]
-    m = compiled[model_type]
-    check_parity(ref, m, ids(2, PROMPT), steps=STEPS, rtol=1e-4)
-    for length in (2, 5, 23):  # within, at and far past the window: the same graphs
-        check_parity(ref, m, ids(2, length, seed=length), steps=2, rtol=1e-4)
-    check_decode_equals_prefill(m, ids(2, 16, seed=2), prompt_len=4, rtol=1e-4)
-    kinds = len({x.mixer_name for x in m.spec.layers})
-    assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
-
-
-def test_ring_cache_is_window_sized(compiled):
+def test_ring_cache_is_window_sized(families):
     """A sliding layer's cache holds `window` slots, not max_seq; a global layer's max_seq."""
-    m = compiled["gpt_oss"]
+    m = families.eager("attn/gpt_oss")
     local, glob = m.engine.caches[0]["k"], m.engine.caches[1]["k"]
     assert local.shape == (2, 2, WINDOW, 16) and glob.shape == (2, 2, 48, 16)
-
-
-HUB_SCRIPT = """
-import sys, torch, zoo
-for repo, out in zip(sys.argv[1::2], sys.argv[2::2]):
-    m = zoo.from_pretrained(repo, compile=False, max_seq=32)
-    torch.save(m.prefill(torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8, 9]])), out)
-"""
-
-
-def test_hub_repo_ids_offline(references, tmp_path):
-    """Every family from a Hub id in a local cache, offline, in a fresh process."""
-    args = []
-    for model_type, (_, path) in references.items():
-        populate_hub_cache(path, tmp_path / "hf" / "hub", f"zoo-test/tiny-{model_type}")
-        args += [f"zoo-test/tiny-{model_type}", str(tmp_path / f"{model_type}.pt")]
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", HUB_SCRIPT, *args], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    x = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 8, 9]])
-    for model_type, (ref, _) in references.items():
-        with torch.no_grad():
-            assert_logits_close(torch.load(tmp_path / f"{model_type}.pt"), ref(x).logits, 1e-4, model_type)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

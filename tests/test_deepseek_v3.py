@@ -1,13 +1,14 @@
 """DeepSeek-V3: MLA (latent cache, absorbed decode), DeepSeek MoE, YaRN, MTP, the real preset.
 
-Parity is against transformers' DeepseekV3ForCausalLM on tiny random checkpoints it saved (CPU,
-float32), for the prefill and every greedy decode step. transformers drops MTP weights, so the MTP
+Parity with transformers' DeepseekV3ForCausalLM on tiny random checkpoints it saved (CPU, float32),
+for the prefill and every greedy decode step, runs in tests/test_family_parity.py (deepseek_v3/*). transformers drops MTP weights, so the MTP
 layer is checked against a hand-written reference built from the same tensors.
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -17,12 +18,12 @@ import zoo
 from zoo.compiler.errors import ConfigError
 from tests.deepseek_v3_fixtures import (VOCAB, YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference,
                                         randomize, tiny_config)
-from tests.helpers import assert_logits_close, build_references, check_decode_equals_prefill, check_parity, save_reference
+from tests.helpers import assert_logits_close, save_reference
 
 transformers = pytest.importorskip("transformers")
 
 VARIANTS = {
-    # name: (config overrides, batch, save kwargs)
+    # name: (config overrides, batch, save kwargs): tests/test_family_parity.py's deepseek_v3/* entries
     # the tiny twin's shape: YaRN with the mscale softmax correction, 4 groups of 2 experts (best 2
     # groups compete), first layer dense, batch 2, sharded
     "main": (dict(), 2, {"max_shard_size": "150KB"}),
@@ -46,35 +47,13 @@ def make_reference(path, overrides, save_kwargs, seed=0):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return build_references(tmp_path_factory, VARIANTS, make_reference)
+def references(families):
+    """{variant: (reference, checkpoint dir, batch)}: tests/test_family_parity.py's deepseek_v3/*
+    entries (their prefill / decode parity, eager and compiled, runs there), shared for the session."""
+    return families.group("deepseek_v3")
 
 
-# ----------------------------------------------------------------------------- parity
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_eager(references, variant):
-    ref, path, batch = references[variant]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=batch, max_seq=48)
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 11)), steps=8)
-
-
-def test_parity_compiled(references):
-    ref, path, batch = references["main"]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=batch, max_seq=48)
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 11)), steps=8)
-    for length in (2, 5, 17, 40):  # other prompt lengths reuse the same graphs
-        check_parity(ref, m, torch.randint(0, VOCAB, (batch, length)), steps=2)
-    # one graph per layer kind (dense, MoE) and entry point, whatever the prompt length
-    assert m.engine.graph_counts() == {"prefill": 2, "decode": 2}
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (batch, 30)), prompt_len=9)
-
-
-def test_decode_equals_prefill(references):
-    _, path, _ = references["yarn_cos_sin"]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=3, max_seq=48)
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (3, 30)), prompt_len=7)
+# ----------------------------------------------------------------------------- import
 
 
 def test_imported_config(references):
@@ -298,8 +277,11 @@ def test_mtp_config_errors(override, match):
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoint(references):
-    ref, path, _ = references["main"]
+def mtp_checkpoint(references, tmp_path_factory):
+    """A copy of the main checkpoint (shared with other tests) plus an MTP layer in an extra shard."""
+    ref, src, _ = references["main"]
+    path = tmp_path_factory.mktemp("v3_mtp")
+    shutil.copytree(src, path, dirs_exist_ok=True)
     block, extra = make_mtp_layer(ref.config)
     add_shard(path, "model-mtp.safetensors", mtp_hub_tensors(block, extra, ref.config.num_hidden_layers))
     return ref, path, block, extra

@@ -2,9 +2,10 @@
 lightning indexer over the compressed entries, top-k) and heavily-compressed attention (HCA), next
 to the sliding-window layers; FP8 (E8M0 block scales) and MXFP4 weights; the real schedule.
 
-Parity is against transformers' DeepseekV4ForCausalLM on tiny random checkpoints in the Hub layout
+Parity with transformers' DeepseekV4ForCausalLM on tiny random checkpoints in the Hub layout
 (written by the fixtures: tests/test_deepseek_v4_swa.py's `hub_tensors` plus the compressor and
-indexer keys), CPU float32, prefill and every greedy decode step. The HCA ratio is 8 in the
+indexer keys), CPU float32, prefill and every greedy decode step, eager and compiled, runs in
+tests/test_family_parity.py (the deepseek_v4 entry). The HCA ratio is 8 in the
 fixtures (128 in V4-Flash) so that short prompts complete blocks; prompts of 20 tokens + 12 decode
 steps complete CSA blocks at positions 23, 27, 31 and HCA ones at 23, 31 during decode, with top-2
 of up to 8 CSA entries.
@@ -24,7 +25,7 @@ from zoo.compiler.analysis import analyze
 from zoo.compiler.checkpoint.ops import get_op
 from zoo.compiler.config import load_config
 from zoo.compiler.model import build_model, count_parameters
-from tests.helpers import check_decode_equals_prefill, check_parity
+from tests.helpers import check_parity
 from tests.test_deepseek_v4_swa import hub_tensors, mtp_tensors, randomize, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -103,14 +104,15 @@ def save_checkpoint(ref, path, tensors=None, config_edit=None):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    ref = make_reference(seed=1)
-    return ref, save_checkpoint(ref, tmp_path_factory.mktemp("v4"))
+def reference(families):
+    """(reference, checkpoint dir): tests/test_family_parity.py's deepseek_v4 entry (its prefill /
+    decode parity, eager and compiled, runs there), shared for the session."""
+    return families.reference("deepseek_v4")
 
 
 @pytest.fixture(scope="module")
-def eager(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=False, max_batch=2, max_seq=MAX_SEQ)
+def eager(families):
+    return families.eager("deepseek_v4")
 
 
 # ----------------------------------------------------------------------------- parity
@@ -129,15 +131,6 @@ def test_layout_and_kinds(eager):
         ("yarn", 160000.0, 4.0, 32, 1.0)
 
 
-@pytest.mark.parametrize("length", [20, 3, 8])
-def test_parity_eager(reference, eager, length):
-    """20: entries in both kinds at prefill, decode completes CSA blocks at positions 23, 27, 31
-    and HCA ones at 23, 31; 3 and 8: no entry / exactly one complete block at the end of the prompt."""
-    ref, _ = reference
-    torch.manual_seed(length)
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, length)), steps=12 if length == 20 else 6)
-
-
 def test_indexer_selects(reference, eager):
     """The fixture is meaningful: with 21 tokens some queries see more CSA entries than top-k, and
     the chosen top-k scores are strictly above the next one (no tie the references may break
@@ -154,24 +147,6 @@ def test_indexer_selects(reference, eager):
         s = scores[t, :n_visible[t]].sort(descending=True).values
         if len(s) > 2:
             assert s[1] > s[2]
-
-
-def test_decode_equals_prefill(eager):
-    check_decode_equals_prefill(eager, torch.randint(0, VOCAB, (2, 32)), prompt_len=5)
-
-
-def test_compiled(reference):
-    ref, path = reference
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=2, max_seq=MAX_SEQ)
-    check_parity(ref, m, torch.randint(0, VOCAB, (2, 20)), steps=12)
-    check_parity(ref, m, torch.randint(0, VOCAB, (2, 9)), steps=3)
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (2, 30)), prompt_len=6)
-    # no recompiles over three prompt lengths and the decode steps up to position 30 of 32: one
-    # graph per layer kind per entry point (tests/test_compile.py leaves V4 to this test), and
-    # the decode steps ran without guard checks (one entry per layer structure)
-    kinds = len({(layer.mixer_name, layer.ffn_name) for layer in m.spec.layers})
-    assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
-    assert m.engine._trusted is True
 
 
 # ----------------------------------------------------------------------------- caches and report

@@ -1,20 +1,16 @@
 """Llama-shaped families from configuration alone: qwen2, qwen3 (q/k norms), smollm3 (NoPE
 layers), granite (scalar multipliers), phi3 (fused checkpoint projections, partial rotary).
-Parity with transformers on tiny random checkpoints with odd sizes (CPU, float32), loaded from a
-save_pretrained directory, from a Hub id in a local cache and through `zoo import`; exact
-parameter counts of the flagship presets against transformers on the meta device."""
+Tiny random checkpoints with odd sizes (CPU, float32) loaded through `zoo import`; exact parameter
+counts of the flagship presets against transformers on the meta device. Their prefill / decode
+parity, eager and compiled, and their load by Hub id: tests/test_family_parity.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import zoo
-from tests.helpers import check_decode_equals_prefill, check_parity, populate_hub_cache, save_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +20,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=100, num_hidden_
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=None,
             eos_token_id=None, pad_token_id=None)
 
-# name: (transformers model class name, config overrides)
+# name: (transformers model class name, config overrides); tests/test_family_parity.py's dense/* entries
 FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", dict(model_type="qwen2")),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=20, attention_bias=True)),
@@ -39,7 +35,6 @@ FAMILIES = {
 }
 CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
            "granite": "GraniteConfig", "phi3": "Phi3Config"}
-BATCH = 2
 
 
 def make_config(family: str, **kw):
@@ -48,41 +43,10 @@ def make_config(family: str, **kw):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    out = {}
-    for i, (family, (cls, _)) in enumerate(FAMILIES.items()):
-        torch.manual_seed(i)
-        ref = getattr(transformers, cls)(make_config(family)).eval()
-        with torch.no_grad():  # norms away from 1 so that a misplaced norm weight shows
-            for name, p in ref.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.5, 1.5)
-        path = save_reference(ref, tmp_path_factory.mktemp(family))
-        out[family] = (ref, path)
-    return out
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_parity_eager(references, family):
-    ref, path = references[family]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=BATCH, max_seq=40)
-    assert json.loads((path / "config.json").read_text())["model_type"] == family
-    check_parity(ref, m, torch.randint(0, VOCAB, (BATCH, 9)), steps=6)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_parity_compiled(references, family):
-    """Compiled graphs: parity at several prompt lengths, decode through the caches == a full
-    prefill, no recompiles."""
-    ref, path = references[family]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=BATCH, max_seq=40)
-    check_parity(ref, m, torch.randint(0, VOCAB, (BATCH, 9)), steps=4)
-    check_parity(ref, m, torch.randint(0, VOCAB, (BATCH, 17)), steps=2)
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (BATCH, 20)), prompt_len=7)
-    # one graph per layer kind (SmolLM3: RoPE and NoPE attention) and entry point, whatever the length
-    kinds = len({(layer.mixer_name, layer.ffn_name) for layer in m.spec.layers})
-    assert kinds == (2 if family == "smollm3" else 1)
-    assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
+def references(families):
+    """{family: (reference, checkpoint dir)}: tests/test_family_parity.py's dense/* entries (their
+    prefill / decode parity, eager and compiled, runs there), shared for the session."""
+    return families.group("dense", with_batch=False)
 
 
 def test_structure(references):
@@ -111,35 +75,6 @@ def test_zoo_import(references, family, tmp_path, monkeypatch, capsys):
     ids = torch.randint(0, VOCAB, (1, 11))
     torch.testing.assert_close(built.prefill(ids), direct.prefill(ids), rtol=0, atol=0)
     torch.testing.assert_close(built.decode(torch.tensor([5])), direct.decode(torch.tensor([5])), rtol=0, atol=0)
-
-
-HUB_SCRIPT = """
-import sys, torch, zoo
-ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
-out = {}
-for repo in sys.argv[2:]:
-    out[repo] = zoo.from_pretrained(repo, compile=False, max_seq=16).prefill(ids)
-torch.save(out, sys.argv[1])
-"""
-
-
-def test_hub_repo_ids_offline(references, tmp_path):
-    """Every family by Hub id from a local cache, offline, in a fresh process."""
-    repos = {}
-    for family, (_, path) in references.items():
-        repos[family] = f"zoo-test/tiny-{family}"
-        populate_hub_cache(path, tmp_path / "hf" / "hub", repos[family])
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    out = tmp_path / "logits.pt"
-    proc = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(out), *repos.values()], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    got = torch.load(out)
-    ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
-    for family, repo in repos.items():
-        with torch.no_grad():
-            torch.testing.assert_close(got[repo], references[family][0](ids).logits, rtol=1e-5, atol=1e-5)
 
 
 # Flagship config.json values (published configs of the Hub checkpoints named by each preset)

@@ -252,3 +252,50 @@ def test_the_zoo_command_flushes_before_its_fast_exit():
     bad = subprocess.run([sys.executable, "-m", "zoo", "generate", "conf=no_such_conf", "prompt=hi"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown conf 'no_such_conf'" in bad.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    # a key another command reads: named with its value, the command, and what the command takes
+    (["build", "conf=llama3_8b_tiny", "temperature=0.7"],
+     ["zoo build does not use temperature='0.7'", "zoo generate", "conf=", "dry=", "Hydra overrides"]),
+    (["generate", "conf=llama3_8b_tiny", "prompt=hi", "dry=true"], ["zoo generate does not use dry='true'",
+                                                                    "max_new_tokens=", "temperature="]),
+    (["report", "conf=llama3_8b", "host=0.0.0.0"], ["zoo report does not use host=", "zoo serve", "context="]),
+    (["serve", "conf=llama3_8b_tiny", "output=json"], ["zoo serve does not use output=", "port=", "api_key="]),
+    (["check", "weights=x", "prompt=hi"], ["zoo check does not use prompt=", "conf=, revision=, weights="]),
+    (["families", "markdown=true", "conf=llama3_8b"], ["zoo families does not use conf=", "markdown="]),
+    # commands that read no config refuse what they would ignore
+    (["configs", "dim=8"], ["zoo configs reads no config", "'dim=8'", "no key=value options"]),
+    (["cache", "clear", "seed=1"], ["zoo cache does not use seed='1'", "no key=value options"]),
+    (["diff", "llama3_8b", "llama3_8b_tiny", "residual=mhc"], ["overrides inside a target", "'residual=mhc'"]),
+])
+def test_cli_refuses_a_key_the_command_does_not_use(argv, words, capsys):
+    """In process (no subprocess): the refusal comes before anything is composed or loaded."""
+    from zoo.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_cli_passes_config_keys_to_compose(monkeypatch):
+    """What is not a zoo key of any command is a Hydra override, as before; so is a key another
+    command reads when it is also a config field (import's name= is the config's name on build)."""
+    from zoo import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_build", lambda opts, overrides: seen.update(opts=opts, overrides=overrides) or 0)
+    assert cli.main(["build", "conf=llama3_8b_tiny", "dim=8", "+extra.key=1", "~mtp", "mixers.attn.n_kv_heads=1",
+                     "name=mine", "max_seq=64", "tp=2", "dry=true"]) == 0
+    assert seen["opts"] == {"conf": "llama3_8b_tiny", "dry": "true"}
+    assert seen["overrides"] == ["dim=8", "+extra.key=1", "~mtp", "mixers.attn.n_kv_heads=1", "name=mine",
+                                 "runtime.max_seq=64", "runtime.parallel.tp=2"]
+
+
+def test_cli_override_of_no_config_key_is_a_compose_error(capsys):
+    """An override that is neither a zoo key nor a config key reaches compose, which names it."""
+    from zoo.cli import main
+
+    assert main(["build", "conf=llama3_8b_tiny", "no_such_key=1", "dry=true"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_key" in err and "llama3_8b_tiny" in err, err

@@ -1,9 +1,10 @@
 """GLM-5 / DeepSeek-V3.2: DeepSeek Sparse Attention (lightning indexer + top-k sparse MLA), the
 indexer key cache, checkpoint rules (indexer tensors, FP8, the tied MTP layer), the real preset.
 
-Parity is against transformers' GlmMoeDsaForCausalLM and DeepseekV32ForCausalLM on tiny random
+Parity with transformers' GlmMoeDsaForCausalLM and DeepseekV32ForCausalLM on tiny random
 checkpoints they saved (CPU, float32), for the prefill and every greedy decode step, with prompts
-longer than index_topk (where sparsity changes the result). transformers drops MTP weights, so the
+longer than index_topk (where sparsity changes the result), eager and compiled, runs in
+tests/test_family_parity.py (the glm5/* entries, guarded by `tie_free`). transformers drops MTP weights, so the
 MTP layer is checked against a hand-written reference built from the same tensors.
 
 Ties: the indexer scores are weighted sums of ReLUs, so two keys can score exactly alike and two
@@ -28,7 +29,7 @@ from zoo.compiler.mixers.dsa import DSA, choice_mask
 from zoo.compiler.errors import ConfigError
 from zoo.compiler.mixers.mla import MLA
 from tests.deepseek_v3_fixtures import YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
-from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
+from tests.helpers import assert_logits_close, check_parity, save_reference
 from tests.test_fp8 import QUANT, is_fp8, quantize, stored_values
 
 transformers = pytest.importorskip("transformers")
@@ -41,7 +42,8 @@ DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_interme
             index_n_heads=16, index_head_dim=16, index_topk=TOPK, max_position_embeddings=256,
             eos_token_id=None, bos_token_id=None, pad_token_id=None)
 VARIANTS = {
-    # name: (transformers class, config class, config overrides, batch, prompt seed)
+    # name: (transformers class, config class, config overrides, batch, prompt seed):
+    # tests/test_family_parity.py's glm5/* entries
     # GLM-5: plain RoPE theta 1e6, interleaved indexer RoPE, one expert group; sharded
     "glm": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
             dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 2, 11),
@@ -62,21 +64,21 @@ def make_reference(name: str, path):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(families):
+    """{variant: (reference, checkpoint dir, prompt ids)}: tests/test_family_parity.py's glm5/*
+    entries (their prefill / decode parity, eager and compiled, runs there), shared for the session."""
     out = {}
     for name, (*_, batch, seed) in VARIANTS.items():
-        path = tmp_path_factory.mktemp(name)
-        ref = make_reference(name, path)
+        ref, path = families.reference(f"glm5/{name}")
         ids = torch.randint(0, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))
         out[name] = (ref, path, ids)
     return out
 
 
 @pytest.fixture(scope="module")
-def models(references):
-    """One eager zoo model per variant (built once, shared)."""
-    return {name: zoo.from_pretrained(str(path), compile=False, max_batch=ids.shape[0], max_seq=MAX_SEQ)
-            for name, (_, path, ids) in references.items()}
+def models(families):
+    """One eager zoo model per variant (max_batch its batch, max_seq 48), shared for the session."""
+    return {name: families.eager(f"glm5/{name}") for name in VARIANTS}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -140,6 +142,11 @@ def tie_free(model, ref, seq: torch.Tensor, rel_gap: float = 1e-5) -> None:
         assert gap > rel_gap, f"layer {i}: the top-{TOPK} boundary is a (near) tie ({gap:.1e}); change the seed"
 
 
+def tie_free_guard(ref, model, seq: torch.Tensor) -> None:
+    """tie_free in the harness's argument order (tests/family_harness.py's Family.guard)."""
+    tie_free(model, ref, seq)
+
+
 def reference_choice(picked: torch.Tensor) -> torch.Tensor:
     """The reference's top-k indices [B, T, k] -> chosen [B, T, T] bool (picks above the diagonal,
     which it makes while fewer than k keys are visible, dropped)."""
@@ -148,15 +155,6 @@ def reference_choice(picked: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- parity
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_eager(references, models, variant):
-    """Prompts of 19 > index_topk 8 tokens, batch > 1, prefill and 8 greedy decode steps."""
-    ref, _, ids = references[variant]
-    m = models[variant]
-    tie_free(m, ref, greedy(ref, ids, STEPS))
-    check_parity(ref, m, ids, steps=STEPS)
 
 
 def test_index_topk_chunks_equal_one_pass():
@@ -290,30 +288,6 @@ def test_sparsity_changes_the_result(references):
         got = dense.prefill(ids)
     assert_logits_close(got[:, :TOPK], want[:, :TOPK], 1e-5, "positions < Ks see every key either way")
     assert (got[:, TOPK:] - want[:, TOPK:]).abs().max() > 1e-2
-
-
-def test_decode_equals_prefill(references, models):
-    """Decode token by token (attention over the gathered top-k latent entries) == one prefill
-    (the same choice as a mask), from a prompt shorter than index_topk to 4x index_topk."""
-    ref, _, _ = references["v32"]
-    seq = torch.randint(0, VOCAB, (3, 32), generator=torch.Generator().manual_seed(5))
-    tie_free(models["v32"], ref, seq)
-    check_decode_equals_prefill(models["v32"], seq, prompt_len=5)
-
-
-def test_parity_compiled(references):
-    ref, path, ids = references["glm"]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=2, max_seq=MAX_SEQ)
-    tie_free(m, ref, greedy(ref, ids, 4))
-    check_parity(ref, m, ids, steps=4)
-    short = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
-    tie_free(m, ref, greedy(ref, short, 2))
-    check_parity(ref, m, short, steps=2)  # a prompt shorter than index_topk reuses the same graphs
-    # one graph per layer kind (dense, MoE) and entry point, whatever the prompt length
-    assert m.engine.graph_counts() == {"prefill": 2, "decode": 2}
-    seq = greedy(ref, ids, 10)
-    tie_free(m, ref, seq)
-    check_decode_equals_prefill(m, seq, prompt_len=9)
 
 
 # ----------------------------------------------------------------------------- DSA module

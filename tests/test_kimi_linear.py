@@ -1,10 +1,10 @@
 """Kimi Linear: Kimi Delta Attention (per-channel gated delta rule) layers with NoPE MLA layers,
 a dense first layer then DeepSeek-V3-style MoE; the flagship preset and its exact size.
 
-Parity is against transformers' KimiLinearForCausalLM on a tiny random checkpoint it saved
-(CPU, float32; its torch fallbacks for the KDA kernels), for the prefill and every greedy decode
-step, eager and compiled, loaded from the directory, from a Hub id in a local cache, and through
-`zoo import`. The KDA kernels themselves are checked against a naive reference in
+Parity with transformers' KimiLinearForCausalLM on a tiny random checkpoint it saved (CPU,
+float32; its torch fallbacks for the KDA kernels), for the prefill and every greedy decode step,
+eager and compiled, runs in tests/test_family_parity.py (the kimi_linear entry); here it is also
+loaded from a Hub id in a local cache and through `zoo import`. The KDA kernels themselves are checked against a naive reference in
 tests/test_gated_deltanet.py.
 """
 from __future__ import annotations
@@ -25,14 +25,13 @@ from zoo.compiler.mixers.kda import KimiDeltaAttention
 from zoo.compiler.mixers.mla import MLA
 from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
-from tests.helpers import check_decode_equals_prefill, check_parity, populate_hub_cache, save_reference
-# the eager / compiled engines of this module's `reference` (max_batch 2, max_seq 128, chunk 16)
-from tests.test_qwen3_next import CHUNK, compiled, eager  # noqa: F401
+from tests.helpers import check_parity, populate_hub_cache
+from tests.test_qwen3_next import CHUNK
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
-MAX_SEQ = 128  # as the shared eager / compiled fixtures
+MAX_SEQ = 128  # as the shared eager model (tests/test_family_parity.py)
 FULL_ATTN = [4, 8, 12, 16, 20, 24, 27]  # 1-based, as the checkpoint's linear_attn_config lists them
 
 # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (architecture keys)
@@ -87,13 +86,16 @@ def randomize(module: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kimi_linear")
-    torch.manual_seed(0)
-    ref = transformers.KimiLinearForCausalLM(tiny_config()).eval()
-    randomize(ref)
-    save_reference(ref, path)
-    return ref, path
+def reference(families):
+    """(reference, checkpoint dir): tests/test_family_parity.py's kimi_linear entry (its prefill /
+    decode parity, eager and compiled, runs there), shared for the session."""
+    return families.reference("kimi_linear")
+
+
+@pytest.fixture(scope="module")
+def eager(families):
+    """The shared eager model (max_batch 2, max_seq 128, chunk 16)."""
+    return families.eager("kimi_linear")
 
 
 # ----------------------------------------------------------------------------- preset and import
@@ -158,29 +160,6 @@ def test_tiny_twin_layers(reference):
 
 
 # ----------------------------------------------------------------------------- parity
-
-
-def check_engine(ref, model, prompt_len: int, graphs: dict | None = None) -> None:
-    """Batch 2: a prompt over several 16-token chunks and a 1-token prompt (the decode graph),
-    prefill and every greedy decode step against transformers; decoding through the caches
-    equals a full prefill; with `graphs`, the compiled graph counts after all of it (one per
-    layer kind and entry point, whatever the prompt length: no recompiles)."""
-    vocab = ref.config.vocab_size
-    check_parity(ref, model, torch.randint(0, vocab, (2, prompt_len)), steps=4)
-    check_parity(ref, model, torch.randint(0, vocab, (2, 1)), steps=2)
-    check_decode_equals_prefill(model, torch.randint(0, vocab, (2, prompt_len + 6)), prompt_len - 5)
-    if graphs is not None:
-        assert model.engine.graph_counts() == graphs
-
-
-def test_parity_eager(reference, eager):
-    check_engine(reference[0], eager, 37)
-
-
-def test_parity_compiled(reference, compiled):
-    check_engine(reference[0], compiled, 33, graphs={"prefill": 3, "decode": 3})  # KDA+dense, KDA+MoE, MLA+MoE
-    check_parity(reference[0], compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
-    assert compiled.engine.graph_counts() == {"prefill": 3, "decode": 3}
 
 
 def test_state_cache_is_constant_per_sequence(eager):

@@ -1,4 +1,6 @@
-"""Llama parity with transformers' LlamaForCausalLM on tiny random checkpoints (CPU, float32)."""
+"""Llama against transformers' LlamaForCausalLM on tiny random checkpoints (CPU, float32): generate,
+Hub ids and revisions, legacy rope keys, a conf built with matching weights. Prefill / decode parity,
+eager and compiled, of every variant below: tests/test_family_parity.py (the llama/* entries)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +9,8 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import (assert_logits_close, build_references, check_decode_equals_prefill, check_parity,
-                           populate_hub_cache, save_reference)
+from tests.family_harness import randomize_norms, tiny_reference
+from tests.helpers import assert_logits_close, check_parity, populate_hub_cache, save_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,17 +18,17 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32, "rope_theta": 500000.0}
 
 VARIANTS = {
-    # name: (config overrides, batch, save kwargs)
-    "gqa": (dict(num_attention_heads=4, num_key_value_heads=2), 1, {}),
-    "mha": (dict(num_attention_heads=4, num_key_value_heads=4), 1, {}),
-    "mqa": (dict(num_attention_heads=4, num_key_value_heads=1), 1, {}),
+    # name: (config overrides, batch, save kwargs); tests/test_family_parity.py's llama/* entries
+    "gqa": (dict(num_attention_heads=4, num_key_value_heads=2), 2, {}),
+    "mha": (dict(num_attention_heads=4, num_key_value_heads=4), 2, {}),
+    "mqa": (dict(num_attention_heads=4, num_key_value_heads=1), 2, {}),
     "llama3_1_rope": (dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE,
-                           max_position_embeddings=1024), 1, {}),
-    "tied": (dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), 1, {}),
+                           max_position_embeddings=1024), 2, {}),
+    "tied": (dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), 2, {}),
     "batch3": (dict(num_attention_heads=4, num_key_value_heads=2), 3, {}),
     "sharded": (dict(num_attention_heads=4, num_key_value_heads=2), 2, {"max_shard_size": "100KB"}),
     "bias_headdim": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
-                          mlp_bias=True), 1, {}),
+                          mlp_bias=True), 2, {}),
 }
 
 
@@ -40,53 +42,22 @@ def tiny_config(**kw):
 
 
 def make_reference(path, overrides, save_kwargs, seed=0):
-    torch.manual_seed(seed)
-    ref = transformers.LlamaForCausalLM(tiny_config(**overrides)).eval()
-    with torch.no_grad():  # norms away from 1 so that a misplaced norm weight shows
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    ref = tiny_reference(transformers.LlamaForCausalLM, tiny_config(**overrides), randomize_norms, seed)
     save_reference(ref, path, **save_kwargs)
     return ref
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return build_references(tmp_path_factory, VARIANTS, make_reference)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_eager(references, variant):
-    ref, path, batch = references[variant]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=batch, max_seq=48)
-    ids = torch.randint(0, 320, (batch, 11))
-    check_parity(ref, m, ids, steps=8)
-
-
-@pytest.mark.parametrize("variant", ["gqa", "sharded", "llama3_1_rope"])
-def test_parity_compiled(references, variant):
-    ref, path, batch = references[variant]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=batch, max_seq=48)
-    ids = torch.randint(0, 320, (batch, 11))
-    check_parity(ref, m, ids, steps=8)
-    # other prompt lengths and decode steps reuse the same graphs
-    for length in (2, 5, 17, 40):
-        check_parity(ref, m, torch.randint(0, 320, (batch, length)), steps=2)
-    assert m.engine.graph_counts() == {"prefill": 1, "decode": 1}
+def references(families):
+    """{variant: (reference, checkpoint dir, batch)}: tests/test_family_parity.py's llama/* entries
+    (prefill, decode, eager and compiled parity run there), shared for the session."""
+    return families.group("llama")
 
 
 def test_sharded_checkpoint_is_really_sharded(references):
     _, path, _ = references["sharded"]
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-
-
-@pytest.mark.parametrize("compile", [False, True])
-def test_decode_equals_prefill(references, compile):
-    _, path, _ = references["batch3"]
-    m = zoo.from_pretrained(str(path), compile=compile, max_batch=3, max_seq=48)
-    seq = torch.randint(0, 320, (3, 30))
-    check_decode_equals_prefill(m, seq, prompt_len=9)
 
 
 def test_generate_matches_reference(references):

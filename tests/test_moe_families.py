@@ -4,17 +4,15 @@
 softmax (DeepSeek-V2 group_limited_greedy: a group scores its best expert), sigmoid with a
 selection bias and shared experts (GLM-4.5, DeepSeek-V3's path).
 
-Parity is against transformers' *ForCausalLM on tiny random checkpoints it saved (CPU, float32,
-odd sizes), for the prefill and every greedy decode step; the presets' parameter counts against
-transformers' models of the flagship configs built on the meta device.
+Parity with transformers' *ForCausalLM on tiny random checkpoints it saved (CPU, float32, odd
+sizes), for the prefill and every greedy decode step, runs in tests/test_family_parity.py (the
+moe/* entries); here the routing, MTP, Hub and import checks on the same checkpoints, and the
+presets' parameter counts against transformers' models of the flagship configs built on meta.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,9 +22,9 @@ from zoo.compiler.config import load_config
 from zoo.compiler.errors import ConfigError
 from zoo.compiler.hf_import import import_config
 from zoo.compiler.spec import validate
-from tests.deepseek_v3_fixtures import add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
-from tests.helpers import (assert_logits_close, check_decode_equals_prefill, check_parity, populate_hub_cache,
-                           save_reference)
+from tests.deepseek_v3_fixtures import add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference
+from tests.deepseek_v3_fixtures import randomize as randomize_v3
+from tests.helpers import assert_logits_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,7 +64,7 @@ def _glm4_moe(**kw):
 
 
 VARIANTS = {
-    # name: (config, overrides, batch, save kwargs); the first variant of each family also runs compiled
+    # name: (config, overrides, batch, save kwargs): tests/test_family_parity.py's moe/* entries
     "qwen3_moe": (_qwen3_moe, {}, 2, {}),
     "qwen3_moe_unnormalised": (_qwen3_moe, dict(norm_topk_prob=False, attention_bias=True), 1, {}),
     "mixtral": (_mixtral, {}, 2, {}),
@@ -76,48 +74,26 @@ VARIANTS = {
     "glm4_moe": (_glm4_moe, {}, 2, {"max_shard_size": "100KB"}),  # sharded: the MTP test adds a shard
     "glm4_moe_air": (_glm4_moe, dict(use_qk_norm=False, routed_scaling_factor=1.0), 1, {}),
 }
-COMPILED = {"qwen3_moe": 1, "mixtral": 1, "deepseek_v2": 2, "glm4_moe": 2}  # layer kinds (dense, MoE)
+
+
+@torch.no_grad()
+def randomize(ref) -> None:
+    """Norms away from 1, a non-zero selection bias (deepseek_v3_fixtures), and the attention
+    biases transformers zeroes made random."""
+    randomize_v3(ref)
+    for p_name, p in ref.named_parameters():
+        if p_name.endswith("proj.bias"):
+            p.normal_(0.0, 0.3)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    out = {}
-    for name, (make, kw, batch, save_kwargs) in VARIANTS.items():
-        path = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        ref = transformers.AutoModelForCausalLM.from_config(make(**kw)).eval()
-        randomize(ref)  # norms away from 1, a non-zero selection bias
-        with torch.no_grad():  # the attention biases transformers zeroes
-            for p_name, p in ref.named_parameters():
-                if p_name.endswith("proj.bias"):
-                    p.normal_(0.0, 0.3)
-        save_reference(ref, path, **save_kwargs)
-        out[name] = (ref, path, batch)
-    return out
+def references(families):
+    """{variant: (reference, checkpoint dir, batch)}: tests/test_family_parity.py's moe/* entries
+    (their prefill / decode parity, eager and compiled, runs there), shared for the session."""
+    return families.group("moe")
 
 
-# ----------------------------------------------------------------------------- parity
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_eager(references, variant):
-    ref, path, batch = references[variant]
-    m = zoo.from_pretrained(str(path), compile=False, max_batch=batch, max_seq=64)
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 11)), steps=6, rtol=1e-4)
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 1)), steps=2, rtol=1e-4)  # 1-token prompt: decode graph
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (batch, 25)), prompt_len=9, rtol=1e-4)
-
-
-@pytest.mark.parametrize("variant", list(COMPILED))
-def test_parity_compiled(references, variant):
-    ref, path, batch = references[variant]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=batch, max_seq=64)
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 11)), steps=5, rtol=1e-4)
-    # prompts of 25 and 9 tokens and more decode steps: the same graphs
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (batch, 25)), prompt_len=9, rtol=1e-4)
-    # one graph per layer kind and entry point, whatever the prompt length
-    kinds = COMPILED[variant]
-    assert m.engine.graph_counts() == {"prefill": kinds, "decode": kinds}
+# ----------------------------------------------------------------------------- routing
 
 
 def test_group_limit_matters(references):
@@ -179,35 +155,6 @@ def test_glm_mtp_layer(glm_mtp):
     skipped = dict(plain.info.load.ignored)
     assert len(plain.module.mtp) == 0 and sorted(skipped) == names
     assert all("multi-token-prediction" in why for why in skipped.values())
-
-
-HUB_SCRIPT = """
-import sys, torch, zoo
-ids = torch.tensor([[5, 17, 99, 3, 150, 41, 7]])
-for repo, out in zip(sys.argv[1::2], sys.argv[2::2]):
-    m = zoo.from_pretrained(repo, compile=False, max_seq=32)
-    torch.save(m.prefill(ids), out)
-"""
-
-
-def test_hub_repo_ids_offline(references, tmp_path):
-    """Each family from a Hub id in a local cache, in a fresh process (HF_HOME and
-    HF_HUB_OFFLINE are read at start-up), as a user loads it."""
-    families = ["qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe"]
-    argv = []
-    for name in families:
-        populate_hub_cache(references[name][1], tmp_path / "hf" / "hub", f"zoo-test/tiny-{name}")
-        argv += [f"zoo-test/tiny-{name}", str(tmp_path / f"{name}.pt")]
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", HUB_SCRIPT, *argv], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    ids = torch.tensor([[5, 17, 99, 3, 150, 41, 7]])
-    for name in families:
-        with torch.no_grad():
-            want = references[name][0](ids).logits
-        torch.testing.assert_close(torch.load(tmp_path / f"{name}.pt"), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "deepseek_v2_lite", "glm4_moe"])

@@ -6,6 +6,8 @@
 - A tiny Llama GGUF whose linears are all Q4_1 loads kept (the report says so per tensor), and
   its compiled int4 graphs match transformers' float32 reading of the same file within the
   bfloat16 rounding of the activations; decode through the caches == a full prefill; one graph each.
+- zoo's int4 CPU kernel is held to cpu_kernels.int4_reference, and both to a float64 product over
+  the documented format written in this file (nibble layout, W = q d + m, int8 activations).
 - int8 / int4 of a random build against the float model with the dequantized weights; the build
   report lists what stays float.
 - Safetensors quantize as they load: peak RSS <= 1.2 x the quantized model + one shard.
@@ -98,6 +100,77 @@ def test_cpu_kernel_computes_its_reference(mode, group):
         if rows <= cpu_kernels.FEW_ROWS:  # the rounding is real: the float product differs
             exact = F.linear(x, (cpu_kernels.int4_dequantize(qs, sm) if mode == "int4" else qw.float() * scale[:, None]))
             assert (want - exact).abs().max() > 1e-4
+
+
+def documented_int4_weight(qs: torch.Tensor, sm: torch.Tensor, group: int) -> tuple[np.ndarray, ...]:
+    """(q, d, m) [O, I] float64 (W = q d + m) from the stored int4 format as cpu_kernels.py's docstring states it, written
+    independently of its code: byte t of each 32-input block holds input t in its low nibble and
+    input t + 16 in its high one; W[o, i] = q * d + m with (d, m) = sm[o, :, i // group]."""
+    codes = qs.numpy()
+    O, I = codes.shape[0], 2 * codes.shape[1]
+    q = np.empty((O, I), dtype=np.float64)
+    for block in range(I // 32):
+        for t in range(16):
+            byte = codes[:, block * 16 + t].astype(np.int64)
+            q[:, block * 32 + t] = byte % 16
+            q[:, block * 32 + t + 16] = byte // 16
+    d, m = (sm[:, k].double().numpy()[:, np.arange(I) // group] for k in (0, 1))
+    return q, d, m
+
+
+def documented_rounding(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, I] float64 rounded as the few-row path is documented to: per block of 32 inputs,
+    codes round(x * 127 / max|x|) (halves to even), times max|x| / 127; an all-zero block stays 0.
+    Also the slack [M, I]: one step (max|x| / 127) where a code lies within 1e-4 of a tie, which
+    float32 arithmetic (a few ulps of 127, ~1e-5) may round either way; 0 elsewhere."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    scaled = np.divide(blocks * 127.0, amax, out=np.zeros_like(blocks), where=amax > 0)
+    near_tie = np.abs(scaled - np.floor(scaled) - 0.5) < 1e-4
+    slack = np.where(near_tie, amax / 127.0, 0.0)
+    return (np.round(scaled) * amax / 127.0).reshape(x.shape), slack.reshape(x.shape)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_reference_and_kernel_against_an_independent_float64_computation(group):
+    """cpu_kernels.int4_reference is what the kernel is held to; here both are held to a float64
+    product over the documented format (nibble layout, W = q d + m, int8 activations per 32
+    inputs up to FEW_ROWS rows), within float32 accumulation over I terms: |got - want| <=
+    (2 sqrt(I) + 8) u * (|x_r| . |q d| + |x| . |m|) elementwise, plus one activation step where a
+    code is a near tie (rounding errors of a float32 sum grow as sqrt(I) u, not the worst case I u,
+    so a wrong scale, code or nibble shows far above it). The documented rounding itself stays
+    within half a step of x (max|x| / 254 per block) of the exact product."""
+    from zoo.compiler.quant import cpu_kernels
+
+    torch.manual_seed(1)
+    O, I = 200, 384
+    q, d, m = torch.randint(0, 16, (O, I)), torch.rand(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05
+    qs, sm = cpu_kernels.pack_int4(q, d, m)
+    codes, d64, m64 = documented_int4_weight(qs, sm, group)
+    assert np.array_equal(codes, q.numpy()), "pack_int4 does not write the documented nibble layout"
+    qd, w = codes * d64, codes * d64 + m64
+    u = torch.finfo(torch.float32).eps / 2
+    kernel = cpu_kernels.available()
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(rows, I)
+        x[0, :32] = 0.0
+        x64 = x.double().numpy()
+        few = rows <= cpu_kernels.FEW_ROWS
+        xr, slack = documented_rounding(x64) if few else (x64, np.zeros_like(x64))
+        want = xr @ qd.T + x64 @ m64.T
+        bound = (2 * I ** 0.5 + 8) * u * (np.abs(xr) @ np.abs(qd).T + np.abs(x64) @ np.abs(m64).T) + slack @ np.abs(qd).T
+        got = {"reference": cpu_kernels.int4_reference(x, qs, sm, group)}
+        if kernel:
+            got["kernel"] = torch.ops.zoo_quant.int4_linear(x, qs, sm, group)
+        for name, out in got.items():
+            err = np.abs(out.double().numpy() - want)
+            assert (err <= bound).all(), f"{name} rows={rows}: error {err.max():.3g} over the bound {bound.max():.3g}"
+        if few:  # the rounding moves each activation by at most half a step of its block
+            exact = x64 @ w.T
+            step = np.abs(x64).reshape(rows, -1, 32).max(-1).repeat(32, axis=1) / 254.0
+            assert (np.abs(xr - x64) <= step * (1 + 1e-12)).all()
+            assert (np.abs(want - exact) <= step @ np.abs(qd).T * (1 + 1e-9)).all()
+            assert np.abs(want - exact).max() > 1e-4  # and it is not nothing
 
 
 def test_q8_0_becomes_int8_per_channel_with_a_measured_error():

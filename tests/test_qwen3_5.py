@@ -2,9 +2,10 @@
 3:1 layout with a dense SwiGLU FFN, from the existing kinds through an import map and rules;
 the flagship preset (Qwen3.5-27B's text model) and its exact size.
 
-Parity is against transformers' Qwen3_5ForCausalLM on a tiny random checkpoint it saved (CPU,
-float32), for the prefill and every greedy decode step, eager and compiled, loaded from the
-directory, from a Hub id in a local cache and through `zoo import`. Its rope_parameters carry
+Parity with transformers' Qwen3_5ForCausalLM on a tiny random checkpoint it saved (CPU, float32),
+for the prefill and every greedy decode step, eager and compiled, runs in
+tests/test_family_parity.py (the qwen3_5 entry); here it is also loaded from a Hub id in a local
+cache and through `zoo import`. Its rope_parameters carry
 mrope_section / mrope_interleaved: for text (one position id on all three axes) this is the
 plain partial rope, which the parity checks.
 """
@@ -21,11 +22,10 @@ from zoo.compiler.errors import ConfigError
 from zoo.compiler.hf_import import import_config
 from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.spec import validate
-from tests.helpers import check_parity, save_reference
-from tests.test_kimi_linear import check_engine, check_hub_and_import
-# the same constant-initialised weights made random; the eager / compiled engines of this
-# module's `reference` (max_batch 2, max_seq 128, chunk 16)
-from tests.test_qwen3_next import CHUNK, compiled, eager, randomize  # noqa: F401
+from tests.helpers import check_parity
+from tests.test_kimi_linear import check_hub_and_import
+# the same constant-initialised weights made random
+from tests.test_qwen3_next import CHUNK, randomize  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,13 +65,10 @@ def tiny_config(**kw):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_5")
-    torch.manual_seed(0)
-    ref = transformers.Qwen3_5ForCausalLM(tiny_config()).eval()
-    randomize(ref)
-    save_reference(ref, path)
-    return ref, path
+def reference(families):
+    """(reference, checkpoint dir): tests/test_family_parity.py's qwen3_5 entry (its prefill /
+    decode parity, eager and compiled, runs there), shared for the session."""
+    return families.reference("qwen3_5")
 
 
 def test_flagship_exact_parameter_count():
@@ -112,16 +109,6 @@ def test_imported_tiny_is_the_tiny_twin(reference):
     assert [(x.mixer, x.ffn) for x in imported.layers] == [(x.mixer, x.ffn) for x in twin.layers]
     assert count_parameters(build_model(imported, mtp=False)) == count_parameters(build_model(twin, mtp=False)) == \
         sum(p.numel() for p in reference[0].parameters())
-
-
-def test_parity_eager(reference, eager):
-    check_engine(reference[0], eager, 37)
-
-
-def test_parity_compiled(reference, compiled):
-    check_engine(reference[0], compiled, 33, graphs={"prefill": 2, "decode": 2})
-    check_parity(reference[0], compiled, torch.randint(0, VOCAB, (2, 19)), steps=2)
-    assert compiled.engine.graph_counts() == {"prefill": 2, "decode": 2}
 
 
 def test_hub_id_and_zoo_import(reference, tmp_path, monkeypatch, capsys):

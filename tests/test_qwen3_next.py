@@ -1,15 +1,17 @@
 """Qwen3-Next: hybrid Gated DeltaNet + gated attention in a 3:1 layout, MoE with a gated shared
 expert, zero-centred norms, per-kind caches, checkpoint rules (incl. MTP), the real preset.
 
-Parity is against transformers' Qwen3NextForCausalLM on a tiny random checkpoint it saved (CPU,
-float32; its torch fallbacks for the DeltaNet kernels), for the prefill and every greedy decode
-step. transformers drops MTP weights, so the MTP layer is checked against a hand-written reference
+Parity with transformers' Qwen3NextForCausalLM on a tiny random checkpoint it saved (CPU, float32;
+its torch fallbacks for the DeltaNet kernels), for the prefill and every greedy decode step, eager
+and compiled, runs in tests/test_family_parity.py (the qwen3_next entry; tiny_config and randomize
+below). transformers drops MTP weights, so the MTP layer is checked against a hand-written reference
 built from the same tensors.
 """
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from zoo.compiler.model import build_model, count_parameters
 from zoo.compiler.ffn.moe import MoE
 from zoo.compiler.spec import validate
 from tests.deepseek_v3_fixtures import add_shard, hub_tensors
-from tests.helpers import assert_logits_close, check_decode_equals_prefill, check_parity, save_reference
+from tests.helpers import assert_logits_close
 from tests.test_gated_deltanet import peak_cpu_bytes
 
 transformers = pytest.importorskip("transformers")
@@ -91,23 +93,16 @@ def randomize(module: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    torch.manual_seed(0)
-    ref = transformers.Qwen3NextForCausalLM(tiny_config()).eval()
-    randomize(ref)
-    save_reference(ref, path, max_shard_size="400KB")  # sharded: the MTP test adds a shard
-    return ref, path
+def reference(families):
+    """(reference, checkpoint dir): tests/test_family_parity.py's qwen3_next entry (its prefill /
+    decode parity, eager and compiled, runs there), shared for the session."""
+    return families.reference("qwen3_next")
 
 
 @pytest.fixture(scope="module")
-def eager(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=False, max_batch=2, max_seq=128, overrides=CHUNK)
-
-
-@pytest.fixture(scope="module")
-def compiled(reference):
-    return zoo.from_pretrained(str(reference[1]), compile=True, max_batch=2, max_seq=128, overrides=CHUNK)
+def eager(families):
+    """The shared eager model (max_batch 2, max_seq 128, chunk 16)."""
+    return families.eager("qwen3_next")
 
 
 # ----------------------------------------------------------------------------- layout and preset
@@ -195,30 +190,6 @@ def test_imported_tiny_is_the_tiny_twin(reference):
     twin = load_config("qwen3_next_tiny")
     assert [(x.mixer, x.ffn) for x in imported.layers] == [(x.mixer, x.ffn) for x in twin.layers]
     assert count_parameters(build_model(imported, mtp=False)) == count_parameters(build_model(twin, mtp=False))
-
-
-# ----------------------------------------------------------------------------- parity
-
-
-def test_parity_eager(reference, eager):
-    ref, _ = reference
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 37)), steps=6)  # 3 chunks, batch 2
-    check_parity(ref, eager, torch.randint(0, VOCAB, (1, 70)), steps=2)
-    check_parity(ref, eager, torch.randint(0, VOCAB, (2, 1)), steps=3)  # 1-token prompt: decode graph
-
-
-def test_decode_equals_prefill_eager(eager):
-    seq = torch.randint(0, VOCAB, (2, 45))
-    check_decode_equals_prefill(eager, seq, 30)
-
-
-def test_parity_compiled(reference, compiled):
-    ref, _ = reference
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 37)), steps=4)
-    check_parity(ref, compiled, torch.randint(0, VOCAB, (2, 21)), steps=2)
-    check_decode_equals_prefill(compiled, torch.randint(0, VOCAB, (2, 40)), 33)
-    # one graph per layer kind and entry point, whatever the prompt length
-    assert compiled.engine.graph_counts() == {"prefill": 2, "decode": 2}
 
 
 # ----------------------------------------------------------------------------- caches
@@ -374,12 +345,14 @@ def _zc_rms(x, w, eps=1e-6):
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoint(reference):
+def mtp_checkpoint(reference, tmp_path_factory):
     """The reference checkpoint plus random Hub-layout MTP tensors (mtp.fc, mtp.pre_fc_norm_*,
     mtp.norm and a full-attention MoE layer mtp.layers.0.*) in an extra shard."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
-    ref, path = reference
+    ref, src = reference
+    path = tmp_path_factory.mktemp("qwen3_next_mtp")  # a copy: the shared checkpoint stays as it is
+    shutil.copytree(src, path, dirs_exist_ok=True)
     config = copy.deepcopy(ref.config)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
     torch.manual_seed(5)

@@ -92,3 +92,103 @@ def test_two_rank_server_answers_as_one_process(one_process, two_ranks):
 def test_two_rank_server_stops_on_sigint(two_ranks):
     _, returncode, log = two_ranks
     assert returncode == 0 and "Traceback" not in log, log[-3000:]
+
+
+# ----------------------------------------------------------------------------- a rank that fails alone
+
+FAIL_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+from zoo.serve.parallel import LeaderEngine, RankFailed, control_group, follow
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+
+
+class Engine:
+    # prefill_row fails for the rows in fail[rank]; every call is recorded
+    def __init__(self, fail):
+        self.fail, self.calls = fail, []
+
+    def prefill_row(self, row, ids):
+        if row in self.fail.get(rank, ()):
+            raise RuntimeError(f"row {row} does not fit on rank {rank}")
+        self.calls.append(["prefill", row, ids.tolist()])
+        return ids.float()
+
+    def decode_rows(self, tok):
+        self.calls.append(["decode", tok.tolist()])
+        return tok.float()
+
+    def release_row(self, row):
+        self.calls.append(["release", row])
+
+    def reset(self):
+        self.calls.append(["reset"])
+
+
+out = {}
+for case, fail in [("everywhere", {0: [1], 1: [1]}), ("follower", {1: [1]}), ("leader", {0: [1]})]:
+    engine, group, seen = Engine(fail), control_group(), {}
+    if rank == 0:
+        leader = LeaderEngine(engine, group, on_failure=lambda e: seen.setdefault("on_failure", str(e)))
+        leader.prefill_row(0, torch.tensor([5, 6]))
+        try:
+            leader.prefill_row(1, torch.tensor([7]))
+        except Exception as e:
+            seen["raised"] = [type(e).__name__, str(e)]
+        try:
+            leader.decode_rows(torch.tensor([1, 2]))
+            seen["after"] = "ran"
+        except RankFailed as e:
+            seen["after"] = "refused"
+        leader.stop()
+    else:
+        try:
+            follow(engine, group)
+            seen["follow"] = "returned"
+        except RankFailed as e:
+            seen["follow"] = ["RankFailed", str(e)]
+    out[case] = {**seen, "calls": engine.calls}
+print(json.dumps(out))
+"""
+
+
+def test_a_rank_that_fails_alone_stops_the_group(tmp_path):
+    """Two gloo ranks on CPU run LeaderEngine / follow over a stand-in engine. A call that fails
+    on every rank is that request's error and both go on; one that fails on the follower only, or
+    on rank 0 only, raises RankFailed naming the rank and its error on both, and rank 0 refuses
+    every later call (no rank carries on with a state the others lack)."""
+    import json
+
+    from tests.serve_fixtures import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", FAIL_WORKER, str(rank), str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr[-3000:]
+    leader, follower = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results)
+
+    # failed everywhere: rank 0 raises the engine's own error, both ranks go on and stay alike
+    case = leader["everywhere"]
+    assert case["raised"] == ["RuntimeError", "row 1 does not fit on rank 0"] and "on_failure" not in case
+    assert case["after"] == "ran" and follower["everywhere"]["follow"] == "returned"
+    assert case["calls"] == follower["everywhere"]["calls"] == [["prefill", 0, [5, 6]], ["decode", [1, 2]]]
+
+    for name, bad, good in (("follower", 1, 0), ("leader", 0, 1)):
+        lead, follow = leader[name], follower[name]
+        assert lead["raised"][0] == "RankFailed" and follow["follow"][0] == "RankFailed"
+        for text in (lead["raised"][1], follow["follow"][1], lead["on_failure"]):
+            assert f"failed on rank(s) [{bad}] and not on rank(s) [{good}]" in text, text
+            assert f"rank {bad}: RuntimeError: row 1 does not fit on rank {bad}" in text, text
+            assert "prefill_row (row 1)" in text and "every rank stops" in text, text
+        # nothing ran after the failure on either rank
+        assert lead["after"] == "refused"
+        assert [c[0] for c in lead["calls"]] == ["prefill"] * (1 + (bad == 1))
+        assert [c[0] for c in follow["calls"]] == ["prefill"] * (1 + (bad == 0))

@@ -14,8 +14,9 @@
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
 
-Arguments are key=value. Keys zoo itself reads are listed in ZOO_KEYS; every other key=value (or
-+key=value, ~key) is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
+Arguments are key=value. Each command reads the keys COMMAND_KEYS lists for it; a key only another
+command reads is an error (`zoo build temperature=0.7`); every other key=value (or +key=value, ~key)
+is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
 `device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=` are shortcuts for `runtime.*`.
 """
 from __future__ import annotations
@@ -27,12 +28,26 @@ from typing import Optional, Sequence
 
 from .compiler.errors import ZooError
 
-ZOO_KEYS = {"conf", "weights", "revision", "prompt", "chat", "system", "max_new_tokens", "temperature",
-            "top_k", "top_p", "seed", "dry", "output", "context", "batch", "plot", "name", "out", "markdown",
-            "text", "repeat"}
-SERVE_KEYS = ZOO_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level"}
-# report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
-ANALYSIS_KEYS = ZOO_KEYS | {"device", "dtype", "tp", "ep"}
+# The keys each command reads itself. A key another command reads is an error here (`zoo build
+# temperature=0.7` would otherwise be ignored); every other key=value is a Hydra override of the config.
+_LOAD_KEYS = {"conf", "weights", "revision", "seed"}  # _load: a conf (+ weights) or a checkpoint
+COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
+    "build": _LOAD_KEYS | {"dry"},
+    "generate": _LOAD_KEYS | {"prompt", "chat", "system", "max_new_tokens", "temperature", "top_k", "top_p"},
+    # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
+    "report": {"conf", "weights", "revision", "context", "batch", "device", "dtype", "tp", "ep", "output", "plot"},
+    "diff": {"revision", "context", "dtype", "output"},
+    "import": {"revision", "name", "out"},
+    "check": {"conf", "weights", "revision"},
+    "patterns": _LOAD_KEYS | {"text", "repeat", "output", "plot"},
+    "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level"},
+    "configs": set(),
+    "families": {"markdown"},
+    "cache": set(),
+}.items()}
+ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
+# commands that read no config: an override would be ignored, so it is refused
+NO_OVERRIDES = {"configs", "families", "cache"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group"}
 
 
@@ -40,23 +55,51 @@ def _usage() -> str:
     return (__doc__ or "").strip()
 
 
-def parse_args(argv: Sequence[str], zoo_keys=ZOO_KEYS) -> tuple[dict[str, str], list[str]]:
-    """Split key=value arguments into zoo options and Hydra overrides."""
+def parse_args(argv: Sequence[str], command: str) -> tuple[dict[str, str], list[str]]:
+    """Split key=value arguments into `command`'s options and Hydra overrides. A key another
+    command reads (and that is no config key) is an error naming the key, the command and the
+    keys it takes; so is any override for a command that reads no config."""
+    keys = COMMAND_KEYS[command]
     opts: dict[str, str] = {}
     overrides: list[str] = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if sep and key in zoo_keys:
+        if sep and key in keys:
             opts[key] = value
         elif sep and key in RUNTIME_KEYS:
             overrides.append(f"runtime.{key}={value}")
         elif sep and key in ("tp", "ep"):  # shortcuts for runtime.parallel.tp / ep
             overrides.append(f"runtime.parallel.{key}={value}")
+        elif sep and key in ZOO_KEYS and not _is_config_key(key):
+            readers = ", ".join(c for c, ks in COMMAND_KEYS.items() if key in ks)
+            raise ZooError(f"zoo {command} does not use {key}={value!r} (a key of zoo {readers}); "
+                           f"{command} takes {_accepted(command)}")
         elif sep or arg.startswith("~"):
             overrides.append(arg)
         else:
             raise ZooError(f"argument {arg!r}: expected key=value (see `zoo --help`)")
+    if overrides and command in NO_OVERRIDES:
+        raise ZooError(f"zoo {command} reads no config, so {overrides} would be ignored; "
+                       f"{command} takes {_accepted(command)}")
     return opts, overrides
+
+
+def _accepted(command: str) -> str:
+    keys = sorted(COMMAND_KEYS[command])
+    listed = ", ".join(f"{k}=" for k in keys) if keys else "no key=value options"
+    if command in NO_OVERRIDES:
+        return listed
+    return (f"{listed}, the runtime shortcuts {', '.join(f'{k}=' for k in sorted(RUNTIME_KEYS - set(keys)))}"
+            f" and Hydra overrides of config keys (e.g. mixers.attn.n_kv_heads=4, +key=value, ~key)")
+
+
+def _is_config_key(key: str) -> bool:
+    """`key` names a top-level field of the config schema (e.g. name=): a Hydra override."""
+    import dataclasses
+
+    from .compiler.spec import ConfigSchema
+
+    return key in {f.name for f in dataclasses.fields(ConfigSchema)}
 
 
 def _bool(opts: dict, key: str, default: bool) -> bool:
@@ -199,6 +242,9 @@ def cmd_diff(opts: dict, overrides: list[str], positional: list[str]) -> int:
 
     if len(positional) != 2:
         raise ZooError('diff needs two targets, e.g. zoo diff llama3_8b "llama3_8b residual=mhc"')
+    if overrides:  # they would apply to neither side
+        raise ZooError(f"diff takes overrides inside a target, e.g. zoo diff llama3_8b \"llama3_8b residual=mhc\"; "
+                       f"got {overrides} outside both")
     sides = []
     for text in positional:
         cfg, label = resolve_target(text, opts.get("revision"))
@@ -357,10 +403,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # targets are free text (a conf with overrides, a dir, a repo id); key=value options
             # that zoo reads are taken out, the rest are overrides applied to the import
             positional = [a for a in rest if "=" not in a.split(" ")[0] or " " in a]
-            opts, overrides = parse_args([a for a in rest if a not in positional], ANALYSIS_KEYS)
+            opts, overrides = parse_args([a for a in rest if a not in positional], command)
             return positional_handlers[command](opts, overrides, positional)
-        keys = {"report": ANALYSIS_KEYS, "serve": SERVE_KEYS}.get(command, ZOO_KEYS)
-        opts, overrides = parse_args(rest, keys)
+        opts, overrides = parse_args(rest, command)
         return handlers[command](opts, overrides)
     except ZooError as e:
         print(f"zoo {command}: error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -486,10 +487,14 @@ def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
         group = control_group()
         if model.info.parallel["rank"] != 0:
             return follow(model.engine, group)
-        leader = model.engine = LeaderEngine(model.engine, group)
+        # ranks whose states parted (an engine call failed on some only): shut down as on Ctrl-C
+        leader = model.engine = LeaderEngine(model.engine, group,
+                                             on_failure=lambda e: signal.raise_signal(signal.SIGINT))
     try:
         app = create_app(model, model_name, api_key=api_key, max_queue=max_queue)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         if leader is not None:
             leader.stop()
+    if leader is not None and leader.failed is not None:
+        raise leader.failed
