@@ -1,0 +1,107 @@
+"""Every common GGML block type read in torch (compiler/quant/gguf_blocks.py) equals llama.cpp's
+reference dequantization (gguf.quants) bit for bit, on random blocks and on a real file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from zoo.compiler.checkpoint.source import StoredBlocks  # noqa: E402
+from zoo.compiler.errors import CheckpointError  # noqa: E402
+from zoo.compiler.quant import gguf_blocks  # noqa: E402
+
+# byte offsets of each type's float16 fields (random bytes there could be inf / nan)
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+TYPES = list(F16_FIELDS)
+
+
+def random_blocks(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, blocks_per_row * bytes]: random bytes, finite float16 scales of both signs
+    (zeros and subnormals included)."""
+    rng = np.random.default_rng(seed)
+    nbytes = gguf.GGML_QUANT_SIZES[Q[ggml_type]][1]
+    b = rng.integers(0, 256, (rows * blocks_per_row, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[ggml_type]:
+        h = (rng.standard_normal(len(b)) * 10.0 ** rng.integers(-7, 2, len(b))).astype(np.float16)
+        h[::17] = 0
+        b[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def bits(x) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.int32)
+
+
+def test_layouts_agree_with_gguf_sizes():
+    for name, lay in gguf_blocks.LAYOUTS.items():
+        assert (lay.block, lay.nbytes) == gguf.GGML_QUANT_SIZES[Q[name]], name
+        assert lay.block % lay.group == 0
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_random_blocks_equal_gguf_bit_for_bit(ggml_type):
+    data = random_blocks(ggml_type, 3, 5, seed=TYPES.index(ggml_type))
+    want = gguf.quants.dequantize(data, Q[ggml_type])
+    got = gguf_blocks.dequantize(torch.from_numpy(data), ggml_type)
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(bits(got.numpy()), bits(want))  # -0.0 and +0.0 told apart
+    # the codes form: w = q d (+ m) per group
+    q, d, m = gguf_blocks.codes(torch.from_numpy(data), ggml_type)
+    g = gguf_blocks.LAYOUTS[ggml_type].group
+    again = d.repeat_interleave(g, 1) * q.float() + (0 if m is None else m.repeat_interleave(g, 1))
+    np.testing.assert_array_equal(again.numpy(), want)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_quantized_values_equal_gguf(ggml_type):
+    """Blocks written by gguf's own quantizer (real scales, not random bytes)."""
+    w = np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)
+    data = gguf.quants.quantize(w, Q[ggml_type])
+    got = gguf_blocks.dequantize(torch.from_numpy(data), ggml_type)
+    np.testing.assert_array_equal(bits(got.numpy()), bits(gguf.quants.dequantize(data, Q[ggml_type])))
+
+
+@pytest.mark.parametrize("ggml_type", ["BF16", "F16"])
+def test_half_types(ggml_type):
+    w = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    data = gguf.quants.quantize(w, Q[ggml_type])
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+    want = gguf.quants.dequantize(data, Q[ggml_type])
+    np.testing.assert_array_equal(bits(gguf_blocks.dequantize(raw, ggml_type).numpy()), bits(want))
+
+
+def test_more_blocks_than_one_chunk(monkeypatch):
+    monkeypatch.setattr(gguf_blocks, "CHUNK_BLOCKS", 7)
+    data = random_blocks("Q6_K", 4, 5)
+    want = gguf.quants.dequantize(data, Q.Q6_K)
+    np.testing.assert_array_equal(gguf_blocks.dequantize(torch.from_numpy(data), "Q6_K").numpy(), want)
+
+
+def test_int4_parts_hold_q4_types_exactly():
+    """Q4_0 / Q4_1 / Q4_K into zoo's int4 layout: the kernel's dequantization is gguf's values."""
+    from zoo.compiler.quant.cpu_kernels import int4_dequantize
+
+    for t in gguf_blocks.INT4_TYPES:
+        data = random_blocks(t, 16, 2)
+        b = StoredBlocks(t, torch.from_numpy(data), (16, data.shape[1] // gguf_blocks.LAYOUTS[t].nbytes
+                                                    * gguf_blocks.LAYOUTS[t].block))
+        qs, d, m = gguf_blocks.int4_parts(b)
+        assert d.dtype == (torch.float32 if t == "Q4_K" else torch.float16)
+        w = int4_dequantize(qs, torch.stack((d, m), dim=1))
+        want = gguf.quants.dequantize(data, Q[t]).reshape(b.shape)
+        np.testing.assert_array_equal(w.numpy(), want, err_msg=t)
+
+
+def test_bad_block_data_is_named():
+    with pytest.raises(CheckpointError, match="IQ2_XXS has no block reader.*Q4_K"):
+        gguf_blocks.dequantize(torch.zeros(1, 66, dtype=torch.uint8), "IQ2_XXS")
+    with pytest.raises(CheckpointError, match="Q6_K data.*210-byte blocks"):
+        gguf_blocks.dequantize(torch.zeros(1, 200, dtype=torch.uint8), "Q6_K")
+    with pytest.raises(CheckpointError, match=r"Q4_K blocks of shape \[2, 144\] do not hold a \[2, 512\]"):
+        gguf_blocks.values(StoredBlocks("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), (2, 512)))
