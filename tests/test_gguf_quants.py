@@ -105,3 +105,18 @@ def test_bad_block_data_is_named():
         gguf_blocks.dequantize(torch.zeros(1, 200, dtype=torch.uint8), "Q6_K")
     with pytest.raises(CheckpointError, match=r"Q4_K blocks of shape \[2, 144\] do not hold a \[2, 512\]"):
         gguf_blocks.values(StoredBlocks("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), (2, 512)))
+
+
+def test_shipped_smollm2_file_reads_as_gguf_does(smollm2_gguf):
+    """Every tensor of the SmolLM2 Q4_1 GGUF (Q4_1, Q8_0, F32) through GGUFSource.read equals
+    gguf.quants.dequantize of its stored data."""
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+
+    src = GGUFSource(smollm2_gguf)
+    seen, entries = set(), src.entries()
+    for name, t in src._open_tensors().items():
+        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(entries[name].shape)
+        np.testing.assert_array_equal(bits(src.read(name).numpy()), bits(want), err_msg=name)
+        seen.add(t.tensor_type.name)
+    assert {"Q4_1", "Q8_0"} <= seen
+    src.close()
