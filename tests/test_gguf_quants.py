@@ -120,3 +120,49 @@ def test_shipped_smollm2_file_reads_as_gguf_does(smollm2_gguf):
         seen.add(t.tensor_type.name)
     assert {"Q4_1", "Q8_0"} <= seen
     src.close()
+
+
+# -- zoo's kernels on the codes ----------------------------------------------------------------------
+
+
+def _assert_close(got, want, what):
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item() + 1e-6, f"{what}: max error {err}"
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_int8g_kernel_computes_its_reference(group):
+    """zoo_quant.int8g_linear against its torch reference, decode-sized (int8-rounded x) and
+    prefill-sized (float GEMM) inputs, offsets on and off, uneven thread splits."""
+    from zoo.compiler.quant import cpu_kernels
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    torch.manual_seed(0)
+    O, I = 200, 384
+    qw = torch.randint(-128, 128, (O, I), dtype=torch.int8)
+    sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1)
+    for offsets in (True, False):
+        if not offsets:
+            sm[:, 1] = 0
+        for rows in (1, 3, 16, 17, 40):
+            x = torch.randn(rows, I)
+            x[0, :32] = 0.0
+            want = cpu_kernels.int8g_reference(x, qw, sm, group)
+            _assert_close(torch.ops.zoo_quant.int8g_linear(x, qw, sm, group), want, f"g{group} rows={rows}")
+            if rows > cpu_kernels.FEW_ROWS:  # the GEMM path: the float linear of the weights
+                _assert_close(want, torch.nn.functional.linear(x, cpu_kernels.int8g_dequantize(qw, sm)), "float")
+
+
+def test_int4_kernel_takes_float32_scales():
+    from zoo.compiler.quant import cpu_kernels
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    torch.manual_seed(1)
+    O, I = 48, 512
+    q, d, m = torch.randint(0, 16, (O, I)), torch.randn(O, I // 32) * 0.01, torch.randn(O, I // 32) * 0.05
+    qs, _ = cpu_kernels.pack_int4(q, d, m)
+    sm = torch.stack((d, m), dim=1)  # float32
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, I)
+        _assert_close(torch.ops.zoo_quant.int4_linear(x, qs, sm, 32), cpu_kernels.int4_reference(x, qs, sm, 32),
+                      f"rows={rows}")
