@@ -166,3 +166,65 @@ def test_int4_kernel_takes_float32_scales():
         x = torch.randn(rows, I)
         _assert_close(torch.ops.zoo_quant.int4_linear(x, qs, sm, 32), cpu_kernels.int4_reference(x, qs, sm, 32),
                       f"rows={rows}")
+
+
+# -- QuantLinear keeps the blocks ---------------------------------------------------------------------
+
+
+def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> StoredBlocks:
+    data = random_blocks(ggml_type, rows, blocks_per_row, seed)
+    return StoredBlocks(ggml_type, torch.from_numpy(data), (rows, blocks_per_row * gguf_blocks.LAYOUTS[ggml_type].block))
+
+
+KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int8 g32 (float32 scales)",
+        "Q5_1": "int8 g32 (float32 scales)", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
+        "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
+        "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)"}
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
+    """zoo's float32 kernels hold each type's codes and scales: the weight the kernel applies is
+    gguf's dequantization bit for bit, a prefill-sized input gives the float linear of those weights
+    within float rounding, a decode-sized one the kernel's reference (int8-rounded activations)."""
+    from zoo.compiler.quant import cpu_kernels
+    from zoo.compiler.quant.linear import QuantLinear
+
+    b = stored(ggml_type, 48, 2 if gguf_blocks.LAYOUTS[ggml_type].block == 256 else 9, seed=3)
+    O, I = b.shape
+    want = torch.from_numpy(gguf.quants.dequantize(b.data.numpy(), Q[ggml_type])).reshape(O, I)
+    q = QuantLinear(I, O, False, mode, 32 if mode == "int4" else None, torch.float32)
+    assert q.accepts_blocks(ggml_type)
+    assert q.load_weight(b) == f"kept {ggml_type} blocks as {KEPT[ggml_type]}"
+    with torch.no_grad():
+        eye = torch.eye(I)
+        np.testing.assert_array_equal(q(eye).t().numpy(), want.numpy())  # GEMM path: 1 * w, exactly
+        x = torch.randn(40, I)
+        _assert_close(q(x), x @ want.t(), "prefill")
+        x = torch.randn(3, I)
+        if q.layout == "int8g":
+            ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
+        else:
+            ref = cpu_kernels.int4_reference(x, q.qweight, q.scales, q.group)
+        _assert_close(q(x), ref, "decode")
+        assert (q(x) - x @ want.t()).abs().max() < 0.05 * (x.abs() @ want.abs().t()).max()
+    bytes_per_weight = q.quantized_bytes() / (O * I)
+    assert bytes_per_weight <= (0.75 if q.layout == "int4" else 1.5)  # no float copy
+
+
+def test_blocks_not_kept_say_why():
+    from zoo.compiler.quant.linear import QuantLinear
+
+    g64 = QuantLinear(512, 16, False, "int4", 64, torch.float32)
+    assert not g64.accepts_blocks("Q4_K")
+    assert "int4 g64 does not hold groups of 32" in g64.why_not_kept("Q4_K")
+    bf16 = QuantLinear(512, 16, False, "int4", 32, torch.bfloat16)
+    assert bf16.accepts_blocks("Q4_1") and not bf16.accepts_blocks("Q6_K")
+    assert "float32 CPU kernels keep every block type" in bf16.why_not_kept("Q6_K")
+    with pytest.raises(CheckpointError, match="cannot take Q6_K blocks as they are: Q6_K blocks not kept"):
+        bf16.load_weight(stored("Q6_K", 16, 2))
+    kept = QuantLinear(512, 16, False, "int4", 32, torch.float32)
+    kept.load_weight(stored("Q6_K", 16, 2))
+    with pytest.raises(CheckpointError, match="holds GGUF blocks"):
+        kept.load_weight(torch.zeros(16, 512))

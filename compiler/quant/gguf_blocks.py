@@ -266,6 +266,11 @@ def _blocks(b: StoredBlocks) -> torch.Tensor:
     return b.data
 
 
+def block_codes(b: StoredBlocks) -> Codes:
+    """Any known block type -> Codes with q [O, I] and d, m [O, I / group] (checks the sizes)."""
+    return codes(_blocks(b), b.ggml_type)
+
+
 def q4_codes(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 / Q4_K blocks -> (q [O, I] int32 in 0..15, scale [O, I/32], zero [O, I/32]
     float32) with w = (q - 8) * scale + zero (torch's int4 kernels' convention)."""
