@@ -228,3 +228,99 @@ def test_blocks_not_kept_say_why():
     kept.load_weight(stored("Q6_K", 16, 2))
     with pytest.raises(CheckpointError, match="holds GGUF blocks"):
         kept.load_weight(torch.zeros(16, 512))
+
+
+# -- tiny Llama GGUF files in K-quant mixes, kept and compared with transformers -------------------------
+
+# magnitude of each type's scale fields: weights of about +-0.05 from the largest codes
+D_SCALE = {"Q4_0": 0.05 / 8, "Q4_1": 0.05 / 15, "Q5_0": 0.05 / 16, "Q5_1": 0.05 / 31, "Q8_0": 0.05 / 127,
+           "IQ4_NL": 0.05 / 127, "Q2_K": 0.05 / 45, "Q3_K": 0.05 / 128, "Q4_K": 0.05 / 945, "Q5_K": 0.05 / 1953,
+           "Q6_K": 0.05 / 4064, "IQ4_XS": 0.05 / 4064}
+# tensor -> type, as llama.cpp's mixes store them (Q4_K_M: attn_v / ffn_down / output in Q6_K)
+MIXES = {
+    "Q4_K_M": dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q4_K", ffn_gate="Q4_K", ffn_up="Q4_K",
+                   ffn_down="Q6_K", token_embd="Q4_K", output="Q6_K"),
+    "Q5_K_M": dict(attn_q="Q5_K", attn_k="Q5_K", attn_v="Q6_K", attn_output="Q5_K", ffn_gate="Q5_K", ffn_up="Q5_K",
+                   ffn_down="Q6_K", token_embd="Q5_K", output="Q6_K"),
+    "Q6_K": dict(attn_q="Q6_K", attn_k="Q6_K", attn_v="Q6_K", attn_output="Q6_K", ffn_gate="Q6_K", ffn_up="Q6_K",
+                 ffn_down="Q6_K", token_embd="Q6_K", output="Q6_K"),
+    "others": dict(attn_q="Q5_0", attn_k="Q5_1", attn_v="IQ4_NL", attn_output="IQ4_XS", ffn_gate="Q2_K", ffn_up="Q3_K",
+                   ffn_down="Q8_0", token_embd="Q4_0", output="Q4_1"),
+}
+KDIMS = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def scaled_blocks(ggml_type: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random valid blocks for a [rows, cols] weight with scale fields of D_SCALE's size."""
+    lay = gguf_blocks.LAYOUTS[ggml_type]
+    b = rng.integers(0, 256, (rows * cols // lay.block, lay.nbytes), dtype=np.uint8)
+    for i, off in enumerate(F16_FIELDS[ggml_type]):
+        h = rng.uniform(0.5, 1.0, len(b)) * D_SCALE[ggml_type] * (1 if i else rng.choice([-1, 1], len(b)))
+        if i:  # the min / offset fields (Q4_1, Q5_1: m is an additive offset; K-quants: dmin)
+            h = -h if ggml_type in ("Q4_1", "Q5_1") else h / 4
+        b[:, off:off + 2] = h.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def kquant_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**KDIMS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def write_mix(path, model, mix: str):
+    from tests.test_gguf_load import write_llama_gguf
+
+    rng = np.random.default_rng(sorted(MIXES).index(mix))
+    cfg, types = model.config, MIXES[mix]
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    override = {f"{n}.weight": (scaled_blocks(types[n], 256, 256, rng), Q[types[n]]) for n in ("token_embd", "output")}
+    for i in range(cfg.num_hidden_layers):
+        for part, shape in shapes.items():
+            override[f"blk.{i}.{part}.weight"] = (scaled_blocks(types[part], *shape, rng), Q[types[part]])
+    return write_llama_gguf(path, model, override_type=override)
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mix):
+    """A Llama GGUF in llama.cpp's mixes loads with runtime.quant=int4: every linear's blocks kept
+    (the report says how, per tensor; q / k / v of different types join as int8), and the logits of
+    a prefill (the kernels' float32 GEMM path) equal transformers' dequantized float32 model's
+    within float rounding; decode-sized steps (int8-rounded activations) within that rounding."""
+    import transformers
+
+    import zoo
+
+    path = write_mix(tmp_path / f"{mix}.gguf", kquant_llama, mix)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, max_batch=2, quant="int4")
+    report = m.info.load.tensors
+    types = MIXES[mix]
+    for name, how in report.items():
+        part = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        if part in ("attn_norm", "ffn_norm", "output_norm"):
+            assert how == "F32 -> float32", name
+        elif part == "token_embd":  # lookups stay float
+            assert how == f"dequantized {types[part]} -> float32", name
+        else:
+            assert "kept" in how and "quantized ->" not in how, (name, how)
+            assert how.startswith(types[part]) or f"kept {types[part]} blocks" in how, (name, how)
+    if len({types["attn_q"], types["attn_k"], types["attn_v"]}) > 1:
+        assert report["blk.0.attn_v.weight"].startswith(f"{types['attn_v']} kept (with parts of other types) as int8 g")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = m.prefill(ids)
+    err = (got - want).abs().max().item()
+    assert err <= 1e-4 * want.abs().max().item(), f"{mix}: prefill max error {err} of {want.abs().max().item()}"
+    with torch.no_grad():
+        one = m.prefill(ids[:1, :5])  # 5 rows: the decode-sized path of the kernels
+    err = (one - want[:1, :5]).abs().max().item()
+    assert err <= 3e-2 * want.abs().max().item(), f"{mix}: decode-sized max error {err}"

@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..config import conf_files
 from ..errors import CheckpointError
-from ..quant.gguf_blocks import LAYOUTS, dequantize
+from ..quant.gguf_blocks import LAYOUTS, dequantize, mixed_format, to_mixed
 from .gguf_index import GGUFFormatError, read_index, tensor_data
 from .source import TensorInfo
 
@@ -86,14 +86,21 @@ class GGUFSource:
         t = tensors[name]
         return _dequantize(t.data, t.tensor_type, f"{self.description}: tensor {name!r}").reshape(_torch_shape(t.shape))
 
-    def read_blocks(self, name: str) -> torch.Tensor:
+    def read_blocks(self, name: str, as_format: str | None = None) -> torch.Tensor:
         """A block-quantized tensor's stored bytes, uint8 [rows, bytes per row] (rows: the torch
-        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py)."""
+        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py);
+        as_format: a mixed_blocks format the bytes are re-blocked into (exactly)."""
         t = self._open_tensors()[name]
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        if t.tensor_type.name not in LAYOUTS:
             raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
         rows = _torch_shape(t.shape)[0]
-        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        return raw if as_format is None or as_format == t.tensor_type.name else to_mixed(raw, t.tensor_type.name, as_format)
+
+    def mixed_blocks(self, ggml_types) -> str | None:
+        """The block format `read_blocks(as_format=...)` re-blocks tensors of all these (different)
+        types into, so that row-wise ops can join them (gguf_blocks.mixed_format), or None."""
+        return mixed_format(ggml_types)
 
     def config(self) -> dict:
         """A Hugging Face config.json-style dict, mapped from the file's metadata by

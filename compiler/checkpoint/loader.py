@@ -79,7 +79,9 @@ class Assignment:
     node: Node
     rule: str
     part: Optional[object] = None  # parallel.plan.Slice: the part of node this rank reads (None: all)
-    blocks: Optional[str] = None  # GGML type whose stored bytes go unconverted to a WeightSink
+    # block format whose bytes go unconverted to a WeightSink: the stored GGML type, or the format a
+    # source re-blocks parts of different types into (GGUFSource.mixed_blocks)
+    blocks: Optional[str] = None
 
 
 @dataclass
@@ -343,7 +345,7 @@ def _cat_parts(node: Node, part) -> Optional[list]:
 
 def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor:
     """This rank's part of a node, reading only that part of stored tensors where it can."""
-    if node.op is None and getattr(source, "read_part", None) is not None and (node.name, False) not in memo:
+    if node.op is None and getattr(source, "read_part", None) is not None and (node.name, None) not in memo:
         if not part.cuts:
             return _evaluate(node, source, memo)
         t = source.read_part(node.name, part)
@@ -375,6 +377,8 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
         if a.param in sinks:
             types = {s.dtype for s in a.node.stored()}
             (kind,) = types if len(types) == 1 else (None,)
+            if len(types) > 1 and hasattr(source, "mixed_blocks"):
+                kind = source.mixed_blocks(sorted(types))
             if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
                     and hasattr(source, "read_blocks") and len(a.node.shape) == 2):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
@@ -389,12 +393,18 @@ def _rows_only(node: Node) -> bool:
     return is_row_op(node.op, dict(node.args)) and all(_rows_only(x) for x in node.inputs)
 
 
-def _evaluate(node: Node, source: Source, memo: dict, blocks: bool = False) -> torch.Tensor:
-    """The value of `node` (blocks: its stored bytes [rows, bytes per row] through row-wise ops)."""
+def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = None) -> torch.Tensor:
+    """The value of `node` (blocks: its bytes [rows, bytes per row] in that block format, the
+    stored one or a source's re-blocking, through row-wise ops)."""
     if node.op is None:
         key = (node.name, blocks)
         if key not in memo:
-            t = source.read_blocks(node.name) if blocks else source.read(node.name)
+            if blocks is None:
+                t = source.read(node.name)
+            elif blocks == node.dtype:
+                t = source.read_blocks(node.name)
+            else:
+                t = source.read_blocks(node.name, as_format=blocks)
             want = node.shape[:1] if blocks else node.shape
             if tuple(t.shape[:len(want)]) != want:
                 raise CheckpointError(f"{node.info.file}: tensor {node.name!r} has shape {list(t.shape)} "
@@ -464,7 +474,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                     raise CheckpointError(f"{a.param}: {a.blocks} blocks kept as stored cannot be cut along the "
                                           f"inputs yet (runtime.quant with runtime.parallel on a GGUF file); use a "
                                           f"safetensors checkpoint or runtime.quant=null")
-                value = StoredBlocks(a.blocks, a.part.apply(_evaluate(a.node, source, memo, blocks=True)),
+                value = StoredBlocks(a.blocks, a.part.apply(_evaluate(a.node, source, memo, blocks=a.blocks)),
                                      a.part.local_shape())  # whole rows of blocks
             elif a.part is not None:
                 value = _evaluate_part(a.node, a.part, source, memo)  # this rank's slice, quantized here
@@ -474,12 +484,16 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                                               f"execute(row_absmax=...) (a parallel load)")
                     extra["absmax"] = row_absmax(value.abs().amax(dim=1).float())
             else:
-                value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
+                value = _evaluate(a.node, source, memo, blocks=a.blocks)
                 if a.blocks is not None:
                     value = StoredBlocks(a.blocks, value, a.node.shape)
             sink = sinks[a.param]
             done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
-            how = {s.name: done if a.blocks is not None else f"{s.dtype} {done}" for s in stored}
+            how = {s.name: done if a.blocks == s.dtype else f"{s.dtype} {done}" for s in stored}
+            why = getattr(sink, "why_not_kept", None)
+            if a.blocks is None and why is not None and hasattr(source, "read_blocks"):
+                how = {s.name: h if s.dtype in _FLOAT_DTYPES else f"{h} ({why(s.dtype)})" for (s, h) in
+                       zip(stored, how.values())}
             del value
         else:
             dest = params[a.param] if a.index is None else params[a.param][a.index]
@@ -502,8 +516,8 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
         for name in {s.name for s in stored}:
             uses[name] -= 1
             if uses[name] == 0:
-                memo.pop((name, False), None)
-                memo.pop((name, True), None)
+                for key in [k for k in memo if k[0] == name]:
+                    memo.pop(key)
         report.params_filled += 1
         if progress is not None:
             progress(sum(s.info.nbytes for s in stored))

@@ -199,12 +199,48 @@ LAYOUTS: dict[str, Layout] = {
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
 
 
+# zoo's own block format for weights whose parts are stored in different types (llama.cpp's
+# Q4_K_M keeps attn_v in Q6_K next to Q4_K q / k, and zoo's rules cat them into one wqkv): every
+# part's codes re-blocked as ZQ8_G<g> = g int8 codes | d float32 | m float32, g the smallest group
+# of the parts (a group of 32's scales repeated for its two 16s: exact). Rows of it cat like any
+# blocks; QuantLinear holds it as int8g.
+def _zq8(b):
+    g = b.shape[1] - 8
+    dm = b[:, g:].contiguous().view(torch.float32)  # [N, 2]
+    return Codes(b[:, :g].contiguous().view(torch.int8).int(), dm[:, :1], dm[:, 1:])
+
+
+MIXED_LAYOUTS = {f"ZQ8_G{g}": Layout(g, g + 8, g, _zq8) for g in (16, 32)}
+
+
+def mixed_format(ggml_types) -> Optional[str]:
+    """The ZQ8 format that holds weights of all these block types exactly, or None (a type without a
+    block reader, e.g. F16)."""
+    if not all(t in LAYOUTS for t in ggml_types):
+        return None
+    return f"ZQ8_G{min(LAYOUTS[t].group for t in ggml_types)}"
+
+
+def to_mixed(data: torch.Tensor, ggml_type: str, fmt: str) -> torch.Tensor:
+    """Stored bytes uint8 [R, nb * nbytes] of `ggml_type` -> the same weights in ZQ8 format `fmt`,
+    uint8 [R, I / g * (g + 8)]."""
+    g = layout(fmt).group
+    q, d, m = codes(data, ggml_type)
+    R, I = q.shape
+    rep = LAYOUTS[ggml_type].group // g
+    d = d.repeat_interleave(rep, dim=1)
+    m = torch.zeros_like(d) if m is None else m.repeat_interleave(rep, dim=1)
+    dm = torch.stack((d, m), dim=-1).reshape(R, I // g, 2).contiguous().view(torch.uint8)  # [R, I/g, 8]
+    qb = q.to(torch.int8).reshape(R, I // g, g).view(torch.uint8)
+    return torch.cat((qb, dm), dim=-1).reshape(R, -1)
+
+
 # ----------------------------------------------------------------------------- reading
 
 
 def layout(ggml_type: str, where: str = "") -> Layout:
     """The Layout of `ggml_type`; CheckpointError naming it (and `where`) and the known types."""
-    found = LAYOUTS.get(ggml_type)
+    found = LAYOUTS.get(ggml_type) or MIXED_LAYOUTS.get(ggml_type)
     if found is None:
         raise CheckpointError(f"{where}{': ' if where else ''}GGML type {ggml_type} has no block reader "
                               f"(known: {', '.join(LAYOUTS)})")

@@ -18,6 +18,8 @@ Two kernel families, chosen by `compute_dtype`:
           float32 scales [O, 2, I/32])
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
           (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py)
+        parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
+          ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
       `torch._weight_int4pack_mm`), activations cast to the compute dtype and back; int4 held as
       tinygemm tiles with scales_zeros [I/g, O, 2].
@@ -37,7 +39,7 @@ from torch import nn
 from ..checkpoint.source import StoredBlocks
 from ..errors import CheckpointError
 from . import cpu_kernels
-from .gguf_blocks import INT4_TYPES, LAYOUTS, block_codes, int4_parts, q4_codes, q8_0_values
+from .gguf_blocks import INT4_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, int4_parts, layout, q4_codes, q8_0_values
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -185,7 +187,7 @@ class QuantLinear(nn.Module):
         kernels), or None (the loader dequantizes them and they are quantized here; why_not_kept says why)."""
         if self.mode == "int4" and self.group != 32:
             return None
-        if self.zoo_kernel and ggml_type in LAYOUTS:
+        if self.zoo_kernel and (ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS):
             return "int4" if ggml_type in INT4_TYPES else "int8g"
         if self.mode == "int4" and ggml_type in ("Q4_0", "Q4_1"):
             return "int4"
@@ -261,10 +263,12 @@ class QuantLinear(nn.Module):
             self._buffers["qweight"] = torch.empty(O, I // 2, dtype=torch.uint8, device=dev)
             self._buffers["scales"] = torch.empty(O, 2, I // 32, dtype=scales, device=dev)
             return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
-        g = LAYOUTS[ggml_type].group
+        g = layout(ggml_type).group
         self.layout, self.group = "int8g", g
         self._buffers["qweight"] = torch.empty(O, I, dtype=torch.int8, device=dev)
         self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=torch.float32, device=dev)
+        if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
+            return f"kept (with parts of other types) as int8 g{g} (float32 scales)"
         return f"kept {ggml_type} blocks as int8 g{g} (float32 scales)"
 
     def _store_int8g(self, r: int, b: StoredBlocks) -> None:
