@@ -324,3 +324,40 @@ def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mi
         one = m.prefill(ids[:1, :5])  # 5 rows: the decode-sized path of the kernels
     err = (one - want[:1, :5]).abs().max().item()
     assert err <= 3e-2 * want.abs().max().item(), f"{mix}: decode-sized max error {err}"
+
+
+# -- malformed files ----------------------------------------------------------------------------------
+
+
+def _one_tensor_file(path, ggml_type: int, dims: tuple, offset: int, data_bytes: int):
+    """A GGUF v3 file by hand: no metadata, one tensor 'w' (dims GGUF order) at `offset`."""
+    import struct
+
+    name = b"w"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0)
+    head += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+    head += struct.pack("<IQ", ggml_type, offset)
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"\0" * (offset + data_bytes))
+    return path
+
+
+def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+
+    ok = _one_tensor_file(tmp_path / "ok.gguf", 0, (32, 2), 0, 256)
+    assert GGUFSource(ok).entries()["w"].shape == (2, 32)
+    bad = _one_tensor_file(tmp_path / "misaligned.gguf", 0, (32, 2), 4, 256)
+    with pytest.raises(CheckpointError, match=r"misaligned.gguf: not a readable GGUF file \(tensor 'w': data offset 4 "
+                                              r"is not a multiple of the file's alignment \(32\)"):
+        GGUFSource(bad)
+    partial = _one_tensor_file(tmp_path / "partial.gguf", int(Q.Q4_K), (384, 1), 0, 400)
+    with pytest.raises(CheckpointError, match=r"partial.gguf.*tensor 'w': rows of 384 values are not whole blocks of "
+                                              r"Q4_K \(256 values per block\)"):
+        GGUFSource(partial)
+    unknown = _one_tensor_file(tmp_path / "unknown.gguf", 250, (32, 1), 0, 64)
+    with pytest.raises(CheckpointError, match=r"unknown.gguf.*tensor 'w': unknown GGML type 250"):
+        GGUFSource(unknown)
+    iq2 = _one_tensor_file(tmp_path / "iq2.gguf", int(Q.IQ2_XXS), (256, 1), 0, 66)
+    with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF\): unsupported GGML quantization type\(s\) in w \(IQ2_XXS\)"):
+        GGUFSource(iq2).entries()
