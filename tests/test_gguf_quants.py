@@ -361,3 +361,22 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
     iq2 = _one_tensor_file(tmp_path / "iq2.gguf", int(Q.IQ2_XXS), (256, 1), 0, 66)
     with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF\): unsupported GGML quantization type\(s\) in w \(IQ2_XXS\)"):
         GGUFSource(iq2).entries()
+
+
+def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch):
+    """The buffers take the kept blocks' layout while the load is planned (on the meta model), so
+    a second build is a weight-cache hit with the same state."""
+    import zoo
+
+    monkeypatch.setenv("ZOO_WEIGHT_CACHE", str(tmp_path / "weights"))
+    path = write_mix(tmp_path / "m.gguf", kquant_llama, "Q4_K_M")
+    first = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
+    assert first.info.load.cache.startswith("wrote ")
+    wqkv = first.module.layers[0].mixer.wqkv
+    assert (wqkv.layout, wqkv.group, wqkv.qweight.dtype) == ("int8g", 16, torch.int8)
+    second = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
+    assert second.info.load.cache.startswith("hit ")
+    a, b = first.module.state_dict(), second.module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    assert torch.equal(first.prefill(ids), second.prefill(ids))

@@ -382,6 +382,8 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
             if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
                     and hasattr(source, "read_blocks") and len(a.node.shape) == 2):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
+                if (prepare := getattr(sinks[a.param], "prepare_blocks", None)) is not None:
+                    prepare(kind)  # its buffers' layout for these blocks, before the model is allocated
         out.append(a)
     return out
 

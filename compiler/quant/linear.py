@@ -91,6 +91,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group = mode, (group if mode == "int4" else None)
         self.layout = mode  # what the buffers hold: int8 | int4 | int8g (GGUF blocks, see block_layout)
+        self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.tied_to = tied_to
         self.compute_dtype = compute_dtype
         # zoo's kernels (float32 compute); without a C++ compiler their torch reference, same numbers
@@ -185,7 +186,7 @@ class QuantLinear(nn.Module):
         """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int8g" (kept exactly,
         see the module docstring), "convert" (Q8_0 through its values to int8 per channel, torch's
         kernels), or None (the loader dequantizes them and they are quantized here; why_not_kept says why)."""
-        if self.mode == "int4" and self.group != 32:
+        if self.mode == "int4" and self.mode_group != 32:
             return None
         if self.zoo_kernel and (ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS):
             return "int4" if ggml_type in INT4_TYPES else "int8g"
@@ -200,8 +201,8 @@ class QuantLinear(nn.Module):
 
     def why_not_kept(self, ggml_type: str) -> str:
         """For the load report: why stored blocks of this type were dequantized and quantized again."""
-        if self.mode == "int4" and self.group != 32:
-            return f"{ggml_type} blocks not kept: int4 g{self.group} does not hold groups of 32 (runtime.quant_group=32 keeps them)"
+        if self.mode == "int4" and self.mode_group != 32:
+            return f"{ggml_type} blocks not kept: int4 g{self.mode_group} does not hold groups of 32 (runtime.quant_group=32 keeps them)"
         if ggml_type not in LAYOUTS:
             return f"{ggml_type} has no block layout zoo keeps"
         return (f"{ggml_type} blocks not kept: torch's {str(self.compute_dtype).removeprefix('torch.')} kernels "
@@ -252,21 +253,30 @@ class QuantLinear(nn.Module):
     def _what(self) -> str:
         return "int8 per channel" if self.layout == "int8" else f"{self.layout.replace('int8g', 'int8')} g{self.group}"
 
+    def prepare_blocks(self, ggml_type: str) -> None:
+        """The loader's plan: blocks of `ggml_type` will come (accepts_blocks said yes). On zoo's
+        kernels the buffers take their layout now, on the meta model, so that the model is
+        allocated (and the weight cache keyed) as it will be filled."""
+        kind = self.block_layout(ggml_type)
+        if self.zoo_kernel and kind in ("int4", "int8g"):
+            self._relayout(kind, ggml_type)
+
     def _relayout(self, kind: str, ggml_type: str) -> str:
-        """Re-make the buffers for GGUF blocks of `ggml_type` kept as `kind` (int4 | int8g);
-        returns the load report's line."""
+        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int8g), new
+        empty ones unless they already do; returns the load report's line."""
         O, I = self.weight_shape
         dev = self.qweight.device
         if kind == "int4":
-            scales = torch.float32 if ggml_type == "Q4_K" else torch.float16
-            self.layout, self.group = "int4", 32
-            self._buffers["qweight"] = torch.empty(O, I // 2, dtype=torch.uint8, device=dev)
-            self._buffers["scales"] = torch.empty(O, 2, I // 32, dtype=scales, device=dev)
+            g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
+        else:
+            g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
+        if (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(self.scales.shape),
+                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, 2, I // g), scales):
+            self.layout, self.group = kind, g
+            self._buffers["qweight"] = torch.empty(codes[:2], dtype=codes[2], device=dev)
+            self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=scales, device=dev)
+        if kind == "int4":
             return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
-        g = layout(ggml_type).group
-        self.layout, self.group = "int8g", g
-        self._buffers["qweight"] = torch.empty(O, I, dtype=torch.int8, device=dev)
-        self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=torch.float32, device=dev)
         if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
             return f"kept (with parts of other types) as int8 g{g} (float32 scales)"
         return f"kept {ggml_type} blocks as int8 g{g} (float32 scales)"
