@@ -380,3 +380,17 @@ def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquan
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids = torch.tensor([[1, 5, 9, 200, 3]])
     assert torch.equal(first.prefill(ids), second.prefill(ids))
+
+
+def test_report_says_why_blocks_were_not_kept(tmp_path, kquant_llama):
+    """int4 g64 cannot hold the file's groups of 32: every linear is dequantized and quantized again,
+    and the load report says so per tensor."""
+    import zoo
+
+    path = write_mix(tmp_path / "m.gguf", kquant_llama, "Q4_K_M")
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4", quant_group=64)
+    how = m.info.load.tensors
+    assert how["blk.0.ffn_up.weight"] == ("Q4_K quantized -> int4 g64 (Q4_K blocks not kept: int4 g64 does not hold "
+                                          "groups of 32 (runtime.quant_group=32 keeps them))")
+    assert how["blk.0.attn_v.weight"].startswith("Q6_K quantized -> int4 g64 (Q6_K blocks not kept")
+    assert how["output.weight"] == "kept Q6_K blocks as int8 g16 (float32 scales)"  # the head is int8: kept

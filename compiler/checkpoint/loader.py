@@ -417,6 +417,20 @@ def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = No
                                             **dict(node.args))
 
 
+def _why_not_kept(a: Assignment, s: Node, sink, source: Source) -> Optional[str]:
+    """For the load report: why stored tensor `s`'s blocks were dequantized for a sink that can
+    keep blocks (None when they were kept, or there were none)."""
+    why = getattr(sink, "why_not_kept", None)
+    if a.blocks is not None or s.dtype in _FLOAT_DTYPES or why is None or not hasattr(source, "read_blocks"):
+        return None
+    if not sink.accepts_blocks(s.dtype):
+        return why(s.dtype)
+    others = sorted({x.dtype for x in a.node.stored()} - {s.dtype})
+    if others:
+        return f"blocks not kept: joined with parts stored as {', '.join(others)}, which no block format holds with it"
+    return "blocks not kept: a rule op on the way moves more than whole rows"
+
+
 def _describe(stored_dtype: str, dest: torch.Tensor) -> str:
     to = str(dest.dtype).removeprefix("torch.")
     return f"{stored_dtype} -> {to}" if stored_dtype in _FLOAT_DTYPES else f"dequantized {stored_dtype} -> {to}"
@@ -491,11 +505,10 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                     value = StoredBlocks(a.blocks, value, a.node.shape)
             sink = sinks[a.param]
             done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
-            how = {s.name: done if a.blocks == s.dtype else f"{s.dtype} {done}" for s in stored}
-            why = getattr(sink, "why_not_kept", None)
-            if a.blocks is None and why is not None and hasattr(source, "read_blocks"):
-                how = {s.name: h if s.dtype in _FLOAT_DTYPES else f"{h} ({why(s.dtype)})" for (s, h) in
-                       zip(stored, how.values())}
+            how = {}
+            for s in stored:
+                why = _why_not_kept(a, s, sink, source)
+                how[s.name] = (done if a.blocks == s.dtype else f"{s.dtype} {done}") + (f" ({why})" if why else "")
             del value
         else:
             dest = params[a.param] if a.index is None else params[a.param][a.index]
