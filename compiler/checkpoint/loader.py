@@ -36,7 +36,9 @@ class WeightSink(Protocol):
     `{module}` when it sets `sink_suffix = ""` (quantized experts, standing in for a parameter).
 
     tied_to: a parameter whose stored tensor this weight copies (a tied head), or None.
-    A sink with `stacked = True` takes a stacked parameter's rows: `load_weight(value, index)`."""
+    A sink with `stacked = True` takes a stacked parameter's rows: `load_weight(value, index)`.
+    Optional: `prepare_blocks(format)`, called while planning for the blocks it will get (its
+    buffers' layout, on the meta model); `why_not_kept(stored type)`, for the load report."""
 
     weight_shape: tuple[int, ...]
     tied_to: Optional[str]

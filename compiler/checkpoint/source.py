@@ -34,9 +34,10 @@ class TensorInfo:
 @dataclass(frozen=True)
 class StoredBlocks:
     """A weight in a block format as the checkpoint stores it, handed on unconverted to a
-    `WeightSink` that takes that format (GGUF Q4_0 / Q4_1 into int4 group 32).
+    `WeightSink` that takes that format (compiler/quant/linear.py: every GGUF block type on zoo's
+    float32 kernels, Q4_0 / Q4_1 into torch's int4 group 32).
 
-    ggml_type: "Q4_0", "Q4_1", ...; data: uint8 [O, bytes per row] (the row's blocks in order:
+    ggml_type: "Q4_0", "Q4_K", ... or a source's re-blocking ("ZQ8_G16", gguf_blocks.py); data: uint8 [O, bytes per row] (the row's blocks in order:
     row-wise rule ops such as cat / unpermute_rope apply to it as to the values); shape: (O, I).
     """
 

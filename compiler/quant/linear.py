@@ -228,7 +228,7 @@ class QuantLinear(nn.Module):
             rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + step], (min(step, shape[0] - r), shape[1]))
             if kind == "convert":
                 fill = lambda r: self._store_values(r, q8_0_values(rows(r)), absmax)
-                what = f"converted Q8_0 -> {self._what()} (its per-block scales requantized per channel)"
+                what = f"converted Q8_0 -> {self._what()} (requantized from its values)"
             elif not self.zoo_kernel:
                 fill = lambda r: self._store_int4(r, *q4_codes(rows(r)))
                 what = (f"kept {value.ggml_type} codes as int4 g32 (scales rounded to "
@@ -320,7 +320,7 @@ class QuantLinear(nn.Module):
         if isinstance(value, StoredBlocks):
             if value.ggml_type == "Q8_0":
                 return self._load_cuda(q8_0_values(value), absmax) and \
-                    f"converted Q8_0 -> {self._what()} (its per-block scales requantized per channel)"
+                    f"converted Q8_0 -> {self._what()} (requantized from its values)"
             q, scale, zero = q4_codes(value)
             what = f"kept {value.ggml_type} codes as int4 g32 (scales rounded to {str(self.compute_dtype).removeprefix('torch.')})"
         elif self.mode == "int8":
