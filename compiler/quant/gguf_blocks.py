@@ -30,7 +30,9 @@ llama.cpp's own dequantization does.
 zoo's int4 layout (QuantLinear, cpu_kernels.py) is w = q * d + m per group of 32 with q in 0..15:
 Q4_0 (m = -8 d), Q4_1 and Q4_K are that with the same codes; Q4_0 / Q4_1's d and m are float16
 as stored, Q4_K's d * sc and dmin * mn need float32 (`int4_parts`). The other types need more
-than 4 bits per code (or IQ4's codebook) and are read as values.
+than 4 bits per code (or IQ4's codebook): zoo's int8g layout holds their codes as int8 with d, m
+float32 per group (`block_codes`), and weights joined from parts of different types go through
+the ZQ8 block format below (`mixed_format`, `to_mixed`).
 """
 from __future__ import annotations
 
