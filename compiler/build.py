@@ -33,7 +33,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.loader import LoadPlan, LoadReport
-from .engine.cache import CachePlan, plan_caches
+from .contracts import CachePlan, Source
+from .engine.cache import plan_caches
 from .errors import ConfigError, InputError, ZooError
 from .model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes, torch_dtype
 from .spec import ModelSpec, use_aot, validate
@@ -42,24 +43,17 @@ from .spec import ModelSpec, use_aot, validate
 STAGES = ("spec_stage", "cast_stage", "quant_stage", "shard_stage", "precision_stage", "count_stage",
           "cache_stage", "fit_stage", "load_stage", "weights_stage", "runner_stage", "engine_stage")
 
-# the Source protocol's members the pipeline calls (checkpoint/source.py)
-SOURCE_MEMBERS = ("entries", "read_order", "read", "config", "format_stages", "close")
-
 
 def check_source(weights: Any, where: str):
     """`weights` as a checkpoint Source: a path or repo id (str / os.PathLike) is opened; any
-    other object must provide the Source protocol (checkpoint/source.py), else InputError naming
-    what it lacks."""
+    other object must be a contracts.Source, else InputError naming its type."""
     from .checkpoint.hub import open_source
 
     if isinstance(weights, (str, os.PathLike)):
         return open_source(str(weights))
-    missing = [m for m in SOURCE_MEMBERS if not callable(getattr(type(weights), m, None))]
-    if not isinstance(getattr(weights, "description", None), str):
-        missing.append("description (str)")
-    if missing:
+    if not isinstance(weights, Source):
         raise InputError(f"{where}: weights={weights!r} is neither a path / repo id nor a checkpoint source "
-                         f"(it lacks {missing} of the Source protocol, compiler/checkpoint/source.py)")
+                         f"(a {type(weights).__name__}, not a zoo.compiler.contracts.Source)")
     return weights
 
 

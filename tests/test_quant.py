@@ -2,7 +2,9 @@
 
 - GGUF Q4_0 / Q4_1 blocks become int4 group 32 with the same codes: the kernel's weights equal
   gguf.quants' reference dequantization (float32 compute: to float32 rounding; bfloat16 compute:
-  within the rounding of the scales to bfloat16); Q8_0 -> int8 per channel, its error measured.
+  within the rounding of the scales to bfloat16); Q8_0 is kept as int8 g32 by zoo's float32
+  kernels (exactly) and converted to int8 per channel for torch's, its error measured.
+  (Every other block type: tests/test_gguf_quants.py.)
 - A tiny Llama GGUF whose linears are all Q4_1 loads kept (the report says so per tensor), and
   its compiled int4 graphs match transformers' float32 reading of the same file within the
   bfloat16 rounding of the activations; decode through the caches == a full prefill; one graph each.
@@ -173,15 +175,18 @@ def test_int4_reference_and_kernel_against_an_independent_float64_computation(gr
             assert np.abs(want - exact).max() > 1e-4  # and it is not nothing
 
 
-def test_q8_0_becomes_int8_per_channel_with_a_measured_error():
+def test_q8_0_is_kept_by_zoo_kernels_and_per_channel_for_torch_kernels():
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
     b = blocks(w, Q.Q8_0)
     ref = torch.from_numpy(gguf.quants.dequantize(b.data.numpy(), Q.Q8_0).reshape(64, 128))
     q = QuantLinear(128, 64, False, "int8", None, torch.float32)
-    assert q.load_weight(b) == "converted Q8_0 -> int8 per channel"
+    assert q.load_weight(b) == "kept Q8_0 blocks as int8 g32 (float32 scales)"
+    assert torch.equal(kernel_weight(q), ref)
+    q = QuantLinear(128, 64, False, "int8", None, torch.bfloat16)
+    assert q.load_weight(b) == "converted Q8_0 -> int8 per channel (requantized from its values)"
     err = ((kernel_weight(q) - ref).norm() / ref.norm()).item()
-    assert 0 < err < 0.01, err  # measured 0.0047 (per-row scale instead of one per 32 weights)
+    assert 0 < err < 0.01, err  # measured 0.0047 plus bfloat16 scales (per-row scale instead of one per 32 weights)
 
 
 def test_int4_quantize_roundtrip_is_within_half_a_step():
@@ -254,7 +259,7 @@ def test_q4_gguf_is_kept_and_reported_per_tensor(q4_zoo):
     kept = {n for n, how in tensors.items() if how == "kept Q4_1 blocks as int4 g32"}
     assert kept == {f"blk.{i}.{p}.weight" for i in range(2) for p in
                     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
-    assert tensors["output.weight"] == "converted Q8_0 -> int8 per channel"  # the head is int8
+    assert tensors["output.weight"] == "kept Q8_0 blocks as int8 g32 (float32 scales)"  # the head is int8
     assert tensors["token_embd.weight"] == "dequantized Q8_0 -> float32"  # lookups stay float
     assert tensors["blk.0.attn_norm.weight"] == "F32 -> float32"
     q = q4_zoo.info.quant
@@ -265,8 +270,7 @@ def test_q4_gguf_is_kept_and_reported_per_tensor(q4_zoo):
 
 def test_q4_gguf_compiled_matches_transformers(q4_zoo, q4_reference):
     """The kept blocks compute what transformers' dequantized float32 weights do: a prefill (the
-    kernels' float32 GEMM path) up to the head, whose Q8_0 blocks become int8 per channel (0.5%
-    measured); decode steps, whose activations the kernels round to int8 per 32 inputs (as
+    kernels' float32 GEMM path); decode steps, whose activations the kernels round to int8 per 32 inputs (as
     llama.cpp does), within that rounding; batch 2, one graph each."""
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (2, 9))

@@ -2,8 +2,8 @@
 
 GGUF writes tensor dims fastest-varying first, the reverse of torch: a linear weight that torch
 sees as [out, in] is stored with GGUF shape [in, out]. Everything this module hands out is in torch
-order. Quantized tensors are dequantized to float32 with `gguf.quants`, llama.cpp's own Python
-reference implementation.
+order. Quantized tensors are dequantized to float32 by compiler/quant/gguf_blocks.py (torch, equal
+bit for bit to `gguf.quants`, llama.cpp's own Python reference implementation).
 
 llama.cpp's HF->GGUF converter also reorders the rows of llama q_proj / k_proj weights for its
 RoPE kernel; `read` returns them as stored and the `unpermute_rope` op (ops.py) undoes that.
@@ -17,23 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 
 from ..config import conf_files
 from ..contracts import Source, TensorInfo
 from ..errors import CheckpointError
+from ..quant.gguf_blocks import LAYOUTS, dequantize, mixed_format, to_mixed
 from .gguf_index import GGUFFormatError, read_index, tensor_data
 
-# Types `read` dequantizes. gguf.quants has reference code for more; these are the ones in common
-# use for llama-family files.
-SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[name]
-    for name in (
-        "F32", "F16", "BF16",
-        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    )
-)
+# Types `read` dequantizes: the plain floats and every block type of gguf_blocks.LAYOUTS (the ones
+# in common use; gguf.quants knows more, e.g. the IQ2 / IQ3 / IQ1 grids).
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", *LAYOUTS))
 
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 
@@ -93,19 +86,23 @@ class GGUFSource(Source):
         if name not in tensors:
             raise CheckpointError(f"{self.description}: no tensor named {name!r}")
         t = tensors[name]
-        values = _dequantize(t.data, t.tensor_type, name)
-        values = values.reshape(_torch_shape(t.shape))
-        # F32 dequantizes to a read-only view of the memory map; torch needs its own writable copy.
-        return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+        return _dequantize(t.data, t.tensor_type, f"{self.description}: tensor {name!r}").reshape(_torch_shape(t.shape))
 
-    def read_blocks(self, name: str) -> torch.Tensor:
+    def read_blocks(self, name: str, as_format: str | None = None) -> torch.Tensor:
         """A block-quantized tensor's stored bytes, uint8 [rows, bytes per row] (rows: the torch
-        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py)."""
+        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py);
+        as_format: a mixed_blocks format the bytes are re-blocked into (exactly)."""
         t = self._open_tensors()[name]
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        if t.tensor_type.name not in LAYOUTS:
             raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
         rows = _torch_shape(t.shape)[0]
-        return torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        return raw if as_format is None or as_format == t.tensor_type.name else to_mixed(raw, t.tensor_type.name, as_format)
+
+    def mixed_blocks(self, ggml_types) -> str | None:
+        """The block format `read_blocks(as_format=...)` re-blocks tensors of all these (different)
+        types into, so that row-wise ops can join them (gguf_blocks.mixed_format), or None."""
+        return mixed_format(ggml_types)
 
     def config(self) -> dict:
         """A Hugging Face config.json-style dict, mapped from the file's metadata by
@@ -250,17 +247,21 @@ def _torch_shape(gguf_shape) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(gguf_shape))
 
 
-def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) -> np.ndarray:
-    """Raw stored data of tensor `name` -> float32 array (rows x elements; caller reshapes).
+def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) -> torch.Tensor:
+    """Raw stored data of tensor `name` (a description naming it and its file) -> a float32 tensor
+    of its own (rows x elements; the caller reshapes).
 
     `data` is the reader's array: typed for F32/F16, bytes [rows, row_bytes] for block types.
     """
     if ggml_type not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
         raise CheckpointError(
-            f"tensor {name!r} has GGML type {ggml_type.name}, which cannot be dequantized (supported: {supported})"
+            f"{name} has GGML type {ggml_type.name}, which zoo cannot read (supported: {supported})"
         )
-    return dequantize(data, ggml_type)
+    if ggml_type == GGMLQuantizationType.F32:  # a read-only view of the memory map: torch needs its own copy
+        return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
+    raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
+    return dequantize(raw, ggml_type.name)
 
 
 def _gguf_mapping(arch: Any, description: str) -> dict:

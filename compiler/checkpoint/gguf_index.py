@@ -148,12 +148,27 @@ def read_index(path: str, block_sizes: dict[int, tuple[int, int]]) -> GGUFIndex:
         if ggml_type not in block_sizes:
             raise GGUFFormatError(f"tensor {name!r}: unknown GGML type {ggml_type}")
         block, size = block_sizes[ggml_type]
+        if offset % align:
+            raise GGUFFormatError(f"tensor {name!r}: data offset {offset} is not a multiple of the file's "
+                                  f"alignment ({align})")
+        if shape and shape[0] % block:
+            raise GGUFFormatError(f"tensor {name!r}: rows of {shape[0]} values are not whole blocks of "
+                                  f"{_type_name(ggml_type)} ({block} values per block)")
         n_bytes = int(np.prod(shape, dtype=np.int64)) * size // block
         if start + offset + n_bytes > len(buf):
             raise GGUFFormatError(f"tensor {name!r}: data at {start + offset}+{n_bytes} bytes lies past the "
                                   f"end of the file ({len(buf)} bytes)")
         tensors[name] = GGUFTensor(name, ggml_type, shape, start + offset, n_bytes)
     return GGUFIndex(version, order, fields, tensors, start, data)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"GGML type {ggml_type}"
 
 
 def tensor_data(index: GGUFIndex, t: GGUFTensor, block_sizes: dict[int, tuple[int, int]]) -> np.ndarray:

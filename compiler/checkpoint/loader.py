@@ -59,7 +59,9 @@ class Assignment:
     node: Node
     rule: str
     part: Optional[Slice] = None  # the part of node this rank reads (None: all)
-    blocks: Optional[str] = None  # GGML type whose stored bytes go unconverted to a WeightSink
+    # block format whose bytes go unconverted to a WeightSink: the stored GGML type, or the format a
+    # source re-blocks parts of different types into (Source.mixed_blocks)
+    blocks: Optional[str] = None
 
 
 @dataclass
@@ -321,7 +323,7 @@ def _cat_parts(node: Node, part) -> Optional[list]:
 
 def _evaluate_part(node: Node, part, source: Source, memo: dict) -> torch.Tensor:
     """This rank's part of a node, reading only that part of stored tensors where it can."""
-    if node.op is None and source.reads_parts and (node.name, False) not in memo:
+    if node.op is None and source.reads_parts and (node.name, None) not in memo:
         if not part.cuts:
             return _evaluate(node, source, memo)
         t = source.read_part(node.name, part)
@@ -353,9 +355,12 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
         if a.param in sinks:
             types = {s.dtype for s in a.node.stored()}
             (kind,) = types if len(types) == 1 else (None,)
+            if len(types) > 1:
+                kind = source.mixed_blocks(sorted(types))
             if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
                     and source.reads_blocks and len(a.node.shape) == 2):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
+                sinks[a.param].prepare_blocks(kind)  # its buffers' layout for these blocks, before the model is allocated
         out.append(a)
     return out
 
@@ -367,12 +372,18 @@ def _rows_only(node: Node) -> bool:
     return is_row_op(node.op, dict(node.args)) and all(_rows_only(x) for x in node.inputs)
 
 
-def _evaluate(node: Node, source: Source, memo: dict, blocks: bool = False) -> torch.Tensor:
-    """The value of `node` (blocks: its stored bytes [rows, bytes per row] through row-wise ops)."""
+def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = None) -> torch.Tensor:
+    """The value of `node` (blocks: its bytes [rows, bytes per row] in that block format, the
+    stored one or a source's re-blocking, through row-wise ops)."""
     if node.op is None:
         key = (node.name, blocks)
         if key not in memo:
-            t = source.read_blocks(node.name) if blocks else source.read(node.name)
+            if blocks is None:
+                t = source.read(node.name)
+            elif blocks == node.dtype:
+                t = source.read_blocks(node.name)
+            else:
+                t = source.read_blocks(node.name, as_format=blocks)
             want = node.shape[:1] if blocks else node.shape
             if tuple(t.shape[:len(want)]) != want:
                 raise CheckpointError(f"{node.info.file}: tensor {node.name!r} has shape {list(t.shape)} "
@@ -381,6 +392,19 @@ def _evaluate(node: Node, source: Source, memo: dict, blocks: bool = False) -> t
         return memo[key]
     return get_op(node.op, node.name).apply([_evaluate(x, source, memo, blocks) for x in node.inputs],
                                             **dict(node.args))
+
+
+def _why_not_kept(a: Assignment, s: Node, sink, source: Source) -> Optional[str]:
+    """For the load report: why stored tensor `s`'s blocks were dequantized for a sink that can
+    keep blocks (None when they were kept, or there were none)."""
+    if a.blocks is not None or s.dtype in _FLOAT_DTYPES or not source.reads_blocks:
+        return None
+    if not sink.accepts_blocks(s.dtype):
+        return sink.why_not_kept(s.dtype)
+    others = sorted({x.dtype for x in a.node.stored()} - {s.dtype})
+    if others:
+        return f"blocks not kept: joined with parts stored as {', '.join(others)}, which no block format holds with it"
+    return "blocks not kept: a rule op on the way moves more than whole rows"
 
 
 def _describe(stored_dtype: str, dest: torch.Tensor) -> str:
@@ -441,7 +465,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                     raise CheckpointError(f"{a.param}: {a.blocks} blocks kept as stored cannot be cut along the "
                                           f"inputs yet (runtime.quant with runtime.parallel on a GGUF file); use a "
                                           f"safetensors checkpoint or runtime.quant=null")
-                value = StoredBlocks(a.blocks, a.part.apply(_evaluate(a.node, source, memo, blocks=True)),
+                value = StoredBlocks(a.blocks, a.part.apply(_evaluate(a.node, source, memo, blocks=a.blocks)),
                                      a.part.local_shape())  # whole rows of blocks
             elif a.part is not None:
                 value = _evaluate_part(a.node, a.part, source, memo)  # this rank's slice, quantized here
@@ -451,12 +475,15 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                                               f"execute(row_absmax=...) (a parallel load)")
                     extra["absmax"] = row_absmax(value.abs().amax(dim=1).float())
             else:
-                value = _evaluate(a.node, source, memo, blocks=a.blocks is not None)
+                value = _evaluate(a.node, source, memo, blocks=a.blocks)
                 if a.blocks is not None:
                     value = StoredBlocks(a.blocks, value, a.node.shape)
             sink = sinks[a.param]
             done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
-            how = {s.name: done if a.blocks is not None else f"{s.dtype} {done}" for s in stored}
+            how = {}
+            for s in stored:
+                why = _why_not_kept(a, s, sink, source)
+                how[s.name] = (done if a.blocks == s.dtype else f"{s.dtype} {done}") + (f" ({why})" if why else "")
             del value
         else:
             dest = params[a.param] if a.index is None else params[a.param][a.index]
@@ -479,8 +506,8 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
         for name in {s.name for s in stored}:
             uses[name] -= 1
             if uses[name] == 0:
-                memo.pop((name, False), None)
-                memo.pop((name, True), None)
+                for key in [k for k in memo if k[0] == name]:
+                    memo.pop(key)
         report.params_filled += 1
         if progress is not None:
             progress(sum(s.info.nbytes for s in stored))

@@ -44,9 +44,11 @@ class TensorInfo:
 @dataclass(frozen=True)
 class StoredBlocks:
     """A weight in a block format as the checkpoint stores it, handed on unconverted to a
-    `WeightSink` that takes that format (GGUF Q4_0 / Q4_1 into int4 group 32).
+    `WeightSink` that takes that format (compiler/quant/linear.py: every GGUF block type on zoo's
+    float32 kernels, Q4_0 / Q4_1 into torch's int4 group 32).
 
-    ggml_type: "Q4_0", "Q4_1", ...; data: uint8 [O, bytes per row] (the row's blocks in order:
+    ggml_type: "Q4_0", "Q4_K", ... or a source's re-blocking ("ZQ8_G16", quant/gguf_blocks.py);
+    data: uint8 [O, bytes per row] (the row's blocks in order:
     row-wise rule ops such as cat / unpermute_rope apply to it as to the values); shape: (O, I).
     """
 
@@ -70,8 +72,10 @@ class Source(ABC):
       read_into(name, out)   fill a contiguous CPU tensor of the stored dtype and shape in place
                              (no temporary copy); returns False when it cannot (the default)
       reads_parts            read_part(name, part: Slice) reads only one rank's part
-      reads_blocks           read_blocks(name) gives a block-quantized tensor's stored bytes
-                             uint8 [rows, bytes per row] (GGUF), for sinks that keep the format
+      reads_blocks           read_blocks(name, as_format) gives a block-quantized tensor's stored
+                             bytes uint8 [rows, bytes per row] (GGUF), for sinks that keep the format;
+                             mixed_blocks(types) names the format parts of different types are
+                             re-blocked into exactly so they can be joined (default None: none)
     """
 
     description: str  # e.g. "/path/to/dir (4 shards)": named in error messages
@@ -119,9 +123,15 @@ class Source(ABC):
         """Only `part` of a stored tensor (sources with reads_parts = True)."""
         raise ContractError(f"{type(self).__name__} does not read parts (reads_parts is False)")
 
-    def read_blocks(self, name: str) -> torch.Tensor:
-        """A block-quantized tensor's stored bytes (sources with reads_blocks = True)."""
+    def read_blocks(self, name: str, as_format: Optional[str] = None) -> torch.Tensor:
+        """A block-quantized tensor's stored bytes (sources with reads_blocks = True); as_format:
+        a `mixed_blocks` format to re-block them into."""
         raise ContractError(f"{type(self).__name__} does not read stored blocks (reads_blocks is False)")
+
+    def mixed_blocks(self, ggml_types: list[str]) -> Optional[str]:
+        """The block format `read_blocks(as_format=...)` re-blocks tensors of all these (different)
+        types into, or None: this source cannot (the default)."""
+        return None
 
 
 class WeightSink(ABC):
@@ -133,6 +143,10 @@ class WeightSink(ABC):
     weight_shape: the full weight's shape it takes ([O, I], or [E, O, I] stacked).
     tied_to: a parameter whose stored tensor this weight copies (a tied head), or None.
     stacked: it takes a stacked parameter's rows, `load_weight(value, index)`.
+    prepare_blocks(format): the loader's plan will hand it blocks of that format (its buffers take
+        their layout on the meta model); default: nothing to prepare.
+    why_not_kept(stored type): for the load report, why blocks of a type it was offered were
+        dequantized; default None (nothing to say).
     """
 
     weight_shape: tuple[int, ...]
@@ -149,6 +163,13 @@ class WeightSink(ABC):
         """Fill from a float tensor or StoredBlocks; returns what was done (for the report).
         A whole sink: load_weight(value, absmax=None), absmax [O] each whole row's max |w| when
         value holds only some of the row's inputs; a stacked one: load_weight(value, index)."""
+
+    def prepare_blocks(self, ggml_type: str) -> None:
+        """Blocks of `ggml_type` will come (accepts_blocks said yes): set the layout, on meta."""
+
+    def why_not_kept(self, ggml_type: str) -> Optional[str]:
+        """Why stored blocks of this type were dequantized for this sink (load report), or None."""
+        return None
 
     def localize(self, part: Slice, where: str, run: str) -> None:
         """Re-make this sink (on meta, in place) at the local shape of `part`, the part of the

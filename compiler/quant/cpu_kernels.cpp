@@ -6,10 +6,14 @@
 //       x  [M, I] float32
 //       qs [O, I/2] uint8, llama.cpp's Q4 block layout: in each block of 32 inputs, byte t holds
 //          input t (low nibble) and input t + 16 (high nibble), q in 0..15
-//       sm [O, 2, I/g] float16: d = sm[o, 0], m = sm[o, 1] per group of g inputs (g a multiple of 32):
-//          W[o, i] = q[o, i] * d[i / g] + m[i / g]     (GGUF Q4_1's values; Q4_0 is m = -8 d)
+//       sm [O, 2, I/g] float16 or float32: d = sm[o, 0], m = sm[o, 1] per group of g inputs (g a
+//          multiple of 32): W[o, i] = q[o, i] * d[i / g] + m[i / g]
+//          (GGUF Q4_1's values; Q4_0 is m = -8 d; Q4_K's d * sc and -dmin * m need float32)
 //   zoo_quant::int8_linear(x, qw, scale)
 //       qw [O, I] int8, scale [O] float32: W[o, i] = qw[o, i] * scale[o]
+//   zoo_quant::int8g_linear(x, qw, sm, group)
+//       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
+//          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
@@ -43,6 +47,7 @@ constexpr int64_t kGemvRows = 16;  // up to this many rows of x (a decode batch)
 constexpr int64_t kMaxBlocks = 2048;  // inputs / 32 of the few-row path's stack buffers (I <= 65536)
 
 inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
+inline float half_to_float(const float* h) { return *h; }
 
 // x [M, I] -> codes xq [M, I] int8 and scales dx [M, I/32]: x ~= xq * dx per block of 32.
 void quantize_rows(const float* x, int64_t M, int64_t I, int8_t* xq, float* dx) {
@@ -70,15 +75,20 @@ inline __m256 dot32(__m256i w_u8, __m256i x_i8) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-// sum_g m[g] xs[g], 8 groups at a time straight from the float16 values
-inline float m_term(const uint16_t* mh, const float* xs, int64_t ng) {
+// 8 scales as floats, from float16 or float32
+inline __m256 load8(const at::Half* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline __m256 load8(const float* f) { return _mm256_loadu_ps(f); }
+
+// sum_g m[g] xs[g], 8 groups at a time
+template <typename S>
+inline float m_term(const S* m, const float* xs, int64_t ng) {
   __m256 am = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= ng; g += 8)
-    am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g))),
-                         _mm256_loadu_ps(xs + g), am);
+  for (; g + 8 <= ng; g += 8) am = _mm256_fmadd_ps(load8(m + g), _mm256_loadu_ps(xs + g), am);
   float tail = 0.f;
-  for (; g < ng; ++g) tail += _cvtsh_ss(mh[g]) * xs[g];
+  for (; g < ng; ++g) tail += half_to_float(m + g) * xs[g];
   return hsum(am) + tail;
 }
 
@@ -107,31 +117,30 @@ inline __m256i q4_codes(const uint8_t* qs) {
 
 // ds[b] = d[b >> sh] dx[b] for the nb blocks of one row: the block loop then broadcasts one float
 // from memory instead of converting a float16 and multiplying in the loop
-inline void block_scales(const uint16_t* dh, int sh, const float* dx, int64_t nb, float* ds) {
+template <typename S>
+inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float* ds) {
   int64_t b = 0;
   if (sh == 0)
-    for (; b + 8 <= nb; b += 8)
-      _mm256_storeu_ps(ds + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b))),
-                                             _mm256_loadu_ps(dx + b)));
-  for (; b < nb; ++b) ds[b] = _cvtsh_ss(dh[b >> sh]) * dx[b];
+    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(ds + b, _mm256_mul_ps(load8(d + b), _mm256_loadu_ps(dx + b)));
+  for (; b < nb; ++b) ds[b] = half_to_float(d + (b >> sh)) * dx[b];
 }
 #endif
 
 // One output of an int4 row over one int8-rounded row of x:
 //   sum_b d[b >> sh] dx[b] sum_{i in b} q[i] xq[i]  +  sum_g m[g] xs[g]
-// d, m: the row's float16 scales (sm[o, 0], sm[o, 1]); sh = log2(blocks per group); xs [ng]: the
-// float sums of x over each group.
-inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t ng, int sh, int64_t nb,
+// d, m: the row's scales (sm[o, 0], sm[o, 1], float16 or float32); sh = log2(blocks per group);
+// xs [ng]: the float sums of x over each group.
+template <typename S>
+inline float q4_row(const uint8_t* qs, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xs) {
 #ifdef ZOO_AVX2
   float ds[kMaxBlocks];
-  block_scales(reinterpret_cast<const uint16_t*>(d), sh, dx, nb, ds);
-  const uint16_t* mh = reinterpret_cast<const uint16_t*>(m);
+  block_scales(d, sh, dx, nb, ds);
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
     return _mm256_fmadd_ps(dot32(q4_codes(qs + 16 * b), xv), _mm256_broadcast_ss(ds + b), acc);
   };
-  return hsum(sum_blocks(nb, block)) + m_term(mh, xs, ng);
+  return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -148,22 +157,22 @@ inline float q4_row(const uint8_t* qs, const at::Half* d, const at::Half* m, int
 #ifdef ZOO_AVX2
 // Several rows of x (2..kGemvRows) against one int4 weight row: each block's codes are widened
 // once and used for every row; out[r * O] for r < M.
-inline void q4_rows(const uint8_t* qs, const at::Half* d, const at::Half* m, int64_t ng, int sh, int64_t nb,
+template <typename S>
+inline void q4_rows(const uint8_t* qs, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
                     int64_t O) {
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(d);
   __m256 acc[kGemvRows];
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i w = q4_codes(qs + 16 * b);
-    const float db = _cvtsh_ss(dh[b >> sh]);
+    const float db = half_to_float(d + (b >> sh));
     for (int64_t r = 0; r < M; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
       acc[r] = _mm256_fmadd_ps(dot32(w, xv), _mm256_set1_ps(db * dx[r * nb + b]), acc[r]);
     }
   }
   for (int64_t r = 0; r < M; ++r)
-    out[r * O] = hsum(acc[r]) + m_term(reinterpret_cast<const uint16_t*>(m), xsum + r * ng, ng);
+    out[r * O] = hsum(acc[r]) + m_term(m, xsum + r * ng, ng);
 }
 
 // The same for int8 weights (times the row scale sc).
@@ -204,14 +213,64 @@ inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const floa
 #endif
 }
 
+// ds[2b], ds[2b + 1]: the scales of inputs 32b..32b+15 and 32b+16..32b+31 (groups of 16 or more)
+// times the activation scale dx[b]
+inline void half_block_scales(const float* d, int64_t group, const float* dx, int64_t nb, float* ds) {
+  for (int64_t b = 0; b < nb; ++b) {
+    ds[2 * b] = d[(b * kBlock) / group] * dx[b];
+    ds[2 * b + 1] = d[(b * kBlock + 16) / group] * dx[b];
+  }
+}
+
+// One output of a grouped int8 row over one int8-rounded row of x:
+//   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  +  sum_g m[g] xs[g]
+// ds: scratch of 2 nb floats.
+inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
+                     const int8_t* xq, const float* dx, const float* xs, float* ds) {
+  half_block_scales(d, group, dx, nb, ds);
+#ifdef ZOO_AVX2
+  auto block = [&](int64_t b, __m256 acc) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    // the 8 int32 sums of dot32: lanes 0-3 hold inputs 0-15, lanes 4-7 inputs 16-31
+    const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
+    return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc, acc);
+  };
+  return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t lo = 0, hi = 0;
+    for (int64_t t = 0; t < 16; ++t) lo += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
+    for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
+    acc += ds[2 * b] * float(lo) + ds[2 * b + 1] * float(hi);
+  }
+  for (int64_t g = 0; g < ng; ++g) acc += m[g] * xs[g];
+  return acc;
+#endif
+}
+
+void i8g_dequantize(const int8_t* qw, const float* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
+                    float* out) {
+  const int64_t ng = I / group;
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o) {
+      const float* d = sm + o * ng * 2;
+      const float* m = d + ng;
+      for (int64_t i = 0; i < I; ++i) out[(o - r0) * I + i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
+    }
+  });
+}
+
 // Weight rows [r0, r1) dequantized into out [r1 - r0, I] float32.
-void q4_dequantize(const uint8_t* qs, const at::Half* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
+template <typename S>
+void q4_dequantize(const uint8_t* qs, const S* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
                    float* out) {
   const int64_t ng = I / group;
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
       const uint8_t* q = qs + o * (I / 2);
-      const at::Half* s = sm + o * ng * 2;
+      const S* s = sm + o * ng * 2;
       float* w = out + (o - r0) * I;
       for (int64_t i = 0; i < I; i += kBlock, q += 16) {
         const float d = half_to_float(s + i / group), m = half_to_float(s + ng + i / group);
@@ -255,18 +314,28 @@ void check_x(const at::Tensor& x, int64_t I, const char* op) {
               " (a multiple of 32)");
 }
 
+template <typename S>
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group);
+
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qs_, const at::Tensor& sm_, int64_t group) {
   const int64_t O = qs_.size(0), I = qs_.size(1) * 2;
   check_x(x_, I, "int4_linear");
   TORCH_CHECK(group % kBlock == 0 && I % group == 0, "int4_linear: group ", group, " must be a multiple of 32 ",
               "dividing the inputs (", I, ")");
-  TORCH_CHECK(qs_.scalar_type() == at::kByte && sm_.scalar_type() == at::kHalf && sm_.dim() == 3 &&
-                  sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
-              "int4_linear: expected qs [O, I/2] uint8 and sm [O, 2, I/g] float16, got ", qs_.sizes(), " ",
+  TORCH_CHECK(qs_.scalar_type() == at::kByte && (sm_.scalar_type() == at::kHalf || sm_.scalar_type() == at::kFloat) &&
+                  sm_.dim() == 3 && sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
+              "int4_linear: expected qs [O, I/2] uint8 and sm [O, 2, I/g] float16 or float32, got ", qs_.sizes(), " ",
               qs_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qs = qs_.contiguous(), sm = sm_.contiguous();
+  return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half>(x, qs, sm, group)
+                                       : int4_linear_impl<float>(x, qs, sm, group);
+}
+
+template <typename S>
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group) {
+  const int64_t O = qs.size(0), I = qs.size(1) * 2;
   const uint8_t* q = qs.data_ptr<uint8_t>();
-  const at::Half* s = sm.data_ptr<at::Half>();
+  const S* s = sm.data_ptr<S>();
   const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
   if (M > kGemvRows || nb > kMaxBlocks)  // (no model has more inputs than the stack buffers hold)
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q4_dequantize(q, s, I, group, r0, r1, out); });
@@ -285,7 +354,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qs_, const at::Te
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
       const uint8_t* qo = q + o * (I / 2);
-      const at::Half* so = s + o * ng * 2;
+      const S* so = s + o * ng * 2;
 #ifdef ZOO_AVX2
       if (M > 1) {
         q4_rows(qo, so, so + ng, ng, sh, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
@@ -330,6 +399,42 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Te
   return y;
 }
 
+at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& sm_, int64_t group) {
+  const int64_t O = qw_.size(0), I = qw_.size(1);
+  check_x(x_, I, "int8g_linear");
+  TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
+              " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
+  TORCH_CHECK(qw_.scalar_type() == at::kChar && sm_.scalar_type() == at::kFloat && sm_.dim() == 3 &&
+                  sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
+              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] float32, got ", qw_.sizes(), " ",
+              qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
+  const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
+  const int8_t* q = qw.data_ptr<int8_t>();
+  const float* s = sm.data_ptr<float>();
+  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
+  if (M > kGemvRows || nb > kMaxBlocks)
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, I, group, r0, r1, out); });
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * I);
+  std::vector<float> dx(M * nb), xsum(M * ng, 0.f);
+  quantize_rows(xp, M, I, xq.data(), dx.data());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
+    std::vector<float> ds(2 * nb);
+    for (int64_t o = a; o < b; ++o) {
+      const float* so = s + o * ng * 2;
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * O + o] = i8g_row(q + o * I, so, so + ng, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
+                                xsum.data() + r * ng, ds.data());
+    }
+  });
+  return y;
+}
+
 int64_t simd_level() {
 #ifdef ZOO_AVX2
   return 2;
@@ -343,12 +448,14 @@ int64_t simd_level() {
 TORCH_LIBRARY(zoo_quant, m) {
   m.def("int4_linear(Tensor x, Tensor qs, Tensor sm, int group) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
+  m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group) -> Tensor");
   m.def("simd_level() -> int");
 }
 
 TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8g_linear", &int8g_linear);
 }
 
 TORCH_LIBRARY_IMPL(zoo_quant, CompositeExplicitAutograd, m) { m.impl("simd_level", &simd_level); }

@@ -1,9 +1,13 @@
 """zoo's CPU kernels for weight-only quantized linears (cpu_kernels.cpp), and their reference.
 
-    int4_linear(x [M, I] f32, qs [O, I/2] u8, sm [O, 2, I/g] f16, g) -> [M, O] f32
+    int4_linear(x [M, I] f32, qs [O, I/2] u8, sm [O, 2, I/g] f16 or f32, g) -> [M, O] f32
         qs in llama.cpp's Q4 block layout (byte t of a 32-input block: input t in the low nibble,
         input t + 16 in the high one), W[o, i] = q * d + m with d, m = sm[o, :, i // g]
+        (float32 sm for GGUF Q4_K, whose d * sc has more bits than a float16)
     int8_linear(x [M, I] f32, qw [O, I] i8, scale [O] f32) -> [M, O] f32,  W = qw * scale[:, None]
+    int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32, g) -> [M, O] f32
+        W[o, i] = qw * d + m per group of g = 16 or a multiple of 32 inputs: every GGUF block
+        type's integer codes with their group scales and offsets, exactly (gguf_blocks.py)
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) reach 3-5 GB/s at one row on an AVX2 EPYC (measured in bfloat16; their
@@ -69,6 +73,24 @@ def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: i
     return F.linear(round_activations(x), int4_dequantize(qs, only_d)) + F.linear(x, m)
 
 
+def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group)."""
+    g = qw.shape[1] // sm.shape[2]
+    d, m = sm.unbind(1)
+    return qw.float() * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+
+
+def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
+    """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x up to
+    FEW_ROWS rows, the m part over x itself)."""
+    if x.shape[0] > FEW_ROWS:
+        return F.linear(x, int8g_dequantize(qw, sm))
+    only_d = sm.clone()
+    only_d[:, 1] = 0
+    m = sm[:, 1].repeat_interleave(group, dim=1)
+    return F.linear(round_activations(x), int8g_dequantize(qw, only_d)) + F.linear(x, m)
+
+
 def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What int8_linear computes (x rounded to int8 per 32 inputs up to FEW_ROWS rows)."""
     return F.linear(round_activations(x) if x.shape[0] <= FEW_ROWS else x, qw.float() * scale[:, None])
@@ -95,6 +117,8 @@ def _load() -> str | None:
             lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
         torch.library.register_fake("zoo_quant::int8_linear")(
             lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
+        torch.library.register_fake("zoo_quant::int8g_linear")(
+            lambda x, qw, sm, group: x.new_empty(x.shape[0], qw.shape[0]))
     return why
 
 

@@ -12,7 +12,14 @@ Two kernel families, chosen by `compute_dtype`:
   float32 (the CPU default): zoo's CPU kernels (cpu_kernels.py / .cpp). int8 as above with
       float32 scales; int4 as llama.cpp's Q4 blocks, qweight [O, I/2] uint8 (byte t of each
       32-input block: input t low nibble, t + 16 high nibble) and scales [O, 2, I/g] float16
-      (d, m): W[o, i] = q * d + m. GGUF Q4_0 / Q4_1 blocks are copied in as they are.
+      (d, m): W[o, i] = q * d + m. GGUF blocks are kept exactly, in the layout `block_layout`
+      names (the buffers are re-made at load for it):
+        Q4_0 / Q4_1 / Q4_K -> int4 g32 (Q4_0 / Q4_1 copied in as they are; Q4_K's d * sc needs
+          float32 scales [O, 2, I/32])
+        every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
+          (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py)
+        parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
+          ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
       `torch._weight_int4pack_mm`), activations cast to the compute dtype and back; int4 held as
       tinygemm tiles with scales_zeros [I/g, O, 2].
@@ -32,7 +39,7 @@ from torch import nn
 from ..contracts import Slice, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ConfigError
 from . import cpu_kernels
-from .gguf_blocks import q4_codes, q4_parts, q8_0_values
+from .gguf_blocks import INT4_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, int4_parts, layout, q4_codes, q8_0_values
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -83,6 +90,8 @@ class QuantLinear(nn.Module, WeightSink):
             raise ValueError(f"quant mode {mode!r}: expected one of {list(MODES)}")
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group = mode, (group if mode == "int4" else None)
+        self.layout = mode  # what the buffers hold: int8 | int4 | int8g (GGUF blocks, see block_layout)
+        self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.tied_to = tied_to
         self.compute_dtype = compute_dtype
         # zoo's kernels (float32 compute); without a C++ compiler their torch reference, same numbers
@@ -127,7 +136,7 @@ class QuantLinear(nn.Module, WeightSink):
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.group else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}{group}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.layout}{group}, "
                 f"compute={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}")
 
     def quantized_bytes(self) -> int:
@@ -159,7 +168,11 @@ class QuantLinear(nn.Module, WeightSink):
         return y if self.bias is None else y + self.bias
 
     def _zoo_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8":
+        if self.layout == "int8g":
+            if self.compiled_kernel:
+                return torch.ops.zoo_quant.int8g_linear(x2, self.qweight, self.scales, self.group)
+            return cpu_kernels.int8g_reference(x2, self.qweight, self.scales, self.group)
+        if self.layout == "int8":
             if self.compiled_kernel:
                 return torch.ops.zoo_quant.int8_linear(x2, self.qweight, self.scales)
             return cpu_kernels.int8_reference(x2, self.qweight, self.scales)
@@ -169,10 +182,31 @@ class QuantLinear(nn.Module, WeightSink):
 
     # ------------------------------------------------------------------ filling
 
+    def block_layout(self, ggml_type: str) -> Optional[str]:
+        """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int8g" (kept exactly,
+        see the module docstring), "convert" (Q8_0 through its values to int8 per channel, torch's
+        kernels), or None (the loader dequantizes them and they are quantized here; why_not_kept says why)."""
+        if self.mode == "int4" and self.mode_group != 32:
+            return None
+        if self.zoo_kernel and (ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS):
+            return "int4" if ggml_type in INT4_TYPES else "int8g"
+        if self.mode == "int4" and ggml_type in ("Q4_0", "Q4_1"):
+            return "int4"
+        return "convert" if ggml_type == "Q8_0" else None
+
     def accepts_blocks(self, ggml_type: str) -> bool:
-        """Whether `load_weight` takes stored blocks of this type as they are (the loader then
-        reads the bytes, not dequantized values): Q4_0 / Q4_1 for int4 g32, Q8_0 for both."""
-        return ggml_type == "Q8_0" or (self.mode == "int4" and self.group == 32 and ggml_type in ("Q4_0", "Q4_1"))
+        """Whether `load_weight` takes stored blocks of this type (the loader then reads the bytes,
+        not dequantized values)."""
+        return self.block_layout(ggml_type) is not None
+
+    def why_not_kept(self, ggml_type: str) -> str:
+        """For the load report: why stored blocks of this type were dequantized and quantized again."""
+        if self.mode == "int4" and self.mode_group != 32:
+            return f"{ggml_type} blocks not kept: int4 g{self.mode_group} does not hold groups of 32 (runtime.quant_group=32 keeps them)"
+        if ggml_type not in LAYOUTS:
+            return f"{ggml_type} has no block layout zoo keeps"
+        return (f"{ggml_type} blocks not kept: torch's {str(self.compute_dtype).removeprefix('torch.')} kernels "
+                f"hold Q4_0 / Q4_1 (int4 g32) only; zoo's float32 CPU kernels keep every block type")
 
     @torch.no_grad()
     def load_weight(self, value, absmax: Optional[torch.Tensor] = None) -> str:
@@ -187,19 +221,28 @@ class QuantLinear(nn.Module, WeightSink):
         if shape != self.weight_shape:
             raise CheckpointError(f"weight of shape {list(shape)} for a QuantLinear of {list(self.weight_shape)}")
         if isinstance(value, StoredBlocks):
-            if not self.accepts_blocks(value.ggml_type):
-                raise CheckpointError(f"QuantLinear ({self._what()}) cannot take {value.ggml_type} blocks as they are")
-            keep = value.ggml_type in ("Q4_0", "Q4_1")
+            kind = self.block_layout(value.ggml_type)
+            if kind is None:
+                raise CheckpointError(f"QuantLinear ({self._what()}) cannot take {value.ggml_type} blocks as they "
+                                      f"are: {self.why_not_kept(value.ggml_type)}")
             rows = lambda r: StoredBlocks(value.ggml_type, value.data[r:r + step], (min(step, shape[0] - r), shape[1]))
-            if keep and self.zoo_kernel:  # the blocks' bytes are the kernel's layout
-                fill = lambda r: self._store_q4_parts(r, *q4_parts(rows(r)))
-            elif keep:
+            if kind == "convert":
+                fill = lambda r: self._store_values(r, q8_0_values(rows(r)), absmax)
+                what = f"converted Q8_0 -> {self._what()} (requantized from its values)"
+            elif not self.zoo_kernel:
                 fill = lambda r: self._store_int4(r, *q4_codes(rows(r)))
+                what = (f"kept {value.ggml_type} codes as int4 g32 (scales rounded to "
+                        f"{str(self.compute_dtype).removeprefix('torch.')})")
             else:
-                fill = \
-                (lambda r: self._store_values(r, q8_0_values(rows(r)), absmax))
-            what = f"kept {value.ggml_type} blocks as int4 g32" if keep else f"converted Q8_0 -> {self._what()}"
+                what = self._relayout(kind, value.ggml_type)
+                if kind == "int4":  # the blocks' codes in the kernel's layout (Q4_0 / Q4_1: their bytes)
+                    fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
+                else:
+                    fill = lambda r: self._store_int8g(r, rows(r))
         else:
+            if self.layout != self.mode:
+                raise CheckpointError(f"QuantLinear [{shape[0]}, {shape[1]}] holds GGUF blocks ({self._what()}): a float "
+                                      f"weight cannot be loaded into it again")
             fill, what = (lambda r: self._store_values(r, value[r:r + step], absmax)), f"quantized -> {self._what()}"
         if self.qweight.device.type == "cuda" and not self.zoo_kernel:  # tinygemm's tiles span rows: pack the whole weight once
             return self._load_cuda(value, absmax)
@@ -208,7 +251,43 @@ class QuantLinear(nn.Module, WeightSink):
         return what
 
     def _what(self) -> str:
-        return "int8 per channel" if self.mode == "int8" else f"int4 g{self.group}"
+        return "int8 per channel" if self.layout == "int8" else f"{self.layout.replace('int8g', 'int8')} g{self.group}"
+
+    def prepare_blocks(self, ggml_type: str) -> None:
+        """The loader's plan: blocks of `ggml_type` will come (accepts_blocks said yes). On zoo's
+        kernels the buffers take their layout now, on the meta model, so that the model is
+        allocated (and the weight cache keyed) as it will be filled."""
+        kind = self.block_layout(ggml_type)
+        if self.zoo_kernel and kind in ("int4", "int8g"):
+            self._relayout(kind, ggml_type)
+
+    def _relayout(self, kind: str, ggml_type: str) -> str:
+        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int8g), new
+        empty ones unless they already do; returns the load report's line."""
+        O, I = self.weight_shape
+        dev = self.qweight.device
+        if kind == "int4":
+            g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
+        else:
+            g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
+        if (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(self.scales.shape),
+                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, 2, I // g), scales):
+            self.layout, self.group = kind, g
+            self._buffers["qweight"] = torch.empty(codes[:2], dtype=codes[2], device=dev)
+            self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=scales, device=dev)
+        if kind == "int4":
+            return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
+        if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
+            return f"kept (with parts of other types) as int8 g{g} (float32 scales)"
+        return f"kept {ggml_type} blocks as int8 g{g} (float32 scales)"
+
+    def _store_int8g(self, r: int, b: StoredBlocks) -> None:
+        """Rows r.. of the int8g layout from blocks b: their codes and group scales, exactly."""
+        q, d, m = block_codes(b)
+        n = len(q)
+        self.qweight[r:r + n].copy_(q)
+        self.scales[r:r + n, 0].copy_(d)
+        self.scales[r:r + n, 1].copy_(0.0 if m is None else m)
 
     def _store_values(self, r: int, w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> None:
         """Rows r.. of the weight from float values w [rows, I]."""
@@ -240,9 +319,10 @@ class QuantLinear(nn.Module, WeightSink):
     def _load_cuda(self, value, absmax: Optional[torch.Tensor] = None) -> str:
         if isinstance(value, StoredBlocks):
             if value.ggml_type == "Q8_0":
-                return self._load_cuda(q8_0_values(value), absmax) and f"converted Q8_0 -> {self._what()}"
+                return self._load_cuda(q8_0_values(value), absmax) and \
+                    f"converted Q8_0 -> {self._what()} (requantized from its values)"
             q, scale, zero = q4_codes(value)
-            what = f"kept {value.ggml_type} blocks as int4 g32"
+            what = f"kept {value.ggml_type} codes as int4 g32 (scales rounded to {str(self.compute_dtype).removeprefix('torch.')})"
         elif self.mode == "int8":
             q, scale = int8_quantize(value.to(self.qweight.device), absmax)
             self.qweight.copy_(q)
