@@ -43,8 +43,8 @@ class Mixer(nn.Module, ABC):
 
     ctx (prefill and decode): "ids" token ids [B, L] (or [B, 1]), "rope" {rope key: (cos, sin)}
     with cos/sin [L, R/2] in prefill and [B, R/2] in decode, and in decode "pos" [B] (the slot
-    each row writes) and "one_query_kernel" (bool: zoo's CPU decode-attention kernel is built;
-    absent means no). The cache is this layer's dict of tensors allocated from `cache_fields`.
+    each row writes) and the entries the engine's mixers asked for (`decode_context`). The cache
+    is this layer's dict of tensors allocated from `cache_fields`.
     """
 
     Spec: type
@@ -81,6 +81,13 @@ class Mixer(nn.Module, ABC):
         """Cache bytes one decode step reads per sequence at `context` tokens (default: all of
         the fields at that length; DSA reads only its top-k latents)."""
         return sum(f.nbytes for f in self.cache_fields(1, context, dtype).values())
+
+    def decode_context(self, device: torch.device) -> dict:
+        """Decode-context entries fixed for an engine's life, made once by the engine outside the
+        graphs (whether a native kernel of the kind built on `device`, say): name -> a plain
+        value, merged over every layer into each decode step's ctx (two layers may not give one
+        name different values). Default: none."""
+        return {}
 
     def shard(self, plan) -> bool:
         """Keep this rank's part for tensor/expert parallelism (compiler/parallel/plan.py): shrink

@@ -20,7 +20,7 @@ from .compiler.checkpoint.rules import checkpoint_stages
 from .compiler.checkpoint.weight_cache import cached_execute
 from .compiler.config import apply_overrides, compose
 from .compiler.errors import InputError, ZooError
-from .compiler.engine.graphs import Engine
+from .compiler.engine.core import Engine
 from .compiler.hf_import import import_config
 from .compiler.model import (Decoder, build_model, cast, count_parameters, materialize, parameter_bytes,
                             torch_dtype)

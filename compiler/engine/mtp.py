@@ -30,7 +30,7 @@ from ..norm.norms import make_norm
 from ..spec import LayerSpec
 
 if TYPE_CHECKING:
-    from .graphs import Engine
+    from .core import Engine
     from ..model import Decoder
 
 
