@@ -79,3 +79,30 @@ def test_every_autograd_mode_gives_the_same_logits_and_compiles_nothing(model, f
     assert not any(t.is_inference() or t.requires_grad for r in results.values() for t in r)
     if model.engine.runner == "compiled":
         assert model.engine._trusted is True  # the decode steps still skip the guards
+
+
+def test_compiled_decode_in_other_global_state_runs_the_guards(model):
+    """Guards are skipped only in the global state the first decode step ran in: a step with
+    another thread count (part of dynamo's global-state guard, and of inductor's CPU kernels)
+    runs with the full guards, so it compiles its own entry instead of replaying the other
+    one's; from then on the steps keep the guards. Last in the file: it ends the trust."""
+    if model.engine.runner != "compiled":
+        pytest.skip("the compiled runner's guard skipping")
+    e = model.engine
+    ids = torch.randint(0, model.spec.vocab_size, (MAX_BATCH, 5), generator=torch.Generator().manual_seed(3))
+    tok = model.prefill(ids)[:, -1].argmax(-1)
+    want = model.decode(tok)
+    counts, threads = e.graph_counts(), torch.get_num_threads()
+    assert e._trusted is True
+    model.prefill(ids)
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        got = model.decode(tok)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert e.graph_counts() == {**counts, "decode": counts["decode"] + 1}
+    assert e._trusted is False
+    model.prefill(ids)
+    assert torch.equal(model.decode(tok), want)  # back in the first state: its entry, through the guards
+    assert e.graph_counts() == {**counts, "decode": counts["decode"] + 1}

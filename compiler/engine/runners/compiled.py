@@ -94,15 +94,17 @@ class CompiledRunner(Runner):
         # mode whatever the caller's (core.py); with one entry per code object there is no
         # choice to get wrong. The global state dynamo guards on (grad mode, autocast, ...) is
         # still compared with the first step's, cheaply: a step in another state runs with the
-        # full guards. Any structure with more entries keeps the full guards.
-        skip = self.trusted and self._state.check()
+        # full guards (and may compile another entry, which ends the trust). Any structure with
+        # more entries keeps the full guards.
+        skip = bool(self.trusted) and self._state.check()
         with dynamo_settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip
                                  else contextlib.nullcontext()):
             for run, block, cache in zip(self._decode, engine.model.layers, engine.caches):
                 h = run(block, h, cache, ctx)
         if self.trusted is None:
-            self.trusted = engine.device.type == "cpu" and all(_entries(f) == 1 for f in self._decode_kinds)
             self._state = torch._C._dynamo.guards.GlobalStateGuard()
+        if self.trusted is None or (self.trusted and not skip):
+            self.trusted = engine.device.type == "cpu" and all(_entries(f) == 1 for f in self._decode_kinds)
         return h
 
     def graph_counts(self) -> dict[str, int]:
