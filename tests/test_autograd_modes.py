@@ -24,6 +24,21 @@ RUNNERS = {  # name -> (build keywords, the engine's runner)
 MODES = {"neither": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
+def test_the_runner_is_chosen_by_priority_from_the_options():
+    from zoo.compiler.engine.runners import RunnerOptions, runner_class
+
+    def kind(device, compile=True, cuda_graph=True, aot=False):
+        return runner_class(RunnerOptions(torch.device(device), compile, cuda_graph, aot)).kind
+
+    assert kind("cpu", compile=False) == "eager" and kind("meta", compile=False) == "eager"
+    assert kind("cpu") == "compiled" and kind("cuda", cuda_graph=False) == "compiled"
+    assert kind("cuda") == kind("cuda", compile=False) == "cuda_graph"
+    assert kind("cpu", aot=True) == "aot"
+    for device, compile in (("cuda", True), ("cpu", False)):
+        with pytest.raises(ValueError, match="aot needs compile=True on a CPU"):
+            kind(device, compile=compile, aot=True)
+
+
 @pytest.fixture(scope="module", params=list(RUNNERS))
 def model(request):
     kw, runner = RUNNERS[request.param]

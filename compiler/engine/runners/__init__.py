@@ -2,8 +2,8 @@
 AOTInductor packages, CUDA-graph replay. base.py holds the contract and the registry; importing
 this package registers every runner in it, so a new runner is one new file here."""
 from ...registry import register_folder
-from .base import Runner, RunnerOptions, choose, register
+from .base import Runner, RunnerOptions, choose, register, runner_class
 
-__all__ = ["Runner", "RunnerOptions", "choose", "register"]
+__all__ = ["Runner", "RunnerOptions", "choose", "register", "runner_class"]
 
 register_folder(__name__, __path__)

@@ -115,9 +115,14 @@ def register(kind: str, priority: int) -> Callable[[R], R]:
     return deco
 
 
-def choose(engine: "Engine", options: RunnerOptions) -> Runner:
-    """The runner for these options (see register)."""
+def runner_class(options: RunnerOptions) -> type[Runner]:
+    """The registered runner of highest priority that wants these options."""
     for _, cls in sorted(_RUNNERS.values(), key=lambda pc: -pc[0]):
         if cls.wants(options):
-            return cls(engine, options)
+            return cls
     raise ValueError(f"no runner serves {options} (registered: {sorted(_RUNNERS)})")
+
+
+def choose(engine: "Engine", options: RunnerOptions) -> Runner:
+    """The engine's runner for these options (see register)."""
+    return runner_class(options)(engine, options)
