@@ -50,8 +50,8 @@ class AOTRunner(Runner):
         return self._steps("decode", "batch", engine.model.layers, engine.caches, h, ctx).run(h, context_tensors(ctx))
 
     def warmup(self) -> dict[str, float]:
-        """Load the packages (made on a miss) without running them: a dummy pass would only cost
-        a forward over every weight (~0.3 s of a SmolLM2 float32 start-up)."""
+        """Load the packages (made on a miss) without running them."""
+        # a dummy pass would only cost a forward over every weight (~0.3 s of a SmolLM2 float32 start-up)
         engine, seconds = self.engine, {}
         model = engine.model
         t0 = time.perf_counter()
