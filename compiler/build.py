@@ -154,12 +154,9 @@ class WeightsStage:
     seconds: float
 
 
-RUNNERS = ("eager", "compiled", "aot", "cuda_graph")
-
-
 @dataclass(frozen=True)
 class RunnerStage:
-    """How the engine runs the layers: `runner` is one of RUNNERS, from the flags below.
+    """How the engine runs the layers: `runner` is a registered runner's kind (engine/runners/), from the flags below.
     eager: plain PyTorch; compiled: regions compiled with torch.compile; aot: AOTInductor
     packages run by torch's C++ runner (CPU); cuda_graph: the decode step replayed as a CUDA
     graph (of compiled regions when compile)."""
@@ -177,7 +174,7 @@ class RunnerStage:
 
 @dataclass(frozen=True)
 class EngineStage:
-    engine: Any  # engine.graphs.Engine
+    engine: Any  # engine.core.Engine
     compile_seconds: dict  # per graph, from warmup ({} when nothing compiles)
 
 
@@ -313,28 +310,33 @@ def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: Shar
 
 
 def runner_stage(spec: ModelSpec, device: torch.device, dry: bool) -> RunnerStage:
-    """Which runner the engine uses, from runtime.compile / cuda_graph / aot and the device; a
-    dry build runs eagerly on meta (a shape check of both graphs)."""
+    """Which runner the engine uses: the engine's runner registry (engine/runners/) asked once
+    with runtime.compile / cuda_graph / aot and the device; a dry build runs eagerly on meta (a
+    shape check of both graphs)."""
+    from .engine.runners import RunnerOptions, runner_class
+
     rt = spec.runtime
     if dry:
         return RunnerStage("eager", compile=False, cuda_graph=False, aot=False)
-    aot = use_aot(rt)
-    graph = rt.cuda_graph and device.type == "cuda"
-    runner = "cuda_graph" if graph else "aot" if aot else "compiled" if rt.compile else "eager"
-    return RunnerStage(runner, compile=rt.compile, cuda_graph=graph, aot=aot)
+    options = RunnerOptions(device, compile=rt.compile, cuda_graph=rt.cuda_graph, aot=use_aot(rt))
+    try:
+        kind = runner_class(options).kind
+    except ValueError as e:  # options no runner serves (aot off a CPU, ...)
+        raise ConfigError(f"{spec.source}: runtime settings {options}: {e}") from None
+    return RunnerStage(kind, compile=rt.compile, cuda_graph=kind == "cuda_graph", aot=kind == "aot")
 
 
-def engine_stage(module: Decoder, spec: ModelSpec, runner: RunnerStage, cache_dtype: torch.dtype) -> EngineStage:
-    """The Engine (the one place one is made): caches allocated, graphs compiled or captured
-    when the runner does."""
-    from .engine.graphs import Engine
+def engine_stage(module: Decoder, spec: ModelSpec, runner: RunnerStage, cache: CacheStage,
+                 cache_dtype: torch.dtype) -> EngineStage:
+    """The Engine (the one place one is made) over the cache stage's plan: caches allocated,
+    graphs compiled or captured when the runner does."""
+    from .engine.core import Engine
 
     rt = spec.runtime
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=runner.compile, cuda_graph=runner.cuda_graph, aot=runner.aot)
-    if engine.use_cuda_graph != runner.cuda_graph:
-        raise RuntimeError(f"the engine's CUDA graph ({engine.use_cuda_graph}) is not the runner stage's "
-                           f"decision ({runner}): the two disagree on when a graph applies")
+                    compile=runner.compile, cuda_graph=runner.cuda_graph, aot=runner.aot, plan=cache.plan)
+    if engine.runner_kind != runner.runner:
+        raise RuntimeError(f"the engine chose runner {engine.runner_kind!r}, not the runner stage's {runner}")
     return EngineStage(engine, engine.warmup() if runner.warmup else {})
 
 
@@ -370,7 +372,7 @@ class BuildReport:
     available_bytes: int
     device: str  # "meta" for dry builds
     dry: bool
-    runner: str  # RUNNERS
+    runner: str  # a registered runner's kind (engine/runners/)
     compile_seconds: dict  # per graph ({} when nothing compiles)
     load: Optional[LoadReport]  # None: random weights (or dry)
     load_seconds: float
@@ -415,5 +417,5 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
         ld = load_stage(spec, module, source, sh)
         w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress)
     ru = runner_stage(spec, p.device, f.dry)
-    e = engine_stage(w.module, spec, ru, s.cache_dtype)
+    e = engine_stage(w.module, spec, ru, ca, s.cache_dtype)
     return BuildRecords(s, c, q, sh, p, n, ca, f, ld, w, ru, e)

@@ -472,7 +472,7 @@ def perf_model(perf: dict, sizes: Sizes, device: torch.device):
 def section_decode(report: Report, args, sizes: Sizes, device: torch.device, probes: dict, profile: dict | None,
                    perf: dict) -> None:
     from zoo.compiler.analysis import analyze
-    from zoo.compiler.engine.graphs import Engine
+    from zoo.compiler.engine.core import Engine
     from zoo.compiler.model import parameter_bytes
 
     dtype = torch.bfloat16
@@ -564,7 +564,7 @@ def section_decode(report: Report, args, sizes: Sizes, device: torch.device, pro
 def section_prefill(report: Report, args, sizes: Sizes, device: torch.device, probes: dict, profile: dict | None,
                     perf: dict) -> None:
     from zoo.compiler.analysis import analyze
-    from zoo.compiler.engine.graphs import Engine
+    from zoo.compiler.engine.core import Engine
 
     dtype = torch.bfloat16
     spec, module, _ = perf_model(perf, sizes, device)

@@ -218,7 +218,7 @@ def _one_query_attention(model) -> int:
     at the analysis's context (all S slots; the kernel itself reads only the visible ones)."""
     from zoo.compiler.mixers.attention import Attention
 
-    assert model.engine.one_query_kernel
+    assert model.engine.context_flags["one_query_kernel"]
     return sum(4 * b.mixer.n_heads * b.mixer.head_dim * cache["k"].shape[2]
                for b, cache in zip(model.module.layers, model.engine.caches) if isinstance(b.mixer, Attention))
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import zoo
+from zoo.compiler.engine.runners import runner_kinds
 from zoo.compiler import build as stages
 from zoo.compiler.analysis import analyze
-from zoo.compiler.build import (RUNNERS, STAGES, BuildRecords, BuildReport, CountStage, ShardStage, cast_stage,
+from zoo.compiler.build import (STAGES, BuildRecords, BuildReport, CountStage, ShardStage, cast_stage,
                                 report_from, runner_stage, spec_stage)
 from zoo.compiler.config import compose
 from zoo.compiler.errors import ConfigError, InputError
@@ -168,7 +169,7 @@ def test_runner_stage(overrides, device, dry, want):
     """Which runner the engine uses, from runtime settings and the device (no engine is made)."""
     spec = spec_stage(compose(TINY, overrides), f"conf/{TINY}.yaml").spec
     r = runner_stage(spec, torch.device(device), dry)
-    assert (r.runner, r.compile, r.cuda_graph, r.aot) == want and r.runner in RUNNERS
+    assert (r.runner, r.compile, r.cuda_graph, r.aot) == want and r.runner in runner_kinds()
     assert r.warmup == (r.compile or r.cuda_graph)
 
 

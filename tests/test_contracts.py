@@ -70,6 +70,8 @@ def test_mixer_hooks(built):
         assert flops.shape == (3,) and (flops >= 0).all() and np.all(np.diff(flops) >= 0), kind
         assert np.asarray(mixer.prefill_attention_flops(np.array([1, 64]))).shape == (2,), kind
         assert mixer.decode_cache_bytes(64, torch.bfloat16) > 0, kind
+        extra = mixer.decode_context(torch.device("meta"))  # the engine's fixed decode-context entries
+        assert isinstance(extra, dict) and not set(extra) & {"ids", "pos", "rope"}, kind
 
 
 def test_ffn_norm_rope_residual_hooks(built):

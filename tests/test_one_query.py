@@ -44,8 +44,8 @@ def test_engine_decode_with_and_without_the_kernel(tmp_path):
     make_reference(tmp_path, dict(num_attention_heads=4, num_key_value_heads=2), {})
     m1 = zoo.from_pretrained(str(tmp_path), compile=False, max_batch=3, max_seq=40)
     m2 = zoo.from_pretrained(str(tmp_path), compile=False, max_batch=3, max_seq=40)
-    assert m1.engine.one_query_kernel
-    m2.engine.one_query_kernel = False  # before its first decode step
+    assert m1.engine.context_flags["one_query_kernel"]
+    m2.engine.context_flags["one_query_kernel"] = False  # before its first decode step
     gen = torch.Generator().manual_seed(0)
     prompts = {0: torch.randint(0, 320, (5,), generator=gen), 1: torch.randint(0, 320, (11,), generator=gen)}
     tok = torch.zeros(3, dtype=torch.long)

@@ -50,7 +50,7 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
         rows.append(("compile", "skipped (dry build)"))
     elif info.compile_seconds:
         rows.append(("compile", ", ".join(f"{k} {v:.1f} s" for k, v in info.compile_seconds.items())
-                     + f"  (graphs: {model.engine.graph_counts()})"))
+                     + f"  (runner {model.engine.runner}; graphs: {model.engine.graph_counts()})"))
     else:
         rows.append(("compile", "off (eager)"))
     rows.append(("runner", _RUNNER_TEXT[info.runner]))

@@ -15,7 +15,7 @@ from .compiler.build import BuildRecords, BuildReport, check_source, report_from
 from .compiler.checkpoint.hub import open_source
 from .compiler.config import apply_overrides, compose
 from .compiler.errors import InputError
-from .compiler.engine.graphs import Engine
+from .compiler.engine.core import Engine
 from .compiler.hf_import import import_config
 from .compiler.model import Decoder
 from .compiler.spec import ModelSpec

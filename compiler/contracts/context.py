@@ -1,11 +1,12 @@
 """The step context: what the engine hands every mixer and FFN entry point besides x and the
-cache, one dict per prefill or decode step (built by compiler/engine/graphs.py).
+cache, one dict per prefill or decode step (built by compiler/engine/core.py).
 
     "ids"               token ids [B, L] in prefill, [B, 1] in decode (hash routing reads them)
     "rope"              {rope key: (cos, sin)}, cos/sin [L, R/2] in prefill, [B, R/2] in decode
                         (the key: position/rope.rope_key(R, slot))
     "pos"               decode only: [B] the slot each row writes
-    "one_query_kernel"  decode only: bool, zoo's CPU decode-attention kernel is built (absent: no)
+    "one_query_kernel"  decode only: bool, zoo's CPU decode-attention kernel is built (absent: no);
+                        asked for by attention's Mixer.decode_context
 """
 from __future__ import annotations
 

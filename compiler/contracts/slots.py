@@ -49,8 +49,8 @@ class Mixer(nn.Module, ABC):
     """Mixes information across positions: attention, MLA, DSA, DeltaNet, ...
 
     ctx (prefill and decode): the step context (contracts.StepContext: ids, rope, and in decode
-    pos and one_query_kernel). The cache is this layer's dict of tensors allocated from
-    `cache_fields`.
+    pos and the entries the engine's mixers asked for through `decode_context`). The cache is
+    this layer's dict of tensors allocated from `cache_fields`.
     """
 
     Spec: type
@@ -87,6 +87,13 @@ class Mixer(nn.Module, ABC):
         """Cache bytes one decode step reads per sequence at `context` tokens (default: all of
         the fields at that length; DSA reads only its top-k latents)."""
         return sum(f.nbytes for f in self.cache_fields(1, context, dtype).values())
+
+    def decode_context(self, device: torch.device) -> dict:
+        """Decode-context entries fixed for an engine's life, made once by the engine outside the
+        graphs (whether a native kernel of the kind built on `device`, say): name -> a plain
+        value, merged over every layer into each decode step's ctx (two layers may not give one
+        name different values). Default: none."""
+        return {}
 
     def shard(self, plan) -> bool:
         """Keep this rank's part for tensor/expert parallelism (compiler/parallel/plan.py): shrink

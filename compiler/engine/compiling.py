@@ -53,8 +53,8 @@ def _use_compile_cache_dir() -> None:
 def structure(block: torch.nn.Module, cache: dict) -> tuple:
     """What a layer's decode graph depends on besides tensor values: its submodules' classes and
     plain attributes (ints, flags, specs), its tensors' shapes, dtypes and strides, and its cache
-    fields'. Layers with equal structures share one compiled decode function (Engine)
-    and one package (aot.py)."""
+    fields'. Layers with equal structures share one compiled decode function
+    (runners/compiled.py) and one package (aot.py)."""
     parts: list = []
     for name, mod in block.named_modules():
         attrs = []

@@ -317,10 +317,15 @@ class Attention(Mixer):
             o = self.attend(q, kc, vc, decode_mask(pos, S))
         return self._out(o, gate)
 
+    def decode_context(self, device: torch.device) -> dict:
+        """ctx "one_query_kernel": whether zoo's CPU decode-attention kernel (one_query.py) is
+        built, building it here on a CPU (contracts.Mixer.decode_context: outside the graphs)."""
+        return {"one_query_kernel": device.type == "cpu" and one_query.available()}
+
     def one_query_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether a decode step attends through zoo's CPU kernel (one_query.py): the engine
-        built it (ctx "one_query_kernel"), float32, plain softmax over slots 0..pos (no window,
-        soft-cap or sink), shapes it takes."""
+        """Whether a decode step attends through zoo's CPU kernel (one_query.py): it is built
+        (ctx "one_query_kernel", see decode_context), float32, plain softmax over slots 0..pos (no
+        window, soft-cap or sink), shapes it takes."""
         H, Dh, Hkv = q.shape[1], q.shape[3], k.shape[1]
         return (bool(ctx.get("one_query_kernel")) and self.one_query(q) and q.dtype == torch.float32
                 and not self.explicit and self.window is None and H % Hkv == 0 and H // Hkv <= 64

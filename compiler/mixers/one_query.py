@@ -6,7 +6,7 @@
 The kernel (cpu_attention.cpp, built on first use by compiler/native.py) reads each visible
 slot of k and v once and skips the rest of the static cache; `reference` is the same thing in
 torch ops, for the tests (tests/test_one_query.py holds one to the other). Where the kernel did
-not build, Attention.decode keeps its own torch-op path (Engine.one_query_kernel is False).
+not build, Attention.decode keeps its own torch-op path (ctx "one_query_kernel" is False).
 """
 from __future__ import annotations
 

@@ -1,0 +1,375 @@
+"""The engine core: one materialized Decoder's caches, rope tables and per-row state, the row
+operations, and the batch API written on top of them. How a step executes is a runner
+(runners/: eager, compiled regions, AOTInductor packages, CUDA-graph replay), chosen once here.
+
+Per-row state, one scheme for every API: each of the max_batch rows has a next position (`pos`,
+on the device), a token count on the host (`row_len`, None: free) and an active flag (a device
+mask that sends free rows back to position 0 after each step).
+
+    prefill_rows(start, ids [n, L]) -> logits [n, V]   start sequences in free rows start..start+n-1
+    prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission)
+    decode_rows(tok [max_batch]) -> logits [max_batch, V]   one step of every row (free: garbage)
+    release_row(row)                                   free a row
+    prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1 (padded to max_batch)
+    decode(tok [B]) -> logits [B, V]                   one step of those rows
+
+A 1-token batch prompt runs the decode step at position 0. Batches are padded to max_batch rows,
+so shapes never depend on the batch size: a batch prefill is one graph for every prompt length
+2..max_seq, a row's another (batch 1), and decode is one static step for every API.
+
+Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
+({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
+and the fixed entries the layers' mixers asked for (contracts.Mixer.decode_context).
+
+Every step runs with autograd off and outside inference mode, whatever mode the caller is in
+(`torch.no_grad()`, `torch.inference_mode()` or neither): compiled graphs guard on the mode and
+on the tensors it makes (an inference tensor is another kind of input), a captured CUDA graph
+and the packages were made in one mode, so the caller's mode must not reach them.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+
+from ..contracts import CachePlan
+from ..errors import InputError
+from ..model import Decoder
+from ..position.rope import rope_key
+from .cache import plan_caches
+from .mtp import mtp_caches, mtp_prefill
+from .runners import RunnerOptions, choose
+
+
+def _engine_mode(fn: Callable) -> Callable:
+    """Run fn with autograd off and inference mode off (see the module docstring). The order
+    matters: leaving inference mode turns grad mode on, so no_grad comes inside it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def decode_context(model: Decoder, device: torch.device) -> dict:
+    """The fixed decode-context entries every layer's mixer asks for (Mixer.decode_context),
+    merged; two layers giving one key different values, or a key the engine sets itself, are
+    refused."""
+    out: dict = {}
+    for i, block in enumerate(model.layers):
+        for key, value in block.mixer.decode_context(device).items():
+            if key in ("ids", "pos", "rope"):
+                raise ValueError(f"layers.{i}.mixer ({type(block.mixer).__qualname__}).decode_context: key {key!r} "
+                                 f"is the engine's own; expected another name")
+            if key in out and out[key] != value:
+                raise ValueError(f"layers.{i}.mixer ({type(block.mixer).__qualname__}).decode_context: {key}={value!r} "
+                                 f"but an earlier layer gave {out[key]!r}; expected one value per engine")
+            out[key] = value
+    return out
+
+
+class Engine:
+    """Caches, rope tables, per-row state and the runner of one materialized Decoder."""
+
+    def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
+                 compile: bool = True, cuda_graph: bool = True, aot: bool = False,
+                 plan: CachePlan | None = None):
+        self.model = model
+        self.device = model.embed.weight.device
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.vocab_size = model.spec.vocab_size
+        # the build's cache stage hands its plan in (compiler/build.py); made here otherwise
+        if plan is not None and (plan.max_batch, plan.max_seq) != (max_batch, max_seq):
+            raise ValueError(f"cache plan for max_batch={plan.max_batch}, max_seq={plan.max_seq} given to an "
+                             f"engine of max_batch={max_batch}, max_seq={max_seq}")
+        self.plan = plan if plan is not None else plan_caches(model, max_batch, max_seq, cache_dtype)
+        self.caches = self.plan.allocate(self.device)
+        self.mtp_caches = mtp_caches(model, max_batch, max_seq, cache_dtype, self.device)
+        self.rope = {rope_key(r, slot): model.rope_impls[slot].table(r, max_seq, self.device)
+                     for slot, r in model.rope_slots()}
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # next slot per row
+        self.row_len: list[int | None] = [None] * max_batch  # tokens in each row's cache (None: free)
+        self._active = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.batch = 0  # rows the batch API holds (rows 0..batch-1) since its last prefill
+        # the decode step's tokens go through one static buffer: the graphs see the same tensor
+        # layout every step whatever view the caller passed (a strided column would recompile)
+        self.token_buffer = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        # built here, outside the graphs (a native kernel is compiled on first use)
+        self.context_flags = decode_context(model, self.device)
+        self.compiled, self.aot = compile, aot
+        t0 = time.perf_counter()
+        self._runner = choose(self, RunnerOptions(self.device, compile, cuda_graph, aot))
+        self.runner = self._runner.name  # for reports: eager, compiled, aot, cuda_graph+...
+        self.runner_kind = self._runner.kind  # the registered runner: eager, compiled, aot, cuda_graph
+        self.compile_seconds = {"setup": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether the decode step replays a captured CUDA graph."""
+        return self._runner.kind == "cuda_graph"
+
+    @property
+    def _graph(self):
+        """The captured CUDA graph (None before warmup, or without one)."""
+        return getattr(self._runner, "graph", None)
+
+    @property
+    def _trusted(self):
+        """Whether compiled decode steps skip dynamo's guards (None: not decided or not compiled)."""
+        return getattr(self._runner, "trusted", None)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache of the batch API's rows (they advance together)."""
+        return max((n for n in self.row_len[: self.batch] if n is not None), default=0)
+
+    # ------------------------------------------------------------------ state
+
+    @_engine_mode
+    def reset(self) -> None:
+        """Zero every cache and position and free every row, in place (addresses stay fixed for
+        CUDA graphs)."""
+        for layer in self.caches:
+            for t in layer.values():
+                t.zero_()
+        self.pos.zero_()
+        self.batch = 0
+        self.row_len = [None] * self.max_batch
+        self._active.zero_()
+
+    def _mark_rows(self, rows, length: int | None) -> None:
+        for r in rows:
+            self.row_len[r] = length
+        self._active.copy_(torch.tensor([n is not None for n in self.row_len], dtype=torch.long))
+
+    def free_rows(self) -> list[int]:
+        """Rows no sequence holds: prefill_row may start one there."""
+        return [r for r, n in enumerate(self.row_len) if n is None]
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_ids(self, ids: torch.Tensor, what: str, check_range: bool = True) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"{what}: token ids must be int64 or int32, got {ids.dtype}")
+        if self.device.type == "meta" or not check_range:
+            return
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise InputError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _pad_batch(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.max_batch:
+            return x
+        pad = torch.zeros((self.max_batch - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return torch.cat((x, pad))
+
+    # ------------------------------------------------------------------ steps (runners call these)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, L] -> the first residual state [B, L, ...D]."""
+        return self.model.streams.expand(self.model.embed(ids))
+
+    def prefill_ctx(self, ids: torch.Tensor) -> dict:
+        """The block context of a prefill over positions 0..L-1."""
+        L = ids.shape[1]
+        ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
+        return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
+
+    def decode_ctx(self) -> dict:
+        """The block context of a decode step: the token buffer at the rows' positions."""
+        pos = self.pos
+        return {"ids": self.token_buffer[:, None], "pos": pos,
+                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+
+    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor:
+        """One decode step of the token buffer around `layers(h, ctx) -> h` (a runner's) ->
+        logits [max_batch, V]; advances every row's position by one."""
+        h = self.embed(self.token_buffer[:, None])
+        logits = self.model.logits(layers(h, self.decode_ctx())[:, 0])
+        self.pos.add_(1)
+        return logits
+
+    def _prefill_rows(self, rows: slice, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n, L] (on the device, canonical strides) at positions 0..L-1 of rows `rows` (n of
+        them, caches zeroed) -> the last residual state [n, L, ...D]; sets those rows' positions.
+
+        The whole batch writes the caches themselves; fewer rows write views of those rows of
+        every cache field (whatever the mixer keeps: all fields are batch first,
+        contracts.Mixer.cache_fields), so nothing is copied."""
+        if rows == slice(0, self.max_batch):
+            where, caches = "batch", self.caches
+        else:
+            where = ("rows", rows.start, rows.stop)
+            caches = [{name: t[rows] for name, t in layer.items()} for layer in self.caches]
+        h = self.embed(ids)
+        h = self._runner.prefill_layers(where, self.model.layers, caches, h, self.prefill_ctx(ids))
+        self.pos[rows] = ids.shape[1]
+        return h
+
+    def _step(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [max_batch] -> logits [max_batch, V]: one decode step of every row; rows in use
+        advance by one position, free rows go back to position 0."""
+        self.token_buffer.copy_(tok)
+        logits = self._runner.decode()
+        self.pos.mul_(self._active)
+        self.row_len = [None if n is None else n + 1 for n in self.row_len]
+        return logits
+
+    # ------------------------------------------------------------------ rows
+
+    @_engine_mode
+    def prefill_rows(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """Start sequences in free rows start..start+n-1 without touching the others: ids [n, L]
+        (positions 0..L-1) -> logits [n, V] float32 of the last position. The rows are zeroed
+        first, as prefill's reset does for a whole batch. One prefill graph per n (compiled:
+        another for 1-token prompts), for every start and length."""
+        rows = self._free_slice("prefill_rows", start, ids.shape[0] if ids.dim() == 2 else 1)
+        if ids.dim() != 2 or not 1 <= ids.shape[1] <= self.max_seq:
+            raise InputError(f"prefill_rows: expected ids of shape [rows, seq_len] with seq_len in 1..max_seq="
+                             f"{self.max_seq}, got {tuple(ids.shape)}")
+        self._check_ids(ids, "prefill_rows")
+        h = self._start_rows(rows, ids)
+        return self.model.logits(h[:, -1])
+
+    @_engine_mode
+    def prefill_row(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """Start a sequence in one free row without touching the others: ids [L] (positions
+        0..L-1) -> logits [V] float32 of the last position (prefill_rows at n = 1)."""
+        rows = self._free_slice("prefill_row", row, 1)
+        if ids.dim() != 1 or not 1 <= ids.shape[0] <= self.max_seq:
+            raise InputError(f"prefill_row: expected ids of shape [seq_len] with seq_len in 1..max_seq="
+                             f"{self.max_seq}, got {tuple(ids.shape)}")
+        self._check_ids(ids, "prefill_row")
+        h = self._start_rows(rows, ids.reshape(1, -1))
+        return self.model.logits(h[0, -1])
+
+    def _free_slice(self, what: str, start: int, n: int) -> slice:
+        if n < 1 or not 0 <= start <= self.max_batch - n:
+            which = f"row {start}" if n == 1 else f"rows {start}..{start + n - 1}"
+            raise InputError(f"{what}: {which} must be in 0..{self.max_batch - 1} (max_batch={self.max_batch})")
+        for r in range(start, start + n):
+            if self.row_len[r] is not None:
+                raise InputError(f"{what}: row {r} is in use ({self.row_len[r]} tokens); release_row it first")
+        return slice(start, start + n)
+
+    def _start_rows(self, rows: slice, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device, torch.long).clone(memory_format=torch.contiguous_format)
+        for layer in self.caches:
+            for t in layer.values():
+                t[rows].zero_()
+        h = self._prefill_rows(rows, ids)
+        self._mark_rows(range(rows.start, rows.stop), ids.shape[1])
+        return h
+
+    @_engine_mode
+    def release_row(self, row: int) -> None:
+        """Free a row at once (its cache is left as is: the next prefill there zeroes it)."""
+        self._mark_rows([row], None)
+
+    @_engine_mode
+    def decode_rows(self, tok: torch.Tensor) -> torch.Tensor:
+        """One step of every row: tok [max_batch] (any id for free rows) -> logits [max_batch, V].
+
+        The same static decode step as `decode`: free rows compute garbage at position 0 of their
+        own row, which nobody reads and the next prefill there overwrites. Each sequence advances
+        by one position; a full row is refused.
+        """
+        if tok.dim() != 1 or tok.shape[0] != self.max_batch:
+            raise InputError(f"decode_rows: expected tokens of shape [{self.max_batch}] (max_batch), "
+                             f"got {tuple(tok.shape)}")
+        full = [r for r, n in enumerate(self.row_len) if n is not None and n >= self.max_seq]
+        if full:
+            raise InputError(f"decode_rows: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
+                             f"(or rebuild with a larger runtime.max_seq)")
+        self._check_ids(tok, "decode_rows", check_range=tok.device.type == "cpu")
+        return self._step(tok.to(self.device, torch.long))
+
+    # ------------------------------------------------------------------ batch API
+
+    @_engine_mode
+    def prefill(self, ids: torch.Tensor, return_mtp: bool = False, last_only: bool = False):
+        """Start a new batch: ids [B, L] (positions 0..L-1) -> logits [B, L, V] float32
+        ([B, 1, V], the last position only, with last_only: what generation needs).
+
+        return_mtp: return (logits, mtp) where mtp holds, per multi-token-prediction depth k,
+        logits [B, L - k, V] for token t + k + 1 at positions t (see mtp.py).
+        """
+        if ids.dim() != 2:
+            raise InputError(f"prefill: expected ids of shape [batch, seq_len], got {tuple(ids.shape)}")
+        B, L = ids.shape
+        if B > self.max_batch or B == 0:
+            raise InputError(f"prefill: batch {B} must be in 1..max_batch={self.max_batch} "
+                             f"(rebuild with runtime.max_batch={B})")
+        if L > self.max_seq or L == 0:
+            raise InputError(f"prefill: prompt of {L} tokens must be in 1..max_seq={self.max_seq} "
+                             f"(rebuild with a larger runtime.max_seq)")
+        self._check_ids(ids, "prefill")
+        self.reset()
+        self.batch = B
+        # canonical strides: graphs guard on them, and callers pass views (seq[:, :n])
+        ids = self._pad_batch(ids.to(self.device, torch.long)).clone(memory_format=torch.contiguous_format)
+        if L == 1 and not return_mtp:
+            self._mark_rows(range(B), 0)
+            return self._step(ids[:, 0])[:B, None]
+        h = self._prefill_rows(slice(0, self.max_batch), ids)
+        logits = self.model.logits(h[:, -1:] if last_only else h)
+        self._mark_rows(range(B), L)
+        if return_mtp:
+            return logits[:B], [m[:B] for m in mtp_prefill(self, ids, h)]
+        return logits[:B]
+
+    @_engine_mode
+    def decode(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [B] at each row's next position -> logits [B, V] float32."""
+        if self.batch == 0:
+            raise InputError("decode: no active batch; call prefill first")
+        if tok.dim() != 1 or tok.shape[0] != self.batch:
+            raise InputError(f"decode: expected tokens of shape [{self.batch}] (the prefilled batch), "
+                             f"got {tuple(tok.shape)}")
+        if self.length >= self.max_seq:
+            raise InputError(f"decode: the cache is full (max_seq={self.max_seq} tokens); "
+                             f"rebuild with a larger runtime.max_seq")
+        # no range check of tokens sampled on the device: it would stall the host every step (it
+        # could no longer queue the next one); an out-of-range id still fails loudly, in the
+        # embedding's device-side bounds check
+        self._check_ids(tok, "decode", check_range=tok.device.type == "cpu")
+        return self._step(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+
+    def block_prefill(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor) -> torch.Tensor:
+        """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
+        runner's prefill: h [max_batch, L, ...D], ids [max_batch, L] (the tokens at those
+        positions) -> [max_batch, L, ...D]; fills `cache` (that block's cache dict)."""
+        return self._runner.prefill_layers(("block", id(block)), [block], [cache], h, self.prefill_ctx(ids))
+
+    # ------------------------------------------------------------------ runner
+
+    def warm_prefill(self) -> None:
+        """A batch prefill of dummy tokens through the runner (its graphs compile); the caller resets."""
+        ids = torch.zeros(self.max_batch, min(2, self.max_seq), dtype=torch.long, device=self.device)
+        self.model.logits(self._prefill_rows(slice(0, self.max_batch), ids))
+
+    @_engine_mode
+    def warmup(self) -> dict[str, float]:
+        """Make what both steps need (compile the graphs, capture the CUDA graph, load or make the
+        packages) on dummy tokens, then reset.
+
+        Returns the wall time spent on each step's first run (compile + one run; packages are
+        loaded without running), and on setting up the compiler ("setup": the CPU ISA probe, on
+        the first compile in a cache only).
+        """
+        self.compile_seconds.update(self._runner.warmup())
+        return dict(self.compile_seconds)
+
+    def graph_counts(self) -> dict[str, int]:
+        """Graphs compiled so far by each entry point (recompiles show up here); under runtime.aot
+        the packages in use instead ("prefill_packages", "decode_packages": one per layer
+        structure and layout of the inputs)."""
+        return self._runner.graph_counts()
+
+    def packages_built(self) -> list[str]:
+        """Keys of the packages this engine compiled (runtime.aot; the others came from disk)."""
+        return self._runner.packages_built()

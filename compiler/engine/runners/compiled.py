@@ -1,0 +1,111 @@
+"""Compiled regions: each layer's prefill and decode through torch.compile (dynamo + inductor).
+
+Regional compilation: the repeated block is compiled once per distinct layer kind and reused by
+every layer of that kind (parameters are graph inputs, so layers share one graph); the embedding,
+final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
+
+    prefill: L is a dynamic dimension (one graph for every prompt length 2..max_seq).
+    decode:  static shapes: one graph per layer structure; after the first step, CPU steps skip
+             dynamo's guard checks where that is proven safe (see decode_layers).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from typing import Callable
+
+import torch
+
+from ..compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings, structure
+from .base import Runner, RunnerOptions, register
+
+
+def _block_prefill(block, h, cache, ctx):
+    return block.prefill(h, cache, ctx)
+
+
+def _block_decode(block, h, cache, ctx):
+    return block.decode(h, cache, ctx)
+
+
+def _own_copy(fn: Callable, name: str) -> Callable:
+    """fn with a code object of its own: dynamo keeps compiled entries per code object."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _entries(fn: Callable) -> int:
+    """Compiled entries dynamo holds for fn's code object."""
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+_ENGINES = itertools.count()
+
+
+@register("compiled", priority=10)
+class CompiledRunner(Runner):
+    @classmethod
+    def wants(cls, options: RunnerOptions) -> bool:
+        return options.compile
+
+    def __init__(self, engine, options: RunnerOptions):
+        super().__init__(engine, options)
+        model = engine.model
+        apply_compile_settings()
+        patches = cpu_compile_patches() if engine.device.type == "cpu" else {}
+        key = f"zoo-max_seq={engine.max_seq}"
+        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
+        self._prefill = torch.compile(_block_prefill, fullgraph=True, dynamic=False, backend=self.counters["prefill"])
+        # one decode function per distinct layer structure, each with a code object of its own
+        # (so one compiled entry each: see decode_layers)
+        n, kinds = next(_ENGINES), {}
+        structures = [structure(block, cache) for block, cache in zip(model.layers, engine.caches)]
+        for st in structures:
+            kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{n}_{len(kinds)}"))
+        self._decode_kinds = list(kinds.values())
+        compiled = {st: torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
+                    for st, f in kinds.items()}
+        self._decode: list[Callable] = [compiled[st] for st in structures]
+        self.trusted: bool | None = None  # decode may skip guards (None: not decided, see decode_layers)
+        self._state = None  # the global state (grad mode, autocast, ...) the trusted entries were checked in
+
+    def prefill_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if h.shape[1] >= 2:
+            # dynamic, not constrained: when inductor specialises on a size threshold (a CPU
+            # reduction over > 4096 positions, int16 indices under 32767 MoE rows) a longer prompt
+            # compiles one more graph instead of failing a declared range
+            torch._dynamo.maybe_mark_dynamic(h, 1)
+            torch._dynamo.maybe_mark_dynamic(ctx["ids"], 1)
+            for cos, sin in ctx["rope"].values():
+                torch._dynamo.maybe_mark_dynamic(cos, 0)
+                torch._dynamo.maybe_mark_dynamic(sin, 0)
+        with dynamo_settings():
+            for block, cache in zip(layers, caches):
+                h = self._prefill(block, h, cache, ctx)
+        return h
+
+    def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        engine = self.engine
+        # Once the first step has compiled each layer structure's function exactly once (every
+        # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
+        # checks (torch's skip_guard_eval_unsafe: 50-80 us per layer call at batch 1, a tenth of
+        # a SmolLM2 step). Safe because a step's inputs never change: the same modules, caches
+        # and buffers, shapes and context keys every step, made by the engine in one autograd
+        # mode whatever the caller's (core.py); with one entry per code object there is no
+        # choice to get wrong. The global state dynamo guards on (grad mode, autocast, ...) is
+        # still compared with the first step's, cheaply: a step in another state runs with the
+        # full guards (and may compile another entry, which ends the trust). Any structure with
+        # more entries keeps the full guards.
+        skip = bool(self.trusted) and self._state.check()
+        with dynamo_settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip
+                                 else contextlib.nullcontext()):
+            for run, block, cache in zip(self._decode, engine.model.layers, engine.caches):
+                h = run(block, h, cache, ctx)
+        if self.trusted is None:
+            self._state = torch._C._dynamo.guards.GlobalStateGuard()
+        if self.trusted is None or (self.trusted and not skip):
+            self.trusted = engine.device.type == "cpu" and all(_entries(f) == 1 for f in self._decode_kinds)
+        return h
+
+    def graph_counts(self) -> dict[str, int]:
+        return {name: c.graphs for name, c in self.counters.items()}
