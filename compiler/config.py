@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .cache_root import zoo_cache_root
 from .errors import ConfigError
+from .resolvers import register_resolvers
 from .spec import ModelSpec, validate
 
 
@@ -86,6 +87,7 @@ def compose(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     the name, the overrides, omegaconf's version and every conf file on the search path (its
     path and bytes), so an edited, added or removed file misses. Interpolations stay as written
     (resolved later by validate, against the environment of that moment)."""
+    register_resolvers()
     path = find_conf("", name)
     if path is None:
         raise ConfigError(f"unknown conf {name!r}; available: {', '.join(available_configs())}")

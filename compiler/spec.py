@@ -18,9 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
 from .registry import lookup
+from .resolvers import register_resolvers
 
-# ${zoo.sqrt:${dim}} in presets (Gemma's embed_scale follows dim when an import changes it)
-OmegaConf.register_new_resolver("zoo.sqrt", lambda x: float(x) ** 0.5, replace=True)
 
 # ---------------------------------------------------------------------------- schema (YAML)
 
@@ -233,6 +232,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
 
     Raises ConfigError naming the key path and `source` (the conf name or checkpoint dir).
     """
+    register_resolvers()
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
     try:

@@ -90,3 +90,16 @@ def test_architecture_map_names_real_paths():
         if "<" in p or "my_attention" in p:  # a template: its folder must exist
             p = p.rsplit("/", 1)[0]
         assert (ROOT / p).exists(), f"docs/architecture.md names {p}, which does not exist"
+
+
+def test_importing_zoo_registers_nothing_global():
+    """Nothing runs at import (docs/architecture.md): zoo's OmegaConf resolvers are registered on
+    first use (compose, validate, rule loading), in a fresh process."""
+    code = ("import zoo, zoo.compiler.spec, zoo.compiler.checkpoint.rules, zoo.compiler.config as c\n"
+            "from omegaconf import OmegaConf\n"
+            "from zoo.compiler.resolvers import RESOLVERS\n"
+            "assert not any(OmegaConf.has_resolver(n) for n in RESOLVERS), 'registered at import'\n"
+            "c.compose('gemma2_9b_tiny')\n"
+            "assert all(OmegaConf.has_resolver(n) for n in RESOLVERS)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

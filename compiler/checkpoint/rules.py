@@ -40,7 +40,6 @@ rule whose first `from` pattern matches a tensor takes it, together with the oth
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,22 +50,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..config import conf_files, conf_label, find_conf, user_conf_dir
 from ..errors import CheckpointError
+from ..resolvers import register_resolvers
 from .ops import check_op_args, get_op
-
-OmegaConf.register_new_resolver("zoo.not", lambda x: not x, replace=True)
-OmegaConf.register_new_resolver("zoo.add", lambda *xs: sum(xs), replace=True)
-# first argument that is set (not null/0/false), e.g. n_kv_heads or else n_heads
-OmegaConf.register_new_resolver("zoo.or", lambda *xs: next((x for x in xs if x), xs[-1]), replace=True)
-OmegaConf.register_new_resolver("zoo.mul", lambda *xs: math.prod(xs), replace=True)
-
-
-def _exact_div(a: int, b: int) -> int:
-    if not b or a % b:
-        raise ValueError(f"zoo.div: {a} is not a multiple of {b}")
-    return a // b
-
-
-OmegaConf.register_new_resolver("zoo.div", _exact_div, replace=True)  # exact integer division
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _ANY_PATH = {"path"}
@@ -125,6 +110,7 @@ def load_stage(name: str, cfg: Any) -> Stage:
     kind, entries = _rule_entries(name, ())
     items = {"map": [e[2] for e in entries["map"]], "ignore": [e[2] for e in entries["ignore"]]}
     try:
+        register_resolvers()
         root = OmegaConf.create({"cfg": cfg, "file": items})
         data = OmegaConf.to_container(root.file, resolve=True)
     except OmegaConfBaseException as e:

@@ -17,12 +17,30 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from ..core import Engine
+
+
+class EngineCore(Protocol):
+    """What a runner uses of the engine core (core.Engine), declared here so that the runners
+    stand below the core: its caches and token buffer, the step contexts and the step around a
+    runner's layers."""
+
+    model: torch.nn.Module  # model.Decoder: layers, mtp, embed, logits
+    device: torch.device
+    max_batch: int
+    max_seq: int
+    caches: list[dict]  # one dict of tensors per layer
+    token_buffer: torch.Tensor  # [max_batch] the decode step's tokens
+
+    def reset(self) -> None: ...
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def prefill_ctx(self, ids: torch.Tensor) -> dict: ...
+    def decode_ctx(self) -> dict: ...
+    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor: ...
+    def warm_prefill(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +60,7 @@ class Runner:
 
     kind: ClassVar[str]  # set by @register
 
-    def __init__(self, engine: "Engine", options: RunnerOptions):
+    def __init__(self, engine: EngineCore, options: RunnerOptions):
         self.engine = engine
 
     @classmethod
@@ -128,6 +146,6 @@ def runner_class(options: RunnerOptions) -> type[Runner]:
     raise ValueError(f"no runner serves {options} (registered: {sorted(_RUNNERS)})")
 
 
-def choose(engine: "Engine", options: RunnerOptions) -> Runner:
+def choose(engine: EngineCore, options: RunnerOptions) -> Runner:
     """The engine's runner for these options (see register)."""
     return runner_class(options)(engine, options)
