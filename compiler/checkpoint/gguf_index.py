@@ -3,8 +3,8 @@
     read_index(path) -> GGUFIndex(version, fields {key: Python value}, tensors {name: GGUFTensor})
 
 gguf-py's GGUFReader builds a numpy view for every part of every metadata value: a 49k-token
-vocabulary with its merges is ~250k views, ~1.5 s of every start-up of a small model (measured in
-scripts/profile_startup.py). This reader decodes values straight into Python objects (what
+vocabulary with its merges is ~250k views, a visible part of every start-up of a small model
+(scripts/profile_startup.py; scripts/results/design-measurements.md). This reader decodes values straight into Python objects (what
 GGUFReader's `ReaderField.contents()` returns: int, float, bool, str, or a list of them) and maps
 tensor data lazily, as the same numpy arrays GGUFReader hands out (typed for F32/F16/..., uint8
 [..., bytes per row] for block types). llama.cpp's format spec: gguf.md in ggml's repository.

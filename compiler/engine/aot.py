@@ -7,10 +7,8 @@ Why: a layer compiled by torch.compile is entered through a dynamo frame, a comp
 and inductor's Python wrapper (one Python call and size assert per op) on every layer of every
 step; at batch 1 on a CPU that is a third of a small model's decode step. A package is one C++
 call per layer. And a process that only loads packages imports neither dynamo nor inductor
-(~4 s of torch's Python) and traces nothing: a warm start of SmolLM2 went from 11-13 s to a
-median of 4.4-5.0 s (scripts/profile_startup.py --cli).
-Measured in one process on the same weights and caches (SmolLM2-135M int4, 2 threads, AMD EPYC):
-decode 66.6 tok/s through packages against 40.6 through the compiled layers, equal logits.
+(seconds of torch's Python) and traces nothing. Measurements: scripts/results/design-measurements.md
+(warm start, packages against compiled layers) and scripts/results/quant_smollm2_aot.json.
 
 What a package is: the layer's `prefill(h, cache, ctx)` or `decode(h, cache, ctx)` exported
 (torch.export, non-strict) with everything it reads as *inputs*: the layer's parameters and
@@ -26,8 +24,8 @@ Packages live in the zoo compile cache, `aot/<key>.pt2`, key = sha256 of: the st
 structure, the inputs' layout (shapes, dtypes, strides; the length dimension as a range) and the
 context's non-tensor values, the CPU's instruction set (torch's get_cpu_capability), torch's
 version and the source of every module of zoo's compiler package (any change to zoo's code misses
-and rebuilds). A hit loads with torch._C._aoti's runner; a miss exports, compiles (inductor,
-~15-25 s a package) and writes the package atomically.
+and rebuilds). A hit loads with torch._C._aoti's runner; a miss exports, compiles (inductor: seconds
+a package) and writes the package atomically.
 
 Not for: CUDA (the decode step is a CUDA graph there), tensor parallel (collectives), layers
 whose step reads tensors that are neither parameters, buffers, cache fields nor context

@@ -10,8 +10,8 @@
         type's integer codes with their group scales and offsets, exactly (gguf_blocks.py)
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`) reach 3-5 GB/s at one row on an AVX2 EPYC (measured in bfloat16; their
-float32 path is a scalar fallback, 30-40x slower), a fifth of what a plain read streams, and
+`_weight_int8pack_mm`) stream a fraction of what a plain read does at one row (their float32
+path is a scalar fallback; scripts/results/design-measurements.md), and
 torchao's CPU int4 layout calls the same op (its int8-activation kernels need AVX512-VNNI / AMX).
 Decode is a matrix-vector product per linear, so its speed is how fast the codes can be read:
 for up to FEW_ROWS rows (a decode batch) the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8

@@ -14,8 +14,8 @@ looping inside over the experts that own rows and calling torch's weight-only ke
 their quantized weights (`torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu`): a
 decode step reads only the chosen experts' quantized bytes, and the graph holds one op whatever E
 is. The alternative, gathering the chosen experts' codes into the graph and dequantizing them
-before a batched matmul, copies the gathered bytes and then reads them again as floats; it
-measured slower on the DeepSeek-V3-small shapes (scripts/bench_quant_experts.py).
+before a batched matmul, copies the gathered bytes and then reads them again as floats, which
+is slower (scripts/bench_quant_experts.py).
 
 Plain buffers, no tensor subclass; the loader fills them one expert at a time (`load_weight(value,
 index)`, the rows of a `stack: expert` rule), or a whole stacked tensor expert by expert.
@@ -220,7 +220,7 @@ def quantize_experts(model: nn.Module, mode: str, group: int, compute_dtype: tor
 
 def kernel_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     """The experts' compute dtype: torch's weight-only kernels are fast in bfloat16 / float16 only
-    (their float32 path is a scalar fallback, ~20x slower measured here), so a float32 compute
+    (their float32 path is a scalar fallback), so a float32 compute
     dtype (a choice for the linears' own kernels) becomes bfloat16 for the experts."""
     return compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
