@@ -144,7 +144,7 @@ def run_checks(family: Family, checks: tuple, ref, model) -> None:
 
 class Families:
     """The table's references, checkpoints and eager zoo models, each built on first use and kept
-    for the session (tiny: a few MB each); compiled models are built by the test that needs them."""
+    for the session; compiled models are built by the test that needs them (and dropped after)."""
 
     def __init__(self, table: Mapping[str, Family], tmp_path_factory):
         self.table = table
