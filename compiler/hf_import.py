@@ -58,9 +58,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import compose, conf_dir
 from .errors import ConfigError
-from .import_expr import Expr, parse, parse_range
+from .import_expr import ABSENT as _ABSENT, Expr, lookup as _get, parse, parse_range
 
-_ABSENT = object()
 # conf/hf/ files that are not import maps: the quantization table and the keys every config has
 QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
 COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
@@ -275,15 +274,6 @@ def check_keys(config: dict, spec: dict, where: str) -> None:
                               f"model_type {config.get('model_type')!r}: map it (fields), require a value (expect), "
                               f"or list it under irrelevant: with the reason it does not change inference "
                               f"(see {ADDING_A_FAMILY})")
-
-
-def _get(config: dict, dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node
 
 
 def _get_first(config: dict, keys: Any) -> Any:

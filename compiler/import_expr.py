@@ -51,15 +51,15 @@ class Missing(Exception):
         self.key = key
 
 
-_ABSENT = object()
+ABSENT = object()  # a key config.json does not have (None is a present null)
 
 
 def lookup(config: Mapping, dotted: str) -> Any:
-    """config.json's value at a dotted key, or _ABSENT."""
+    """config.json's value at a dotted key, or ABSENT."""
     node: Any = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
-            return _ABSENT
+            return ABSENT
         node = node[part]
     return node
 
@@ -141,7 +141,7 @@ class Expr:
                 parts.append(f"{key}={local[key]!r}")
                 continue
             value = lookup(config, key)
-            parts.append(f"{key} absent" if value is _ABSENT else f"{key}={_short(value)}")
+            parts.append(f"{key} absent" if value is ABSENT else f"{key}={_short(value)}")
         return ", ".join(parts) or "no config.json keys"
 
 
@@ -253,7 +253,7 @@ class _Evaluator:
         self.config, self.local = config, local
 
     def key(self, node: ast.AST) -> Any:
-        """The value of a key node, or _ABSENT (literal and local names are never absent)."""
+        """The value of a key node, or ABSENT (literal and local names are never absent)."""
         name = _dotted(node)
         if name in LITERAL_NAMES:
             return LITERAL_NAMES[name]
@@ -266,7 +266,7 @@ class _Evaluator:
             return node.value
         if isinstance(node, (ast.Name, ast.Attribute)):
             value = self.key(node)
-            if value is _ABSENT:
+            if value is ABSENT:
                 raise Missing(_dotted(node))
             return value
         if isinstance(node, ast.List):
@@ -278,7 +278,7 @@ class _Evaluator:
                 *keys, last = _coalesced(node)
                 for sub in keys:
                     value = self.key(sub) if _dotted(sub) is not None else self.run(sub)
-                    if value is not _ABSENT and value is not None:
+                    if value is not ABSENT and value is not None:
                         return value
                 return self.run(last)
             left, right = self.run(node.left), self.run(node.right)
@@ -317,10 +317,10 @@ class _Evaluator:
         if isinstance(node, ast.Call):
             name = node.func.id
             if name == "has":
-                return self.key(node.args[0]) is not _ABSENT
+                return self.key(node.args[0]) is not ABSENT
             if name == "default":
                 value = self.key(node.args[0])
-                return self.run(node.args[1]) if value is _ABSENT else value
+                return self.run(node.args[1]) if value is ABSENT else value
             return _FUNCTIONS[name](*(self.run(a) for a in node.args))
         raise AssertionError(f"unchecked node {type(node).__name__}")  # _check refused it
 

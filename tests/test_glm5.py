@@ -28,6 +28,7 @@ from zoo.compiler.mixers import dsa
 from zoo.compiler.mixers.dsa import DSA, choice_mask
 from zoo.compiler.errors import ConfigError
 from zoo.compiler.mixers.mla import MLA
+from tests.family_harness import greedy
 from tests.deepseek_v3_fixtures import YARN, add_shard, make_mtp_layer, mtp_hub_tensors, mtp_reference, randomize
 from tests.helpers import assert_logits_close, check_parity, save_reference
 from tests.test_fp8 import QUANT, is_fp8, quantize, stored_values
@@ -82,15 +83,6 @@ def models(families):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@torch.no_grad()
-def greedy(ref, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    """The reference's greedy continuation [B, L + steps] (what check_parity will feed back)."""
-    seq = ids
-    for _ in range(steps):
-        seq = torch.cat((seq, ref(seq).logits[:, -1].argmax(-1)[:, None]), dim=1)
-    return seq
 
 
 @torch.no_grad()
