@@ -25,7 +25,7 @@ Conventions (stated in every report):
                  each sequence's cache reads at context T (`decode_cache_bytes`: DSA reads every
                  indexer key but only top-k latents).
 
-The hooks these figures read are the contracts' (contracts.py): every mixer's `attention_flops`,
+The hooks these figures read are the contracts' (compiler/contracts/): every mixer's `attention_flops`,
 `prefill_attention_flops` and `decode_cache_bytes`, every FFN's `routed_parameters` and
 `decode_weight_fraction`, and the module protocols `RefinesActiveParameters` (MoE, hash tables)
 and `ExtraTokenFlops` (mHC, compressors).

@@ -18,5 +18,5 @@ class InputError(ZooError):
 
 
 class ContractError(TypeError):
-    """A kind class that does not meet its slot's contract (contracts.py): a bug in that kind's
+    """A kind class that does not meet its slot's contract (compiler/contracts/): a bug in that kind's
     module, reported when the module is imported."""

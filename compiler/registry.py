@@ -20,7 +20,7 @@ T = TypeVar("T", bound=type)
 
 def register(slot: str, kind: str) -> Callable[[T], T]:
     """Class decorator: make `cls` buildable as `kind` in `slot`; `cls` must meet the slot's
-    contract (contracts.py), checked here."""
+    contract (compiler/contracts/slots.py), checked here."""
 
     def deco(cls: T) -> T:
         from .contracts import contract_problems

@@ -1,5 +1,5 @@
 """The sharding plan: each kind states which of its parameters split on which dimension (its
-`shard(plan)` hook, contracts.py); the driver here applies those declarations to a model on the
+`shard(plan)` hook, compiler/contracts/slots.py); the driver here applies those declarations to a model on the
 meta device and hands the loader, per parameter, the part of the stored tensor this rank reads.
 
     shard_model(model, mesh) -> {parameter name: Slice}
