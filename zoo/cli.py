@@ -308,7 +308,7 @@ def cmd_check(opts: dict, overrides: list[str]) -> int:
     spec = s.spec
     model = cast_stage(spec, s.dtype, mtp=s.mtp).module
     plan = plan_load(model, source, checkpoint_stages(source, spec), strict=False)
-    data = list(getattr(source, "data_problems", None) or [])
+    data = list(source.data_problems or [])  # contracts.Source declares it (None: verified on open)
     print_check(source.description, label, plan, data)
     return 0 if plan.ok and not data else 1
 

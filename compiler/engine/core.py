@@ -115,12 +115,12 @@ class Engine:
     @property
     def _graph(self):
         """The captured CUDA graph (None before warmup, or without one)."""
-        return getattr(self._runner, "graph", None)
+        return self._runner.graph
 
     @property
     def _trusted(self):
         """Whether compiled decode steps skip dynamo's guards (None: not decided or not compiled)."""
-        return getattr(self._runner, "trusted", None)
+        return self._runner.trusted
 
     @property
     def length(self) -> int:

@@ -59,6 +59,11 @@ class Runner:
     prefill and of a decode step; the rest has a default here."""
 
     kind: ClassVar[str]  # set by @register
+    # declared for reports and tests, each with its default: the captured CUDA graph (None: no
+    # capture, or not yet) and whether compiled decode steps skip dynamo's guards (None: not
+    # decided, or nothing compiled)
+    graph: "torch.cuda.CUDAGraph | None" = None
+    trusted: bool | None = None
 
     def __init__(self, engine: EngineCore, options: RunnerOptions):
         self.engine = engine

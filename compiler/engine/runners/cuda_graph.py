@@ -27,6 +27,11 @@ class CUDAGraphRunner(Runner):
     def name(self) -> str:
         return f"{self.kind}+{self.inner.name}"
 
+    @property
+    def trusted(self) -> bool | None:
+        """The inner runner's (outside the captured step, e.g. in warm-up)."""
+        return self.inner.trusted
+
     def prefill_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self.inner.prefill_layers(where, layers, caches, h, ctx)
 
