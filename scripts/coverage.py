@@ -52,8 +52,9 @@ def not_decoder_reason(model_type: str):
         source = inspect.getsource(model_cls.__init__) if model_cls is not None else ""
     except (OSError, TypeError):
         source = ""
-    if "is_decoder" in source:  # the encoder families warn "add is_decoder=True" to use the head
-        return "encoder with a causal-LM head (bidirectional unless config.is_decoder)"
+    if "is_decoder" in source:  # such families warn "add is_decoder=True" to use the head
+        return ("needs config.is_decoder (bidirectional without it): an encoder family's causal head or the "
+                "decoder half of an encoder-decoder")
     return None
 
 
