@@ -1,7 +1,7 @@
 """`zoo verify` (zoo/verify.py): a tiny transformers twin loaded through zoo's own import path,
 prefill and every greedy decode step compared; the verdicts ok / mismatch / refused; the
 coverage table (docs/coverage.md, scripts/coverage.py) in agreement with the shipped import maps.
-Eager throughout (a twin is a few seconds); the compiled path is the same comparison."""
+Eager (a twin is a few seconds) except the one test about compile=true."""
 from __future__ import annotations
 
 import os
@@ -31,10 +31,16 @@ def test_shipped_family_ok(model_type):
         assert len(set(v.twin["layer_types"])) > 1
 
 
+def test_compiled():
+    """compile=true: the same comparison through the compiled prefill and decode graphs."""
+    v = verify("qwen3", compile=True)
+    assert v.status == "ok" and v.compiled, (v.message, v.steps)
+
+
 def test_cli_prints_table_and_verdict(capsys):
     assert main(["verify", "mistral"]) == 0
     out = capsys.readouterr().out
-    assert "prefill" in out and "decode 5" in out and "ok: worst relative error" in out
+    assert "prefill" in out and "decode 5" in out and "ok: worst relative error" in out and "eager" in out
 
 
 def test_targets():

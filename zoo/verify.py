@@ -46,13 +46,14 @@ class Verdict:
     steps: list[tuple[str, float]] = field(default_factory=list)  # (prefill | decode k, worst rel err)
     message: str = ""  # zoo's error for "refused"
     twin: dict = field(default_factory=dict)  # the twin's config.json
+    compiled: bool = False
 
     @property
     def worst(self) -> Optional[float]:
         return max(e for _, e in self.steps) if self.steps else None
 
     def to_json(self) -> dict:
-        return {"model_type": self.model_type, "status": self.status, "worst": self.worst,
+        return {"model_type": self.model_type, "status": self.status, "worst": self.worst, "compiled": self.compiled,
                 "steps": [{"step": s, "rel_err": e} for s, e in self.steps], "message": self.message}
 
 
@@ -126,8 +127,10 @@ def twin_config(model_type: str, config: Optional[dict] = None):
         raise ZooError(f"model_type {model_type!r} is not one of transformers {transformers.__version__}'s "
                        f"config classes: no oracle to compare with")
     cls = transformers.CONFIG_MAPPING[model_type]
+    # the twin is float32 with random weights: a checkpoint's storage format does not carry over
     base = {k: v for k, v in (config or {}).items()
-            if k not in ("model_type", "architectures", "transformers_version", "_name_or_path")}
+            if k not in ("model_type", "architectures", "transformers_version", "_name_or_path",
+                         "quantization_config", "dtype", "torch_dtype")}
     full = cls(**base)
     common, own, min_layers = _verify_section(model_type)
     kw = dict(base)
@@ -229,7 +232,7 @@ def verify(target_type: str, config: Optional[dict] = None, overrides: Sequence[
                 out.append((f"decode {k + 1}", rel_err(model.decode(tok), expected[:, -1])))
         worst = max(e for _, e in out)
         ok = worst <= OK_RTOL and all(e == e for _, e in out)  # NaN is never ok
-        return Verdict(target_type, "ok" if ok else "mismatch", out, twin=twin_cfg)
+        return Verdict(target_type, "ok" if ok else "mismatch", out, twin=twin_cfg, compiled=compile)
 
 
 def print_verdict(v: Verdict, label: str = "") -> None:
@@ -238,7 +241,8 @@ def print_verdict(v: Verdict, label: str = "") -> None:
     from rich.table import Table
 
     console = Console()
-    title = f"zoo verify {v.model_type}" + (f" ({label})" if label and label != v.model_type else "")
+    title = (f"zoo verify {v.model_type}" + (f" ({label})" if label and label != v.model_type else "")
+             + (", compiled" if v.compiled else ", eager"))
     if v.status == "refused":
         console.print(f"[bold]{title}[/bold]: [yellow]refused[/yellow]: {v.message}")
         return
