@@ -203,7 +203,7 @@ def verify(target_type: str, config: Optional[dict] = None, overrides: Sequence[
     require_transformers()
     with tempfile.TemporaryDirectory(prefix=f"zoo-verify-{target_type}-", dir=workdir) as tmp:
         path = Path(tmp)
-        twin = twin_config(target_type, config)
+        twin = _transformers_step(target_type, "config", lambda: twin_config(target_type, config))
         twin.save_pretrained(path)
         twin_cfg = json.loads((path / "config.json").read_text())
         try:  # zoo's refusal first, from the twin's config.json alone (cheap: no model built)
@@ -212,7 +212,7 @@ def verify(target_type: str, config: Optional[dict] = None, overrides: Sequence[
             import_config(twin_cfg, f"{target_type} twin", overrides)
         except ZooError as e:
             return Verdict(target_type, "refused", message=str(e), twin=twin_cfg)
-        ref = build_twin(target_type, twin, path)
+        ref = _transformers_step(target_type, "model", lambda: build_twin(target_type, twin, path))
         try:
             model = from_pretrained(str(path), compile=compile, max_batch=BATCH, max_seq=PROMPT + steps + 1,
                                     overrides=list(overrides))
@@ -233,6 +233,20 @@ def verify(target_type: str, config: Optional[dict] = None, overrides: Sequence[
         worst = max(e for _, e in out)
         ok = worst <= OK_RTOL and all(e == e for _, e in out)  # NaN is never ok
         return Verdict(target_type, "ok" if ok else "mismatch", out, twin=twin_cfg, compiled=compile)
+
+
+def _transformers_step(model_type: str, what: str, fn):
+    """fn(), with transformers' own failure to build the twin's config or model (not zoo's) as a
+    ZooError that says where the family's twin sizes go."""
+    try:
+        return fn()
+    except ZooError:
+        raise
+    except Exception as e:
+        line = (str(e).strip().splitlines() or [""])[-1].strip()
+        raise ZooError(f"transformers could not build the {what} of {model_type!r}'s tiny twin "
+                       f"({type(e).__name__}: {line}); give its import map a `verify: {{config: {{...}}}}` "
+                       f"section with sizes its config class accepts (docs/adding-a-family.md)") from e
 
 
 def print_verdict(v: Verdict, label: str = "") -> None:
