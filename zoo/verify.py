@@ -187,7 +187,8 @@ def build_twin(model_type: str, twin, path: Path):
 # --------------------------------------------------------------------------- the comparison
 
 def rel_err(actual, expected) -> float:
-    """max |a - e| / max |e|: the error at the logits' scale (tests/helpers.py's floor)."""
+    """Logits [B, L, V] or [B, V] -> max |a - e| / max |e|: the error at the logits' scale
+    (tests/helpers.py's floor)."""
     expected = expected.float()
     return float((actual.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
@@ -218,7 +219,7 @@ def verify(target_type: str, config: Optional[dict] = None, overrides: Sequence[
                                     overrides=list(overrides))
         except ZooError as e:
             return Verdict(target_type, "refused", message=str(e), twin=twin_cfg)
-        vocab = int(twin_cfg["vocab_size"])
+        vocab = int(twin.vocab_size)
         gen = torch.Generator().manual_seed(SEED)
         seq = torch.randint(0, vocab, (BATCH, PROMPT), generator=gen)
         out = []
