@@ -131,3 +131,27 @@ def test_coverage_table_agrees_with_shipped_import_maps():
         assert rows[t][0] != "ok", t
     readme = (ROOT / "README.md").read_text()
     assert f"**{len(ok)} of the" in readme
+
+
+def _coverage_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coverage_script", ROOT / "scripts" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_sample():
+    """scripts/coverage.py's classes on a sample (the full run is the script, outside the tests):
+    one twin in its own process, the static classes, zoo's refusal made one line."""
+    cov = _coverage_script()
+    row = cov.run_one("smollm3", timeout=600)
+    assert row["status"] == "ok" and row["worst"] <= OK_RTOL, row
+    assert "encoder-decoder" in cov.not_decoder_reason("bart")
+    assert "is_decoder" in cov.not_decoder_reason("bert")
+    assert "vision_config" in cov.not_decoder_reason("gemma3")
+    assert cov.not_decoder_reason("llama") is None
+    assert cov.static("olmo")["detail"].startswith("no import map")
+    assert cov.concept("/tmp/zoo-verify-x-abc (1 safetensors file): mixers.swa: o_groups=8\n does not divide") == \
+        "mixers.swa: o_groups=8 does not divide"
