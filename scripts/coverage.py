@@ -178,6 +178,12 @@ def main() -> None:
     if args.readme:
         write_readme()
         return
+    import os
+    import tempfile
+
+    # the table is the shipped import maps': a user conf dir's families stay out (here and in
+    # every worker, which inherits the empty dir)
+    os.environ["ZOO_CONF_DIR"] = tempfile.mkdtemp(prefix="zoo-coverage-conf-")
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
