@@ -63,7 +63,7 @@ from .import_expr import ABSENT as _ABSENT, Expr, lookup as _get, parse, parse_r
 # conf/hf/ files that are not import maps: the quantization table and the keys every config has
 QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
 COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
-IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "require", "set", "rope", "ropes",
+IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "require", "set", "rope", "ropes", "verify",
                    "layout_from", "irrelevant", "cases"}
 # a `layout_from` rule: `key` (config.json's per-layer list) and at most one fill, used when
 # config.json lacks the list (a rule without `key` needs its fill)

@@ -13,6 +13,8 @@
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
+    zoo verify <model_type | checkpoint dir | conf name> [compile=true] [output=json] [overrides]
+                                     (a tiny random twin against transformers: needs zoo[verify])
 
 Arguments are key=value. Each command reads the keys COMMAND_KEYS lists for it; a key only another
 command reads is an error (`zoo build temperature=0.7`); every other key=value (or +key=value, ~key)
@@ -44,6 +46,7 @@ COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "configs": set(),
     "families": {"markdown"},
     "cache": set(),
+    "verify": {"output"},
 }.items()}
 ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
 # commands that read no config: an override would be ignored, so it is refused
@@ -384,6 +387,28 @@ def cmd_cache(opts: dict, overrides: list[str], positional: list[str]) -> int:
     return 0
 
 
+def cmd_verify(opts: dict, overrides: list[str], positional: list[str]) -> int:
+    """zoo/verify.py: prefill and every greedy decode step of a tiny twin against transformers;
+    exit 0 only when every target's verdict is ok."""
+    from .verify import print_verdict, resolve, verify
+
+    if len(positional) != 1:
+        raise ZooError("verify needs one target: zoo verify <model_type | checkpoint dir | conf name>")
+    compile_ = [o for o in overrides if o.startswith("runtime.compile=")]  # the compile= shortcut
+    compiled = _bool({"compile": compile_[-1].partition("=")[2]}, "compile", False) if compile_ else False
+    overrides = [o for o in overrides if o not in compile_]
+    verdicts = [verify(model_type, config, overrides, compile=compiled)
+                for model_type, config in resolve(positional[0])]
+    if opts.get("output") == "json":
+        import json
+
+        print(json.dumps([v.to_json() for v in verdicts], indent=2))
+    else:
+        for v in verdicts:
+            print_verdict(v, positional[0])
+    return 0 if all(v.status == "ok" for v in verdicts) else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -393,7 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handlers = {"build": cmd_build, "generate": cmd_generate, "report": cmd_report, "check": cmd_check,
                 "configs": cmd_configs, "families": cmd_families, "patterns": cmd_patterns,
                 "serve": cmd_serve}
-    positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache}
+    positional_handlers = {"diff": cmd_diff, "import": cmd_import, "cache": cmd_cache, "verify": cmd_verify}
     if command not in handlers and command not in positional_handlers:
         known = ", ".join([*handlers, *positional_handlers])
         print(f"zoo: unknown command {command!r}; expected one of {known}", file=sys.stderr)
