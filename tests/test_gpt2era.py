@@ -1,0 +1,69 @@
+"""The GPT-2-era families (LayerNorm, learned positions, non-gated MLPs, fused and Conv1D QKV,
+ALiBi, multi-query, partial rotary of either pairing, parallel residuals, q/k norms) from
+configuration alone: tiny random transformers checkpoints with odd sizes (their prefill / decode
+parity, eager and compiled: tests/test_family_parity.py's gpt2era/* entries), exact parameter
+counts of the flagship presets against transformers on the meta device, and what the import
+refuses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zoo
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 301
+NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name: (transformers config class prefix, the tiny config.json values); odd sizes throughout
+FAMILIES = {
+    "gpt2": ("GPT2", dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=3, n_head=4, n_inner=100)),
+}
+
+
+def make_config(family: str, **kw):
+    prefix, values = FAMILIES[family]
+    return getattr(transformers, f"{prefix}Config")(**{**values, **NO_TOKENS, **kw})
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module) -> None:
+    """Every constant-initialised vector (norm weights at 1, biases at 0) made random, so that a
+    misplaced or missing one shows."""
+    for p in model.parameters():
+        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
+            p.uniform_(0.5, 1.5) if p.flatten()[0] == 1 else p.normal_(0.0, 0.2)
+
+
+def reference(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(make_config(family)).eval()
+    randomize(ref)
+    return ref
+
+
+# Flagship config.json values (the published configs of the checkpoints each preset names)
+FLAGSHIPS = {
+    "gpt2": ("GPT2", dict()),  # GPT2Config's defaults are openai-community/gpt2's
+}
+
+
+@pytest.mark.parametrize("preset", list(FLAGSHIPS))
+def test_flagship_parameter_count(preset):
+    """The preset's exact parameter count equals transformers' for the published config (meta
+    device), and importing that config gives the preset's layers."""
+    from zoo.compiler.hf_import import import_config
+    from zoo.compiler.spec import validate
+
+    prefix, values = FLAGSHIPS[preset]
+    config = getattr(transformers, f"{prefix}Config")(**values)
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(config)
+    want = sum(p.numel() for p in ref.parameters())  # tied weights appear once
+    m = zoo.build(preset, dry=True)
+    assert m.info.params == want
+    imported = validate(import_config(config.to_dict(), preset), preset)
+    assert imported.layers == m.spec.layers and imported.dim == m.spec.dim
