@@ -155,7 +155,7 @@ for _name, (_cls_name, _cfg, _kw, _batch, _seed) in glm5.VARIANTS.items():
 GPT2ERA_COMPILED = {"gpt2": 2}  # one sample per concept, compiled: graphs per entry point
 for _i, _name in enumerate(gpt2era.FAMILIES):
     FAMILIES[f"gpt2era/{_name}"] = Family(
-        (lambda n=_name, i=_i: gpt2era.reference(n, i)), model_type=_name, rtol=1e-4, max_seq=40,
+        (lambda n=_name, i=_i: gpt2era.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
         eager=(P(9, 6), DEP(20, 7)),
         compiled=(P(9, 4), P(17, 2), DEP(20, 7)) if _name in GPT2ERA_COMPILED else (),
         graphs=GPT2ERA_COMPILED.get(_name))

@@ -21,6 +21,14 @@ NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 # name: (transformers config class prefix, the tiny config.json values); odd sizes throughout
 FAMILIES = {
     "gpt2": ("GPT2", dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=3, n_head=4, n_inner=100)),
+    # rotary on 3/8 of each 16-wide head, parallel attention + MLP with a norm each
+    "gpt_neox": ("GPTNeoX", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 intermediate_size=100, max_position_embeddings=64,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.375})),
+    "gpt_neox/sequential": ("GPTNeoX", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=100, max_position_embeddings=64,
+                                            use_parallel_residual=False, hidden_act="relu", attention_bias=False)),
 }
 
 
@@ -48,6 +56,7 @@ def reference(family: str, seed: int = 0):
 # Flagship config.json values (the published configs of the checkpoints each preset names)
 FLAGSHIPS = {
     "gpt2": ("GPT2", dict()),  # GPT2Config's defaults are openai-community/gpt2's
+    "gpt_neox_20b": ("GPTNeoX", dict()),  # GPTNeoXConfig's defaults are EleutherAI/gpt-neox-20b's
 }
 
 
