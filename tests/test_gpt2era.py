@@ -29,6 +29,9 @@ FAMILIES = {
     "gpt_neox/sequential": ("GPTNeoX", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, intermediate_size=100, max_position_embeddings=64,
                                             use_parallel_residual=False, hidden_act="relu", attention_bias=False)),
+    # rotary on 6 of 16 channels per head in interleaved pairs; one shared norm, parallel
+    "gptj": ("GPTJ", dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=3, n_head=4, rotary_dim=6,
+                          n_inner=100)),
 }
 
 
@@ -57,6 +60,7 @@ def reference(family: str, seed: int = 0):
 FLAGSHIPS = {
     "gpt2": ("GPT2", dict()),  # GPT2Config's defaults are openai-community/gpt2's
     "gpt_neox_20b": ("GPTNeoX", dict()),  # GPTNeoXConfig's defaults are EleutherAI/gpt-neox-20b's
+    "gptj_6b": ("GPTJ", dict()),  # GPTJConfig's defaults are EleutherAI/gpt-j-6b's
 }
 
 
