@@ -32,6 +32,9 @@ FAMILIES = {
     # rotary on 6 of 16 channels per head in interleaved pairs; one shared norm, parallel
     "gptj": ("GPTJ", dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=3, n_head=4, rotary_dim=6,
                           n_inner=100)),
+    # positions two rows down the learned table, ReLU MLP
+    "opt": ("OPT", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, ffn_dim=100,
+                        max_position_embeddings=64, word_embed_proj_dim=48)),
 }
 
 
@@ -61,6 +64,8 @@ FLAGSHIPS = {
     "gpt2": ("GPT2", dict()),  # GPT2Config's defaults are openai-community/gpt2's
     "gpt_neox_20b": ("GPTNeoX", dict()),  # GPTNeoXConfig's defaults are EleutherAI/gpt-neox-20b's
     "gptj_6b": ("GPTJ", dict()),  # GPTJConfig's defaults are EleutherAI/gpt-j-6b's
+    "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
+                             word_embed_proj_dim=4096)),
 }
 
 
