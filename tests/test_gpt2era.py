@@ -35,6 +35,11 @@ FAMILIES = {
     # positions two rows down the learned table, ReLU MLP
     "opt": ("OPT", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, ffn_dim=100,
                         max_position_embeddings=64, word_embed_proj_dim=48)),
+    # one shared norm, parallel; rotary on 10 of 16 channels (rotate-half); GQA; per-head q/k LayerNorm
+    "phi": ("Phi", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64, qk_layernorm=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "partial_rotary_factor": 0.625})),
 }
 
 
@@ -64,6 +69,9 @@ FLAGSHIPS = {
     "gpt2": ("GPT2", dict()),  # GPT2Config's defaults are openai-community/gpt2's
     "gpt_neox_20b": ("GPTNeoX", dict()),  # GPTNeoXConfig's defaults are EleutherAI/gpt-neox-20b's
     "gptj_6b": ("GPTJ", dict()),  # GPTJConfig's defaults are EleutherAI/gpt-j-6b's
+    "phi2": ("Phi", dict(vocab_size=51200, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+                         num_attention_heads=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 0.4})),
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
