@@ -40,6 +40,10 @@ FAMILIES = {
                         num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64, qk_layernorm=True,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                          "partial_rotary_factor": 0.625})),
+    # LayerNorm + biases everywhere, GQA, a sliding window shorter than the prompts
+    "starcoder2": ("Starcoder2", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
+                                      sliding_window=7)),
 }
 
 
@@ -72,6 +76,8 @@ FLAGSHIPS = {
     "phi2": ("Phi", dict(vocab_size=51200, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
                          num_attention_heads=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                   "partial_rotary_factor": 0.4})),
+    "starcoder2_3b": ("Starcoder2", dict(sliding_window=4096, max_position_embeddings=16384,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813})),
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
