@@ -44,6 +44,11 @@ FAMILIES = {
     "starcoder2": ("Starcoder2", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
                                       sliding_window=7)),
+    # multi-query attention (one key/value head), GPT-2's blocks; and its multi-head variant
+    "gpt_bigcode": ("GPTBigCode", dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=3, n_head=4,
+                                       n_inner=100)),
+    "gpt_bigcode/mha": ("GPTBigCode", dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=4,
+                                           n_inner=100, multi_query=False, activation_function="gelu")),
 }
 
 
@@ -78,6 +83,8 @@ FLAGSHIPS = {
                                                                   "partial_rotary_factor": 0.4})),
     "starcoder2_3b": ("Starcoder2", dict(sliding_window=4096, max_position_embeddings=16384,
                                          rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813})),
+    "gpt_bigcode_santacoder": ("GPTBigCode", dict(vocab_size=49280, n_positions=2048, n_embd=2048, n_layer=24,
+                                                  n_head=16, n_inner=8192)),
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }

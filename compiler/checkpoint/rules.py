@@ -58,6 +58,14 @@ OmegaConf.register_new_resolver("zoo.add", lambda *xs: sum(xs), replace=True)
 # first argument that is set (not null/0/false), e.g. n_kv_heads or else n_heads
 OmegaConf.register_new_resolver("zoo.or", lambda *xs: next((x for x in xs if x), xs[-1]), replace=True)
 OmegaConf.register_new_resolver("zoo.mul", lambda *xs: math.prod(xs), replace=True)
+# exact integer division, e.g. query rows per kv head (n_heads * head_dim / n_kv_heads)
+OmegaConf.register_new_resolver("zoo.div", lambda a, b: _exact_div(a, b), replace=True)
+
+
+def _exact_div(a: int, b: int) -> int:
+    if b == 0 or a % b:
+        raise CheckpointError(f"zoo.div: {a} is not a multiple of {b}")
+    return a // b
 
 
 def _exact_div(a: int, b: int) -> int:
