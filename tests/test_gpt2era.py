@@ -49,6 +49,18 @@ FAMILIES = {
                                        n_inner=100)),
     "gpt_bigcode/mha": ("GPTBigCode", dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=4,
                                            n_inner=100, multi_query=False, activation_function="gelu")),
+    # ALiBi over 6 heads (not a power of two: the second slope series), a norm after the embedding
+    "bloom": ("Bloom", dict(vocab_size=VOCAB, hidden_size=48, n_layer=3, n_head=6)),
+    # Falcon-7B's block: multi-query, one shared norm, parallel, no biases
+    "falcon": ("Falcon", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              max_position_embeddings=64)),
+    # the new architecture: 6 query heads over 2 kv heads, a norm each, biases
+    "falcon/new": ("Falcon", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                  num_kv_heads=2, new_decoder_architecture=True, bias=True, ffn_hidden_size=100,
+                                  max_position_embeddings=64)),
+    # the old multi-head layout, sequential block
+    "falcon/sequential": ("Falcon", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                         multi_query=False, parallel_attn=False, max_position_embeddings=64)),
 }
 
 
@@ -85,6 +97,8 @@ FLAGSHIPS = {
                                          rope_parameters={"rope_type": "default", "rope_theta": 999999.4420358813})),
     "gpt_bigcode_santacoder": ("GPTBigCode", dict(vocab_size=49280, n_positions=2048, n_embd=2048, n_layer=24,
                                                   n_head=16, n_inner=8192)),
+    "bloom_7b1": ("Bloom", dict(vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32)),
+    "falcon_7b": ("Falcon", dict()),  # FalconConfig's defaults are tiiuae/falcon-7b's
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
