@@ -61,6 +61,14 @@ FAMILIES = {
     # the old multi-head layout, sequential block
     "falcon/sequential": ("Falcon", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                                          multi_query=False, parallel_attn=False, max_position_embeddings=64)),
+    # squared ReLU, per-head q/k LayerNorm before a rotary over 6 of 16 channels
+    "persimmon": ("Persimmon", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                    intermediate_size=100, max_position_embeddings=64,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 25000.0,
+                                                     "partial_rotary_factor": 0.375})),
+    # non-parametric LayerNorm, SwiGLU, q/k/v clamped (OLMo 1.7's clip_qkv, low enough to bind)
+    "olmo": ("Olmo", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                          intermediate_size=100, max_position_embeddings=64, clip_qkv=0.2)),
 }
 
 
@@ -99,6 +107,9 @@ FLAGSHIPS = {
                                                   n_head=16, n_inner=8192)),
     "bloom_7b1": ("Bloom", dict(vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32)),
     "falcon_7b": ("Falcon", dict()),  # FalconConfig's defaults are tiiuae/falcon-7b's
+    "persimmon_8b": ("Persimmon", dict(rope_parameters={"rope_type": "default", "rope_theta": 25000.0,
+                                                         "partial_rotary_factor": 0.5})),
+    "olmo_7b": ("Olmo", dict()),  # OlmoConfig's defaults are allenai/OLMo-7B-hf's
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }

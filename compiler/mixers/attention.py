@@ -16,6 +16,7 @@ Options:
                is): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3, Gemma 3) or
                over the whole projection (projection; q_norm [H*Dh], k_norm [Hkv*Dh]; OLMo 2),
                before RoPE (qk_norm_at: before_rope) or after it (after_rope)
+  clip_qkv     q, k and v clamped to [-clip_qkv, clip_qkv] right after the projection (OLMo 1.7)
   alibi        ALiBi: no rotary; each head adds slope_h * (key position) to its logits, the slopes
                Bloom's geometric series over H (alibi_slopes); with a window it is refused
   window       sliding window W: a token sees itself and the W - 1 before it (Mistral, Gemma,
@@ -92,6 +93,7 @@ class Attention(Mixer):
         qk_norm_over: str = "head"  # head: over Dh per head | projection: over all H*Dh (Hkv*Dh) channels
         qk_norm_at: str = "before_rope"  # before_rope | after_rope
         alibi: bool = False  # ALiBi biases instead of rotary (set rotary_fraction: 0)
+        clip_qkv: Optional[float] = None  # clamp q, k, v to [-clip_qkv, clip_qkv] after the projection
         window: Optional[int] = None  # sliding window W (itself + W - 1 before); None: full causal
         softcap: Optional[float] = None  # attention logits -> softcap * tanh(logits / softcap)
         sinks: bool = False  # a learned per-head logit in every softmax (sink.weight [H])
@@ -119,6 +121,8 @@ class Attention(Mixer):
             if self.alibi and (self.rotary_fraction or self.window is not None):
                 return (f"alibi=true takes no rotary and no window (got rotary_fraction={self.rotary_fraction}, "
                         f"window={self.window}); ALiBi is the position signal")
+            if self.clip_qkv is not None and self.clip_qkv <= 0:
+                return f"clip_qkv must be positive (or null), got {self.clip_qkv}"
             if self.window is not None and self.window <= 0:
                 return f"window must be a positive number of tokens (or null), got {self.window}"
             if self.softcap is not None and self.softcap <= 0:
@@ -208,7 +212,10 @@ class Attention(Mixer):
         B, L, _ = x.shape
         H, Hkv, Dh, R = self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim
         gated = self.spec.output_gate
-        q, k, v = self.wqkv(x).split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        qkv = self.wqkv(x)
+        if self.spec.clip_qkv is not None:
+            qkv = qkv.clamp(-self.spec.clip_qkv, self.spec.clip_qkv)
+        q, k, v = qkv.split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         gate = None
         if gated:
             qg = q.view(B, L, H, 2 * Dh)
