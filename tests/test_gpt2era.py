@@ -69,6 +69,13 @@ FAMILIES = {
     # non-parametric LayerNorm, SwiGLU, q/k/v clamped (OLMo 1.7's clip_qkv, low enough to bind)
     "olmo": ("Olmo", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                           intermediate_size=100, max_position_embeddings=64, clip_qkv=0.2)),
+    # LayerNorm + SwiGLU, rotary on a quarter of 16 channels, q/k/v biases; and its parallel variant
+    "stablelm": ("StableLm", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
+                                  use_qkv_bias=True)),
+    "stablelm/parallel": ("StableLm", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, intermediate_size=100,
+                                           max_position_embeddings=64, use_parallel_residual=True)),
 }
 
 
@@ -110,6 +117,7 @@ FLAGSHIPS = {
     "persimmon_8b": ("Persimmon", dict(rope_parameters={"rope_type": "default", "rope_theta": 25000.0,
                                                          "partial_rotary_factor": 0.5})),
     "olmo_7b": ("Olmo", dict()),  # OlmoConfig's defaults are allenai/OLMo-7B-hf's
+    "stablelm_3b": ("StableLm", dict()),  # StableLmConfig's defaults are stabilityai/stablelm-3b-4e1t's
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
