@@ -76,6 +76,10 @@ FAMILIES = {
     "stablelm/parallel": ("StableLm", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=4, intermediate_size=100,
                                            max_position_embeddings=64, use_parallel_residual=True)),
+    # bias-free LayerNorm shared by the parallel block, interleaved rotary, scaled logits
+    "cohere": ("Cohere", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
+                              logit_scale=0.3)),
 }
 
 
@@ -118,6 +122,8 @@ FLAGSHIPS = {
                                                          "partial_rotary_factor": 0.5})),
     "olmo_7b": ("Olmo", dict()),  # OlmoConfig's defaults are allenai/OLMo-7B-hf's
     "stablelm_3b": ("StableLm", dict()),  # StableLmConfig's defaults are stabilityai/stablelm-3b-4e1t's
+    "command_r": ("Cohere", dict(max_position_embeddings=131072,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 8000000.0})),
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
