@@ -152,7 +152,7 @@ for _name, (_cls_name, _cfg, _kw, _batch, _seed) in glm5.VARIANTS.items():
 
 # ----------------------------------------- GPT-2-era families: LayerNorm, MLPs, ALiBi, parallel (test_gpt2era.py)
 
-GPT2ERA_COMPILED = {"gpt2": 2, "bloom": 1}  # one sample per concept, compiled: graphs per entry point
+GPT2ERA_COMPILED = {"gpt2": 2, "bloom": 1, "gptj": 1}  # compiled samples: learned positions + MLP + LayerNorm (the first block reads pos_embed: its own graph), ALiBi + embed norm, parallel + interleaved partial rotary
 for _i, _name in enumerate(gpt2era.FAMILIES):
     FAMILIES[f"gpt2era/{_name}"] = Family(
         (lambda n=_name, i=_i: gpt2era.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,

@@ -145,3 +145,54 @@ def test_flagship_parameter_count(preset):
     assert m.info.params == want
     imported = validate(import_config(config.to_dict(), preset), preset)
     assert imported.layers == m.spec.layers and imported.dim == m.spec.dim
+
+
+@pytest.mark.parametrize("family, change, words", [
+    ("falcon", {"alibi": True}, ["alibi=True", "conf/hf/falcon.yaml"]),
+    ("opt", {"do_layer_norm_before": False}, ["do_layer_norm_before=False", "conf/hf/opt.yaml"]),
+    ("opt", {"word_embed_proj_dim": 32}, ["word_embed_proj_dim=32", "OPT-350m", "conf/hf/opt.yaml"]),
+    ("stablelm", {"qk_layernorm": True}, ["qk_layernorm=True", "conf/hf/stablelm.yaml"]),
+    ("cohere", {"use_qk_norm": True}, ["use_qk_norm=True", "conf/hf/cohere.yaml"]),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, ["scale_attn_by_inverse_layer_idx=True", "conf/hf/gpt2.yaml"]),
+    ("gpt2", {"activation_function": "quick_gelu"}, ["quick_gelu", "conf/hf/gpt2.yaml"]),
+])
+def test_what_cannot_be_expressed_is_refused(family, change, words):
+    from zoo.compiler.hf_import import import_config
+
+    config = {**make_config(family).to_dict(), **change}
+    with pytest.raises(zoo.ConfigError) as e:
+        import_config(config, "config.json")
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("mixers.attn.alibi=true", ["alibi=true takes no rotary", "rotary_fraction=0.25"]),
+    ("mixers.attn.qk_norm_at=middle", ["qk_norm_at='middle'", "before_rope", "after_rope"]),
+    ("mixers.attn.clip_qkv=0", ["clip_qkv must be positive"]),
+    ("ffns.mlp.activation=swish", ["activation='swish'", "relu2"]),
+    ("norm.affine=false", ["bias=true needs affine=true"]),
+    ("residual.parallel=both", ["parallel='both'", "shared_norm", "two_norms"]),
+    ("runtime.max_seq=4096", ["runtime.max_seq=4096", "max_position=1024"]),
+    ("position_offset=-1", ["position_offset: must be >= 0"]),
+])
+def test_bad_options_are_refused(override, words):
+    """Each new option's bad value is a ConfigError naming the key, the value and what was expected."""
+    base = "gpt2" if not override.startswith("mixers.attn.alibi") else "gptj_6b"
+    with pytest.raises(zoo.ConfigError) as e:
+        zoo.build(base, dry=True, overrides=[override])
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_qk_norm_after_rope_is_not_before():
+    """q/k norm after RoPE: the same weights give other logits than before it (a per-head norm
+    over the rotated channels), and both positions build and run."""
+    ids = torch.randint(0, 256, (1, 7))
+    out = {}
+    for at in ("before_rope", "after_rope"):
+        m = zoo.build("gptj_6b_tiny", compile=False, overrides=["mixers.attn.qk_norm=true",
+                                                                 f"mixers.attn.qk_norm_at={at}"])
+        torch.manual_seed(0)
+        for p in m.module.parameters():
+            p.data.normal_(0.0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
+        out[at] = m.prefill(ids)
+    assert not torch.allclose(out["before_rope"], out["after_rope"], rtol=1e-3, atol=1e-3)
