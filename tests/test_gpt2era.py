@@ -80,6 +80,9 @@ FAMILIES = {
     "cohere": ("Cohere", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
                               logit_scale=0.3)),
+    # GPT-J's block with the fused qkv_proj of 4 training shards, each [q | v | k]
+    "codegen": ("CodeGen", dict(vocab_size=VOCAB, n_positions=64, n_ctx=64, n_embd=64, n_layer=3, n_head=4,
+                                rotary_dim=6, n_inner=100)),
 }
 
 
@@ -124,6 +127,7 @@ FLAGSHIPS = {
     "stablelm_3b": ("StableLm", dict()),  # StableLmConfig's defaults are stabilityai/stablelm-3b-4e1t's
     "command_r": ("Cohere", dict(max_position_embeddings=131072,
                                  rope_parameters={"rope_type": "default", "rope_theta": 8000000.0})),
+    "codegen_6b": ("CodeGen", dict(n_layer=33, vocab_size=51200, rotary_dim=64)),  # Salesforce/codegen-6B-mono
     "opt_6_7b": ("OPT", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
                              word_embed_proj_dim=4096)),
 }
