@@ -200,3 +200,17 @@ def test_qk_norm_after_rope_is_not_before():
             p.data.normal_(0.0, 0.3) if p.dim() > 1 else p.data.uniform_(0.5, 1.5)
         out[at] = m.prefill(ids)
     assert not torch.allclose(out["before_rope"], out["after_rope"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["bloom", "gpt2", "persimmon"])
+def test_attention_probe_matches_transformers(families, family):
+    """`zoo patterns`' probe (contracts.AttentionProbe) of the new options, ALiBi, learned positions
+    (added in the first block) and q/k LayerNorm before a partial rotary, against transformers'
+    eager attention weights."""
+    from tests.test_patterns import assert_maps_close, eager_attentions
+    from zoo.compiler.patterns import attention_maps
+
+    ref, path = families.reference(f"gpt2era/{family}")
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    ids = torch.randint(0, VOCAB, (2, 23))
+    assert_maps_close(attention_maps(m.engine, ids), eager_attentions(ref, ids))
