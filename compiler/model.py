@@ -5,7 +5,10 @@
 Model-level options of the spec: `embed_scale` multiplies the embeddings (Gemma: sqrt(dim), as a
 scalar in the embedding dtype, as transformers does; Granite's embedding_multiplier),
 `logits_scaling` divides the logits (Granite), `logit_softcap` squashes them to
-softcap * tanh(logits / softcap) (Gemma 2).
+softcap * tanh(logits / softcap) (Gemma 2), `embed_norm` normalises the embeddings (Bloom:
+embed.norm), `head_bias` gives the head a bias (GPT-J), `learned_positions` adds a learned
+absolute position embedding pos_embed [max_position + position_offset, D] (GPT-2, OPT) to the
+first block's input.
 
 Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in mtp.py.
 """
@@ -28,18 +31,31 @@ class ScaledEmbedding(nn.Embedding):
     """nn.Embedding whose output is multiplied by `scale` (None: 1) cast to the weight dtype
     (Gemma's sqrt(dim), Granite's embedding_multiplier)."""
 
-    def __init__(self, num: int, dim: int, scale: float | None):
+    def __init__(self, num: int, dim: int, scale: float | None, norm: nn.Module | None = None):
         # built on the meta device (build_model) and loaded later: no init, since normal_ on meta
         # runs torch._refs, whose first use imports torch._dynamo (2.6 s of every start-up)
         super().__init__(num, dim, _weight=torch.empty(num, dim))
         self.scale = scale
+        self.norm = norm  # Bloom's word_embeddings_layernorm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = super().forward(ids)
-        if self.scale is None:
-            return out
-        # rounded to the weight dtype first (bfloat16 sqrt(3584) = 60.0, not 59.87), as the references do
-        return out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+        if self.scale is not None:
+            # rounded to the weight dtype first (bfloat16 sqrt(3584) = 60.0, not 59.87), as the references do
+            out = out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+        return out if self.norm is None else self.norm(out)
+
+
+class LearnedPositions(nn.Embedding):
+    """Learned absolute position embeddings: positions [...] -> rows [..., D] of weight
+    [max_position + offset, D], position p at row p + offset (OPT keeps two unused rows)."""
+
+    def __init__(self, rows: int, dim: int, offset: int):
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))  # no init: see ScaledEmbedding
+        self.offset = offset
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return super().forward(pos + self.offset if self.offset else pos)
 
 
 class Decoder(nn.Module):
@@ -53,11 +69,20 @@ class Decoder(nn.Module):
         # rope slot -> schedule: `rope`, plus the spec's extra `ropes` (mixers pick one by rope_slot)
         self.rope_impls = {"rope": self.rope_impl, **{name: make_rope(r) for name, r in spec.ropes.items()}}
         ctx = BuildContext(spec, self.rope_impl)
-        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embed_scale)
-        self.streams = residual_kind(spec.residual).model_streams(spec.residual, ctx)
+        self.embed = ScaledEmbedding(spec.vocab_size, spec.dim, spec.embed_scale,
+                                     make_norm(spec.norm, spec.dim) if spec.embed_norm else None)
+        res = residual_kind(spec.residual)
+        self.streams = res.model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
+        if spec.learned_positions:
+            if res.n_streams(spec.residual) != 1:
+                raise ConfigError(f"{spec.source}: learned_positions needs a one-stream residual, not "
+                                  f"residual kind {spec.residual.kind!r}")
+            self.pos_embed = LearnedPositions(spec.max_position + spec.position_offset, spec.dim,
+                                              spec.position_offset)
+            self.layers[0].__dict__["positions"] = self.pos_embed  # a reference: the model owns it
         self.norm = make_norm(spec.norm, spec.dim)
-        self.head = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        self.head = nn.Linear(spec.dim, spec.vocab_size, bias=spec.head_bias)
         self.mtp = nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers) if mtp else nn.ModuleList()
         self.tie_weights()
 

@@ -115,6 +115,12 @@ class ConfigSchema:
     embed_scale: Optional[float] = None
     logits_scaling: float = 1.0  # logits divided by it (Granite)
     logit_softcap: Optional[float] = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
+    # learned absolute position embeddings added to the token embeddings (GPT-2, OPT):
+    # pos_embed [max_position + position_offset, D], position p reads row p + position_offset (OPT: 2)
+    learned_positions: bool = False
+    position_offset: int = 0
+    embed_norm: bool = False  # a norm (the model's kind) right after the embedding (Bloom)
+    head_bias: bool = False  # the output projection has a bias (GPT-J, Phi-1/2)
     mixers: Dict[str, Any] = field(default_factory=dict)
     ffns: Dict[str, Any] = field(default_factory=dict)
     layout: List[RunSchema] = field(default_factory=list)
@@ -177,6 +183,10 @@ class ModelSpec:
     embed_scale: Optional[float] = None
     logits_scaling: float = 1.0
     logit_softcap: Optional[float] = None
+    learned_positions: bool = False
+    position_offset: int = 0
+    embed_norm: bool = False
+    head_bias: bool = False
 
     @property
     def n_layers(self) -> int:
@@ -278,6 +288,11 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
 
     if top.sublayer_norms not in SUBLAYER_NORMS:
         raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")
+    if top.position_offset < 0:
+        raise _fail(source, f"position_offset: must be >= 0, got {top.position_offset}")
+    if top.learned_positions and rt.max_seq > top.max_position:
+        raise _fail(source, f"runtime.max_seq={rt.max_seq}: learned_positions has rows for max_position="
+                            f"{top.max_position} positions only; expected runtime.max_seq <= {top.max_position}")
     for key in ("embed_scale", "logit_softcap"):
         if top[key] is not None and top[key] <= 0:
             raise _fail(source, f"{key}: must be positive (or null), got {top[key]}")
@@ -312,7 +327,8 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         ffns=ffns, layers=tuple(layers), runtime=rt, checkpoint=OmegaConf.to_object(top.checkpoint),
         source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
         sublayer_norms=top.sublayer_norms, embed_scale=top.embed_scale, logits_scaling=top.logits_scaling,
-        logit_softcap=top.logit_softcap,
+        logit_softcap=top.logit_softcap, learned_positions=top.learned_positions,
+        position_offset=top.position_offset, embed_norm=top.embed_norm, head_bias=top.head_bias,
     )
 
 

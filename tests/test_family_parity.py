@@ -22,6 +22,7 @@ from tests import test_deepseek_v3 as dsv3
 from tests import test_deepseek_v4 as v4
 from tests import test_dense_families as dense
 from tests import test_glm5 as glm5
+from tests import test_gpt2era as gpt2era
 from tests import test_kimi_linear as kimi
 from tests import test_llama as llama
 from tests import test_moe_families as moe
@@ -147,6 +148,17 @@ for _name, (_cls_name, _cfg, _kw, _batch, _seed) in glm5.VARIANTS.items():
         compiled=(P(glm5.PROMPT, 4, seed=_seed), P(5, 2, seed=2),
                   DEP(glm5.PROMPT + 10, 9, seed=_seed, greedy_from=glm5.PROMPT)) if _name == "glm" else (),
         graphs=2 if _name == "glm" else None)  # dense, MoE
+
+
+# ----------------------------------------- GPT-2-era families: LayerNorm, MLPs, ALiBi, parallel (test_gpt2era.py)
+
+GPT2ERA_COMPILED = {"gpt2": 2, "bloom": 1, "gptj": 1}  # compiled samples: learned positions + MLP + LayerNorm (the first block reads pos_embed: its own graph), ALiBi + embed norm, parallel + interleaved partial rotary
+for _i, _name in enumerate(gpt2era.FAMILIES):
+    FAMILIES[f"gpt2era/{_name}"] = Family(
+        (lambda n=_name, i=_i: gpt2era.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
+        eager=(P(9, 6), DEP(20, 7)),
+        compiled=(P(9, 4), P(17, 2), DEP(20, 7)) if _name in GPT2ERA_COMPILED else (),
+        graphs=GPT2ERA_COMPILED.get(_name))
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -197,8 +197,11 @@ def check_op_args(op_: Op, args: dict, where: str) -> None:
 
 # ---------------------------------------------------------------------------- grouped layouts
 
-def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None):
+def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None, order=None):
     sizes = _group_sizes(sizes, len(shapes))
+    n_parts = sum(len(parts) for parts in sizes)
+    if order is not None and sorted(order) != list(range(n_parts)):
+        raise ValueError(f"order {list(order)} is not a permutation of the {n_parts} parts 0..{n_parts - 1}")
     rest = tuple(shapes[0][1:])
     for shape, parts in zip(shapes, sizes):
         if tuple(shape[1:]) != rest:
@@ -207,6 +210,8 @@ def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None):
             raise ValueError(f"{shape[0]} rows are not {groups} groups of {list(parts)} "
                              f"(= {groups * sum(parts)} rows)")
     flat = [p for parts in sizes for p in parts]
+    if order is not None:
+        flat = [flat[i] for i in order]
     if index is not None and not 0 <= index < len(flat):
         raise ValueError(f"part {index} does not exist; there are {len(flat)} parts {flat}")
     rows = groups * (flat[index] if index is not None else sum(flat))
@@ -224,19 +229,22 @@ def _group_sizes(sizes, n_inputs: int) -> list[list[int]]:
 
 
 @op("split_groups", None, _split_groups_shape)
-def _split_groups(xs, groups: int, sizes, index: int | None = None):
+def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None):
     """Group-major rows -> part-major rows.
 
     Each input's rows (dim 0) are `groups` equal groups, each the parts `sizes[i]` in order
     (e.g. per key head [q | k | v | z]). The output gathers each part across all groups, part
     after part and input after input ([q of every group | k of every group | ...]); with `index`
-    (a rule with several targets) only that part, counted over all inputs' parts.
+    (a rule with several targets) only that part, counted over all inputs' parts. `order` lists
+    the parts in the order wanted (CodeGen's groups hold [q | v | k]: order [0, 2, 1]).
     """
     sizes = _group_sizes(sizes, len(xs))
     parts = []
     for x, sz in zip(xs, sizes):
         grouped = x.reshape(groups, sum(sz), *x.shape[1:])
         parts += [p.reshape(groups * p.shape[1], *x.shape[1:]) for p in grouped.split(sz, dim=1)]
+    if order is not None:
+        parts = [parts[i] for i in order]
     return parts[index] if index is not None else torch.cat(parts, dim=0)
 
 

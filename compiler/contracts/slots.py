@@ -187,6 +187,13 @@ class Residual(ABC):
     def n_streams(spec) -> int:
         """Residual streams N (1 for a plain residual)."""
 
+    @staticmethod
+    def parallel(spec) -> Optional[str]:
+        """None: the FFN reads the state after the mixer's residual (sequential). "shared_norm" /
+        "two_norms": mixer and FFN both read the block's input, through one norm or each its own,
+        and their outputs are summed into one residual update (GPT-J, GPT-NeoX, Falcon)."""
+        return None
+
 
 def no_sharding_plan(module, plan) -> bool:
     """The default `shard` hook: a kind without a sharding plan refuses tp / ep, naming itself."""

@@ -12,9 +12,13 @@ Options:
   output_gate  the q rows of wqkv hold [query Dh | gate Dh] per head (the checkpoint's q_proj
                layout, split by a view); the attention output is multiplied by sigmoid(gate)
                before wo: wqkv [(2H + 2Hkv) * Dh, D] (Qwen3-Next)
-  qk_norm      q and k normalised (before RoPE) by the model's norm kind (zero-centred when the
-               model's norm is): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3,
-               Gemma 3) or over the whole projection (projection; q_norm [H*Dh], k_norm [Hkv*Dh]; OLMo 2)
+  qk_norm      q and k normalised by the model's norm kind (zero-centred when the model's norm
+               is): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3, Gemma 3) or
+               over the whole projection (projection; q_norm [H*Dh], k_norm [Hkv*Dh]; OLMo 2),
+               before RoPE (qk_norm_at: before_rope) or after it (after_rope)
+  clip_qkv     q, k and v clamped to [-clip_qkv, clip_qkv] right after the projection (OLMo 1.7)
+  alibi        ALiBi: no rotary; each head adds slope_h * (key position) to its logits, the slopes
+               Bloom's geometric series over H (alibi_slopes); with a window it is refused
   window       sliding window W: a token sees itself and the W - 1 before it (Mistral, Gemma,
                gpt-oss local layers). The cache is then a ring of Sw = min(W, max_seq) slots
                (kv_cache.py): O(W) per layer whatever the context, and a decode step reads Sw slots
@@ -34,6 +38,7 @@ keeps the last Sw keys; prompts longer than the window are fine.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -53,6 +58,21 @@ from ..registry import register
 from ..position.rope import apply_rotary, make_rope, rope_key
 
 QK_NORM_OVER = ("head", "projection")
+QK_NORM_AT = ("before_rope", "after_rope")
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """ALiBi's per-head slopes [H] as Bloom computes them (float32): a geometric series over the
+    largest power of two <= H, then every other term of the series for twice that many."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, device="cpu")
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, device="cpu"))
+    if closest != n_heads:
+        extra = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device="cpu")
+        rest = min(closest, n_heads - closest)
+        slopes = torch.cat([slopes, torch.pow(extra, torch.arange(1, 1 + 2 * rest, 2, dtype=torch.int32,
+                                                                     device="cpu"))])
+    return slopes.tolist()
 
 
 @register("mixer", "gqa")
@@ -71,6 +91,9 @@ class Attention(Mixer):
         output_gate: bool = False  # q rows hold [query | gate] per head; output * sigmoid(gate)
         qk_norm: bool = False  # norm (the model's norm kind) on q and k before RoPE
         qk_norm_over: str = "head"  # head: over Dh per head | projection: over all H*Dh (Hkv*Dh) channels
+        qk_norm_at: str = "before_rope"  # before_rope | after_rope
+        alibi: bool = False  # ALiBi biases instead of rotary (set rotary_fraction: 0)
+        clip_qkv: Optional[float] = None  # clamp q, k, v to [-clip_qkv, clip_qkv] after the projection
         window: Optional[int] = None  # sliding window W (itself + W - 1 before); None: full causal
         softcap: Optional[float] = None  # attention logits -> softcap * tanh(logits / softcap)
         sinks: bool = False  # a learned per-head logit in every softmax (sink.weight [H])
@@ -93,6 +116,13 @@ class Attention(Mixer):
                 return f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}"
             if self.qk_norm_over not in QK_NORM_OVER:
                 return f"qk_norm_over={self.qk_norm_over!r}: expected one of {list(QK_NORM_OVER)}"
+            if self.qk_norm_at not in QK_NORM_AT:
+                return f"qk_norm_at={self.qk_norm_at!r}: expected one of {list(QK_NORM_AT)}"
+            if self.alibi and (self.rotary_fraction or self.window is not None):
+                return (f"alibi=true takes no rotary and no window (got rotary_fraction={self.rotary_fraction}, "
+                        f"window={self.window}); ALiBi is the position signal")
+            if self.clip_qkv is not None and self.clip_qkv <= 0:
+                return f"clip_qkv must be positive (or null), got {self.clip_qkv}"
             if self.window is not None and self.window <= 0:
                 return f"window must be a positive number of tokens (or null), got {self.window}"
             if self.softcap is not None and self.softcap <= 0:
@@ -121,7 +151,8 @@ class Attention(Mixer):
         self.rope = rope_key(self.rot_dim, s.rope_slot)
         rope_impl = model.rope_impl if s.rope_slot == "rope" else make_rope(model.spec.ropes[s.rope_slot])
         self.scale = (s.softmax_scale or (s.scale_dim or s.head_dim) ** -0.5) * rope_impl.softmax_scale_factor()
-        self.explicit = s.softcap is not None or s.sinks  # SDPA can express neither
+        self.explicit = s.softcap is not None or s.sinks or s.alibi  # SDPA's causal path has none of them
+        self.slopes = alibi_slopes(s.n_heads) if s.alibi else None  # a list: no buffer to load
         q_rows = (2 if s.output_gate else 1) * s.n_heads
         qkv_out = (q_rows + 2 * s.n_kv_heads) * s.head_dim
         self.wqkv = nn.Linear(model.dim, qkv_out, bias=s.qkv_bias)
@@ -152,6 +183,8 @@ class Attention(Mixer):
         plan.row(self.wo, [span(0, qh, Dh)])
         if self.spec.sinks:
             plan.param(self.sink, "weight", {0: [qh]})
+        if self.slopes is not None:
+            self.slopes = self.slopes[qh[0]:qh[1]]
         self.n_heads, self.n_kv_heads = qh[1] - qh[0], kvh[1] - kvh[0]
         return True
 
@@ -179,19 +212,19 @@ class Attention(Mixer):
         B, L, _ = x.shape
         H, Hkv, Dh, R = self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim
         gated = self.spec.output_gate
-        q, k, v = self.wqkv(x).split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        qkv = self.wqkv(x)
+        if self.spec.clip_qkv is not None:
+            qkv = qkv.clamp(-self.spec.clip_qkv, self.spec.clip_qkv)
+        q, k, v = qkv.split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         gate = None
         if gated:
             qg = q.view(B, L, H, 2 * Dh)
             q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, L, H * Dh)
-        if self.spec.qk_norm and self.spec.qk_norm_over == "projection":
-            q, k = self.q_norm(q.reshape(B, L, H * Dh)), self.k_norm(k)
-        q = q.reshape(B, L, H, Dh)
-        k = k.reshape(B, L, Hkv, Dh)
-        if self.spec.qk_norm and self.spec.qk_norm_over == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2)
+        norm_at = self.spec.qk_norm_at if self.spec.qk_norm else None
+        if norm_at == "before_rope":
+            q, k = self._qk_norm(q, k)
+        q = q.reshape(B, L, H, Dh).transpose(1, 2)
+        k = k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         v = v.view(B, L, Hkv, Dh).transpose(1, 2)
         il = self.spec.rope_interleaved
         if R == 0:  # NoPE
@@ -201,7 +234,20 @@ class Attention(Mixer):
         else:
             q = torch.cat((apply_rotary(q[..., :R], cos, sin, il), q[..., R:]), dim=-1)
             k = torch.cat((apply_rotary(k[..., :R], cos, sin, il), k[..., R:]), dim=-1)
+        if norm_at == "after_rope":
+            q, k = self._qk_norm(q.transpose(1, 2), k.transpose(1, 2))
+            q, k = q.reshape(B, L, H, Dh).transpose(1, 2), k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         return q, k, v, gate
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        """q [B, L, H*Dh or H, Dh], k [B, L, Hkv*Dh or Hkv, Dh] -> q [B, L, H, Dh], k [B, L, Hkv, Dh]
+        normalised per head or over the whole projection (qk_norm_over)."""
+        B, L = q.shape[:2]
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.spec.qk_norm_over == "projection":
+            return (self.q_norm(q.reshape(B, L, H * Dh)).view(B, L, H, Dh),
+                    self.k_norm(k.reshape(B, L, Hkv * Dh)).view(B, L, Hkv, Dh))
+        return self.q_norm(q.reshape(B, L, H, Dh)), self.k_norm(k.reshape(B, L, Hkv, Dh))
 
     def _out(self, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         B, H, L, Dh = o.shape
@@ -233,7 +279,15 @@ class Attention(Mixer):
         logits = logits.view(B, H, L, -1).float() * self.scale
         if self.spec.softcap is not None:
             logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+        if self.slopes is not None:
+            logits = logits + self.alibi(logits.shape[-1], logits.device)
         return logits.masked_fill(~visible, float("-inf"))
+
+    def alibi(self, T: int, device) -> torch.Tensor:
+        """[1, H, 1, T] float32: slope_h * t for keys t = 0..T-1 (a key's cache slot is its
+        position: ALiBi has no window)."""
+        slopes = torch.tensor(self.slopes, dtype=torch.float32, device=device)
+        return (slopes[:, None] * torch.arange(T, device=device, dtype=torch.float32))[None, :, None]
 
     def probabilities(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [B, H, L, T] -> the softmax over the keys (and the sink, when learned), float32."""
@@ -290,6 +344,8 @@ class Attention(Mixer):
         logits = dot_scores(q[:, rows.start:rows.stop], k[:, kv], self.scale)
         if self.spec.softcap is not None:
             logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+        if self.slopes is not None:
+            logits = logits + self.alibi(x.shape[1], x.device)[:, rows.start:rows.stop]
         logits = logits.masked_fill(~self.prompt_mask(x.shape[1], x.device), float("-inf"))
         if not self.spec.sinks:
             return AttentionMaps(torch.softmax(logits, dim=-1), logits)

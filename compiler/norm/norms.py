@@ -43,26 +43,38 @@ class RMSNorm(Norm):
 
 @register("norm", "layernorm")
 class LayerNorm(Norm):
-    """Standard LayerNorm with weight and bias, computed in float32. x: [..., D] -> [..., D]"""
+    """LayerNorm, computed in float32: with weight and bias (GPT-2, OPT), weight only (`bias:
+    false`; Cohere, StableLM 2's q/k norms) or neither (`affine: false`; OLMo's non-parametric
+    norm). x: [..., D] -> [..., D]"""
 
     @dataclass
     class Spec(KindSpec):
         kind: str = "layernorm"
         eps: float = 1e-6
+        bias: bool = True
+        affine: bool = True  # false: no weight and no bias
+
+        def check(self, model: dict):
+            if not self.affine and self.bias:
+                return "bias=true needs affine=true (a non-parametric LayerNorm has neither weight nor bias)"
+            return None if self.eps > 0 else f"eps must be positive, got {self.eps}"
 
     def __init__(self, spec: "LayerNorm.Spec", dim: int):
         super().__init__()
         self.eps = spec.eps
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.bias = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.empty(dim)) if spec.affine else None
+        self.bias = nn.Parameter(torch.empty(dim)) if spec.bias else None
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
-        return y.to(x.dtype)
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, self.eps).to(x.dtype)
 
 
 def make_norm(spec, dim: int) -> nn.Module:

@@ -9,16 +9,24 @@ The plain pre-norm residual has one stream and no parameters (mhc.py has the n-s
 
     h ---------------------------+---> h + scale * y     (scale 1 but for Granite)
      `--> norm -> sub-layer -> y -'
+
+With `parallel` the mixer and the FFN read the same block input and one update adds both
+(block.py): h + mixer(norm1(h)) + ffn(norm2(h)), norm2 = norm1 under shared_norm (GPT-J, Phi-1/2,
+Falcon-7B, Cohere), each its own under two_norms (GPT-NeoX, Falcon-40B's new architecture).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..contracts import KindSpec, Residual
 from ..registry import lookup, register
+
+
+PARALLEL = ("shared_norm", "two_norms")
 
 
 class _Identity(nn.Module):
@@ -47,6 +55,16 @@ class PreNorm(Residual):
     class Spec(KindSpec):
         kind: str = "prenorm"
         scale: float = 1.0  # h + scale * y (Granite's residual_multiplier)
+        parallel: Optional[str] = None  # null (sequential) | shared_norm | two_norms
+
+        def check(self, model: dict) -> Optional[str]:
+            if self.parallel is not None and self.parallel not in PARALLEL:
+                return f"parallel={self.parallel!r}: expected null or one of {list(PARALLEL)}"
+            return None
+
+    @staticmethod
+    def parallel(spec) -> Optional[str]:
+        return spec.parallel
 
     @staticmethod
     def n_streams(spec) -> int:
