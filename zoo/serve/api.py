@@ -86,8 +86,12 @@ class Server:
         self.created = int(time.time())
         # the grammar engine reads the tokenizer once (~1 s for a 50k vocabulary), here and not
         # in the first constrained request
-        self.grammars = (Grammars(self.tokenizer, self.vocab, self.scheduler.eos)
-                         if self.tokenizer is not None else None)
+        self.grammars, self.grammars_error = None, None
+        if self.tokenizer is not None:
+            try:
+                self.grammars = Grammars(self.tokenizer, self.vocab, self.scheduler.eos)
+            except Exception as e:  # a tokenizer the engine cannot read: only constrained requests fail
+                self.grammars_error = f"{type(e).__name__}: {e}"
 
     # ---------------------------------------------------------------- request -> sequences
 
@@ -240,6 +244,9 @@ class Server:
             return None
         kind, value, where = found[0]
         self.need_tokenizer(f"'{where}'")
+        if self.grammars is None:
+            raise APIError(400, f"'{where}': the grammar engine cannot read this model's tokenizer "
+                                f"({self.grammars_error})", param=where, code="unsupported")
         try:
             return self.grammars.get(kind, value, where)
         except GrammarError as e:
