@@ -7,7 +7,6 @@ per-token mask fill while a greedy walk of forced-valid tokens runs through the 
 from __future__ import annotations
 
 import json
-
 import time
 from pathlib import Path
 
@@ -17,6 +16,9 @@ SCHEMA = {"type": "object", "properties": {
     "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
                 "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"], "additionalProperties": False}},
     "required": ["name", "age", "tags", "address"], "additionalProperties": False}
+CHOICE = ("llguidance: its wheel has no dependencies (xgrammar's requires transformers, triton and torch), "
+          "and it compiles a grammar ~30x faster (per-request schemas are compiled at admission); both fill a "
+          "mask in well under a decode step; llguidance also takes Lark/GBNF, regex and choice lists directly")
 DOC = '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "c"], "address": {"city": "London", "zip": "12345"}}'
 
 
@@ -80,7 +82,7 @@ def main():
 
     tok = tokenizer()
     ids = tok.encode(DOC, add_special_tokens=False)
-    out = {"tokens": len(ids), "vocab": tok.vocab_size, "engines": {}}
+    out = {"tokens": len(ids), "vocab": tok.vocab_size, "machine": "2-core shared CPU, one run", "engines": {}}
     for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
         try:
             setup, compile_s, times = fn(tok, ids)
@@ -91,6 +93,7 @@ def main():
         out["engines"][name] = {"tokenizer_setup_ms": setup * 1e3, "grammar_compile_ms": compile_s * 1e3,
                                 "mask_ms_median": times[len(times) // 2] * 1e3, "mask_ms_max": times[-1] * 1e3,
                                 "mask_ms_mean": sum(times) / len(times) * 1e3}
+    out["choice"] = CHOICE
     print(json.dumps(out, indent=1))
     Path(__file__).parent.joinpath("results", "grammar_engine.json").write_text(json.dumps(out, indent=1) + "\n")
 
