@@ -4,7 +4,9 @@ scheduler Sequences (one per choice) and answered from the events the scheduler 
 Every error is an OpenAI-style object {"error": {"message", "type", "param", "code"}}: 400 for
 bad input (malformed JSON, missing or mistyped fields, out-of-range values, a prompt plus
 max_tokens over max_seq: code context_length_exceeded), 401 for a wrong or missing key, 404 for an
-unknown model or route, 429 with Retry-After when the waiting queue is full.
+unknown model or route, 429 with Retry-After when the waiting queue is full. An output constraint
+(response_format, or extra_body regex / grammar / choice: zoo.constrain) that cannot be compiled
+is a 400 naming its field (code invalid_grammar), before anything is queued.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..compiler.errors import ZooError
+from ..constrain import Grammar, GrammarError, Grammars
 from .metrics import Metrics
 from .scheduler import Event, QueueFull, SamplingParams, Scheduler, Sequence
 
@@ -81,6 +84,14 @@ class Server:
         self.metrics = Metrics()
         self.scheduler = Scheduler(model, max_queue=max_queue, metrics=self.metrics)
         self.created = int(time.time())
+        # the grammar engine reads the tokenizer once (~1 s for a 50k vocabulary), here and not
+        # in the first constrained request
+        self.grammars, self.grammars_error = None, None
+        if self.tokenizer is not None:
+            try:
+                self.grammars = Grammars(self.tokenizer, self.vocab, self.scheduler.eos)
+            except Exception as e:  # a tokenizer the engine cannot read: only constrained requests fail
+                self.grammars_error = f"{type(e).__name__}: {e}"
 
     # ---------------------------------------------------------------- request -> sequences
 
@@ -199,11 +210,47 @@ class Server:
             if _field(body, "echo", bool, False):
                 raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
         ignore_eos = _field(body, "ignore_eos", bool, False)
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        grammar = self.grammar(body)
+        params = [SamplingParams(grammar=grammar, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else None,
                                  seed=None if seed is None else seed + i, stop=tuple(stop), logprobs=logprobs,
                                  ignore_eos=ignore_eos) for i in range(n)]
         return params, n
+
+    def grammar(self, body: dict) -> Optional[Grammar]:
+        """The request's output constraint, compiled: response_format json_object / json_schema,
+        or (extra_body) one of regex, grammar (Lark or GBNF), choice (a list of strings)."""
+        found = []
+        fmt = _field(body, "response_format", dict, None)
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(("json_schema", {"type": "object"}, "response_format"))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError(400, "'response_format' of type json_schema needs json_schema.schema, a JSON "
+                                        f"schema object; got {json.dumps(spec)[:80]}",
+                                   param="response_format.json_schema.schema", code="invalid_value")
+                found.append(("json_schema", spec["schema"], "response_format.json_schema.schema"))
+            elif kind != "text":
+                raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got "
+                                    f"{json.dumps(kind)}", param="response_format.type", code="invalid_value")
+        found += [(k, body[k], k) for k in ("regex", "grammar", "choice") if body.get(k) is not None]
+        if len(found) > 1:
+            raise APIError(400, f"at most one output constraint per request, got {', '.join(f for *_, f in found)}",
+                           param=found[1][2], code="invalid_value")
+        if not found:
+            return None
+        kind, value, where = found[0]
+        self.need_tokenizer(f"'{where}'")
+        if self.grammars is None:
+            raise APIError(400, f"'{where}': the grammar engine cannot read this model's tokenizer "
+                                f"({self.grammars_error})", param=where, code="unsupported")
+        try:
+            return self.grammars.get(kind, value, where)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_grammar") from e
 
     def token_text(self, tok: int) -> str:
         return self.tokenizer.decode([tok], skip_special_tokens=False) if self.tokenizer else str(tok)

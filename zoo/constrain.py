@@ -1,0 +1,162 @@
+"""Constrained decoding: a grammar (a JSON schema, a regex, a Lark / GBNF grammar, a choice list)
+turned into a per-row token mask by llguidance (the engine chosen in scripts/bench_grammar.py).
+
+    grammars = Grammars(tokenizer, vocab_size=V, eos_ids=...)   one per tokenizer (~1 s to build)
+    g = grammars.get("json_schema", schema, field="response_format")   compiled once, cached
+    c = g.constraint()                                          one per row (a copy of the matcher)
+    c.apply(logits [V]) -> logits [V] with the tokens the grammar rejects at -inf
+    c.accept(token); c.done (the grammar is complete and can take nothing more)
+
+A grammar that cannot be compiled, or that admits no token at its start, raises GrammarError
+naming the request field it came from.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any, Optional
+
+import torch
+
+KINDS = ("json_schema", "regex", "grammar", "choice")
+# compact JSON with the separators models are trained on; flexible whitespace lets a weak model
+# emit whitespace until max_tokens. A schema's own "x-guidance" options win over these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A grammar from a request that cannot be used; `field` names where it came from."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _lark(kind: str, value: Any, field: str) -> str:
+    """The llguidance grammar text of one request's constraint."""
+    import jsonschema
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "json_schema":
+        if not isinstance(value, dict):
+            raise GrammarError(field, f"a JSON schema must be an object, got {json.dumps(value)[:80]}")
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as e:
+            raise GrammarError(field, f"invalid JSON schema: {e.message} (at {'/'.join(map(str, e.path)) or 'the root'})")
+        return LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=JSON_DEFAULTS)
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise GrammarError(field, f"a regex must be a non-empty string, got {json.dumps(value)[:80]}")
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise GrammarError(field, f"a grammar must be a non-empty string (Lark or GBNF), got {json.dumps(value)[:80]}")
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(value))
+        except Exception as e:  # the GBNF converter raises plain exceptions on bad syntax
+            raise GrammarError(field, f"cannot read the grammar as Lark or GBNF: {e}")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise GrammarError(field, f"a choice must be a non-empty list of non-empty strings, got "
+                                      f"{json.dumps(value)[:80]}")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    raise GrammarError(field, f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+class Grammar:
+    """One compiled grammar: a matcher at its start state, copied for each row that uses it."""
+
+    def __init__(self, matcher, vocab: int):
+        self._proto, self.vocab = matcher, vocab
+
+    def constraint(self) -> Constraint:
+        return Constraint(self._proto.deep_copy(), self.vocab)
+
+
+class Constraint:
+    """One row's grammar state: masks its logits, follows its tokens."""
+
+    def __init__(self, matcher, vocab: int):
+        self._m, self.vocab = matcher, vocab
+        self._bits = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+        self._shift = torch.arange(32, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """-> bool [V]: the tokens the grammar takes next (end tokens where it may end)."""
+        self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        return ((self._bits[:, None] >> self._shift) & 1).bool().reshape(-1)[: self.vocab]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> a copy with every token the grammar rejects at -inf."""
+        allowed = self.allowed().to(logits.device)
+        if self._m.is_error() or not bool(allowed.any()):
+            raise GrammarError("grammar", f"no token can continue the output here ({self.error or 'dead end'})")
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False (and an error state) when the grammar rejects it."""
+        return self._m.consume_token(token)
+
+    def accept_draft(self, tokens: list[int]) -> int:
+        """Of draft tokens (speculative decoding), how many lead the grammar can take (none are
+        consumed: accept the verified ones one by one)."""
+        return self._m.validate_tokens(tokens)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and admits no further token: the row ends here."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> Optional[str]:
+        # the first line: llguidance appends its parser's whole state
+        return self._m.get_error().splitlines()[0] if self._m.is_error() else None
+
+
+class Grammars:
+    """The grammar engine bound to one tokenizer: compiles request grammars once each and caches
+    them (least recently used out past CACHE_SIZE). Thread-safe: the API compiles, the scheduler
+    thread only uses constraints."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        import llguidance
+
+        # vocab_size is the model's (its logits may be padded past the tokenizer's ids)
+        self._tok = llguidance.LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size,
+                                           eos_token=sorted(eos_ids))
+        self.vocab = vocab_size
+        self._cache: collections.OrderedDict[tuple, Grammar] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, value: Any, field: str) -> Grammar:
+        """The compiled grammar of `value` (kind: one of KINDS); GrammarError naming `field`."""
+        key = (kind, json.dumps(value, sort_keys=True))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = self._compile(kind, value, field)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, kind: str, value: Any, field: str) -> Grammar:
+        from llguidance import LLMatcher
+
+        text = _lark(kind, value, field)
+        try:
+            m = LLMatcher(self._tok, text, log_level=0)
+        except Exception as e:  # the constructor raises on some invalid grammars, flags others
+            raise GrammarError(field, f"the grammar engine rejects it: {e}")
+        if m.is_error():
+            raise GrammarError(field, f"the grammar engine rejects it: {m.get_error().splitlines()[0]}")
+        c = Constraint(m, self.vocab)
+        if not bool(c.allowed().any()) or m.is_error():  # a mask that leads nowhere is an error state
+            raise GrammarError(field, f"no output of this model's tokens can match it ({c.error or 'empty mask'})")
+        return Grammar(m, self.vocab)
