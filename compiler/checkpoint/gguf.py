@@ -133,8 +133,11 @@ class GGUFSource(Source):
             cfg[hf_key] = tensor in names
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
-        # llama.cpp's own default for every architecture: key_length = embedding_length / head_count
-        head_dim = cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
+        # config.json gets it only where the map has the field (some import maps have no head_dim)
+        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        if "head_dim" in mapping.get("fields", {}):
+            cfg["head_dim"] = head_dim
         if "rotary_dim" in reject:
             rotary = self.metadata(reject["rotary_dim"].format(arch=arch), head_dim)
             if rotary != head_dim:

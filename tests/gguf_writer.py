@@ -1,0 +1,117 @@
+"""Write a tiny transformers twin as a GGUF file the way llama.cpp's convert_hf_to_gguf.py lays
+it out, for the GGUF family tests (tests/test_gguf_families.py).
+
+Tensor names come from gguf-py's own converter table (`gguf.get_tensor_name_map`), so a name
+this file gets wrong is one the converter gets wrong too. What the converter does on top of the
+table is a `Layout` per architecture: the q/k row permutation of its Llama-family classes, and the
+metadata keys its `set_gguf_parameters` writes. Weights are F32 except the tensors named in
+`quantize`, which are stored block-quantized and written back into the twin rounded the same way,
+so that the twin stays the exact reference for the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import torch
+
+Q = gguf.GGMLQuantizationType
+
+
+def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The converter's LlamaModel.permute: per head, HF (rotate-half) row h*hd/2 + i -> 2i + h."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _text_metadata(w: gguf.GGUFWriter, cfg) -> None:
+    """TextModel.set_gguf_parameters: the keys every text architecture gets."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    if theta is not None:
+        w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if (head_dim := getattr(cfg, "head_dim", None)) is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)  # the converter's vocabulary comes from the tokenizer; none here
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the converter writes one architecture.
+
+    arch: gguf-py's MODEL_ARCH; permute_qk: the LlamaModel q/k row permutation;
+    metadata: extra `set_gguf_parameters` keys after TextModel's.
+    """
+
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool = False
+    metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
+    skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
+
+    @property
+    def name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+LAYOUTS = {
+    "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
+    "qwen3": Layout(gguf.MODEL_ARCH.QWEN3),
+}
+
+
+def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None) -> Path:
+    """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
+
+    quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
+    weights are replaced by their dequantized values (the file and the twin stay equal).
+    """
+    cfg = model.config
+    quantize = dict(quantize or {})
+    names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), layout.name)
+    _text_metadata(w, cfg)
+    if layout.metadata is not None:
+        layout.metadata(w, cfg)
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for hf_name, p in model.state_dict().items():
+        if any(s in hf_name for s in layout.skip):
+            continue
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the converter writes no output.weight for tied embeddings
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
+        t = p.detach().float()
+        kind = name.split(".")[-2]
+        if name in quantize:
+            if layout.permute_qk and kind in heads:
+                raise ValueError(f"quantize a tensor the converter does not permute, not {name}")
+            qtype = quantize.pop(name)
+            blocks = gguf.quants.quantize(t.numpy(), qtype)
+            t = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(t.shape)
+            with torch.no_grad():
+                p.copy_(t)  # the twin now holds exactly the file's values
+        else:
+            blocks, qtype = None, None
+        if layout.permute_qk and kind in heads:
+            t = llama_cpp_permute(t, heads[kind])
+        if blocks is not None:
+            w.add_tensor(name, blocks, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t.numpy())
+    if quantize:
+        raise KeyError(f"no tensors named {sorted(quantize)} in the twin")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

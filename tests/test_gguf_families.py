@@ -1,0 +1,66 @@
+"""Every GGUF architecture map (conf/gguf/<arch>.yaml + conf/rules/gguf_<arch>.yaml) against
+transformers: a tiny random twin of the family is written the way llama.cpp's converter writes it
+(tests/gguf_writer.py: gguf-py's tensor names, the q/k permutation, the metadata keys, one tensor
+block-quantized), loaded with zoo.from_pretrained(file.gguf), and must give the twin's logits at
+prefill and at every decode step (float32, eager, batch 2). Also the errors for files no map can
+express."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from zoo.compiler.errors import CheckpointError  # noqa: E402
+from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
+from tests.helpers import check_parity  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
+# rules zoo must pick, {tensor: block type} stored quantized)
+FAMILIES = {
+    "mistral_as_llama": ("llama", "MistralConfig",
+                         dict(SMALL, head_dim=16, sliding_window=None, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         ["llama"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    "qwen2": ("qwen2", "Qwen2Config",
+              dict(SMALL, tie_word_embeddings=True, use_sliding_window=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+              ["qwen2"], {"blk.0.attn_v.weight": Q.Q8_0}),
+    "qwen3": ("qwen3", "Qwen3Config",
+              dict(SMALL, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+              ["qwen3"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+}
+
+
+def twin(config_class: str, kwargs: dict):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_family_matches_transformers(tmp_path, family):
+    layout, config_class, kwargs, rules, quantized = FAMILIES[family]
+    ref = twin(config_class, kwargs)
+    path = write_gguf(tmp_path / f"{family}.gguf", ref, LAYOUTS[layout], quantize=quantized)
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    assert m.spec.checkpoint.rules == rules
+    assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
