@@ -25,7 +25,7 @@ def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _text_metadata(w: gguf.GGUFWriter, cfg) -> None:
+def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     """TextModel.set_gguf_parameters: the keys every text architecture gets."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -37,7 +37,7 @@ def _text_metadata(w: gguf.GGUFWriter, cfg) -> None:
     if theta is not None:
         w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if (head_dim := getattr(cfg, "head_dim", None)) is not None:
+    if head_dim_key and (head_dim := getattr(cfg, "head_dim", None)) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)  # the converter's vocabulary comes from the tokenizer; none here
@@ -48,12 +48,14 @@ class Layout:
     """How the converter writes one architecture.
 
     arch: gguf-py's MODEL_ARCH; permute_qk: the LlamaModel q/k row permutation;
-    metadata: extra `set_gguf_parameters` keys after TextModel's.
+    metadata: extra `set_gguf_parameters` keys after TextModel's; head_dim_key: whether it
+    writes attention.key_length / value_length from config.json's head_dim.
     """
 
     arch: gguf.MODEL_ARCH
     permute_qk: bool = False
     metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
+    head_dim_key: bool = True
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
 
     @property
@@ -61,10 +63,25 @@ class Layout:
         return gguf.MODEL_ARCH_NAMES[self.arch]
 
 
+def _granite(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteModel: config.json's *_multiplier / logits_scaling as *_scale, when set."""
+    if cfg.attention_multiplier:
+        w.add_attention_scale(cfg.attention_multiplier)
+    if cfg.embedding_multiplier:
+        w.add_embedding_scale(cfg.embedding_multiplier)
+    if cfg.residual_multiplier:
+        w.add_residual_scale(cfg.residual_multiplier)
+    if cfg.logits_scaling:
+        w.add_logit_scale(cfg.logits_scaling)
+
+
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
     "qwen3": Layout(gguf.MODEL_ARCH.QWEN3),
+    "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),
+    "smollm3": Layout(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True),
+    "olmo2": Layout(gguf.MODEL_ARCH.OLMO2),
 }
 
 
@@ -78,7 +95,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     quantize = dict(quantize or {})
     names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), layout.name)
-    _text_metadata(w, cfg)
+    _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}

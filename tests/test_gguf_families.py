@@ -38,6 +38,20 @@ FAMILIES = {
               dict(SMALL, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
               ["qwen3"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "granite": ("granite", "GraniteConfig",
+                dict(SMALL, tie_word_embeddings=True, attention_multiplier=0.2, embedding_multiplier=3.0,
+                     residual_multiplier=0.5, logits_scaling=4.0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                ["granite"], {"blk.0.ffn_gate.weight": Q.Q8_0}),
+    # four layers: llama.cpp's fixed NoPE schedule makes the 4th one NoPE
+    "smollm3": ("smollm3", "SmolLM3Config",
+                dict(SMALL, num_hidden_layers=4, tie_word_embeddings=True, use_sliding_window=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 2e6}),
+                ["smollm3"], {"blk.2.ffn_down.weight": Q.Q8_0}),
+    "olmo2": ("olmo2", "Olmo2Config",
+              dict(SMALL, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+              ["olmo2"], {"blk.1.attn_output.weight": Q.Q8_0}),
 }
 
 
