@@ -33,7 +33,8 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("full_attention", rope).get("rope_theta")  # per layer kind: the global layers'
     if theta is not None:
         w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -56,6 +57,7 @@ class Layout:
     permute_qk: bool = False
     metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
     head_dim_key: bool = True
+    norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
 
     @property
@@ -75,6 +77,18 @@ def _granite(w: gguf.GGUFWriter, cfg) -> None:
         w.add_logit_scale(cfg.logits_scaling)
 
 
+def _gemma2(w: gguf.GGUFWriter, cfg) -> None:
+    """Gemma2Model: the soft-caps and the window; no rope base (llama.cpp's default)."""
+    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+
+
+def _gemma3(w: gguf.GGUFWriter, cfg) -> None:
+    """Gemma3Model: the window (the global rope base is TextModel's key)."""
+    w.add_sliding_window(cfg.sliding_window)
+
+
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
@@ -82,6 +96,8 @@ LAYOUTS = {
     "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),
     "smollm3": Layout(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True),
     "olmo2": Layout(gguf.MODEL_ARCH.OLMO2),
+    "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
+    "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
 }
 
 
@@ -108,6 +124,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
         t = p.detach().float()
+        if hf_name.endswith("norm.weight"):
+            t = t + layout.norm_shift
         kind = name.split(".")[-2]
         if name in quantize:
             if layout.permute_qk and kind in heads:

@@ -52,6 +52,18 @@ FAMILIES = {
               dict(SMALL, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
               ["olmo2"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    # window 4 < the 11 positions checked, so the sliding layers really slide
+    "gemma2": ("gemma2", "Gemma2Config",
+               dict(SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+               ["gemma2"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    "gemma3": ("gemma3", "Gemma3TextConfig",
+               dict(SMALL, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                    tie_word_embeddings=True,
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+               ["gemma3"], {"blk.5.ffn_gate.weight": Q.Q8_0}),
 }
 
 

@@ -118,6 +118,10 @@ class GGUFSource(Source):
         for key, why in reject.get("metadata", {}).items():
             if self.metadata(key.format(arch=arch), 0):
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is set)")
+        for key, values in reject.get("values", {}).items():
+            value = self.metadata(key.format(arch=arch))
+            if value in values:
+                raise CheckpointError(f"{self.description}: {values[value]} ({key.format(arch=arch)} = {value})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
