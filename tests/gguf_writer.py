@@ -89,6 +89,15 @@ def _gemma3(w: gguf.GGUFWriter, cfg) -> None:
     w.add_sliding_window(cfg.sliding_window)
 
 
+def _phi3(w: gguf.GGUFWriter, cfg) -> None:
+    """Phi3MiniModel: the rotated dims, the original context and the window (0: none)."""
+    rope = cfg.rope_parameters
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    rot = rope.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_sliding_window(cfg.sliding_window or 0)
+
+
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
@@ -96,6 +105,7 @@ LAYOUTS = {
     "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),
     "smollm3": Layout(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True),
     "olmo2": Layout(gguf.MODEL_ARCH.OLMO2),
+    "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
 }

@@ -129,6 +129,8 @@ class GGUFSource(Source):
         for hf_key, field in mapping.get("fields", {}).items():
             key = (field["key"] if isinstance(field, dict) else field).format(arch=arch)
             value = self.metadata(key) if isinstance(field, dict) else self._required(key)
+            if isinstance(field, dict) and "none_if" in field and value == field["none_if"]:
+                value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
             if value is not None:
