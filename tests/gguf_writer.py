@@ -98,6 +98,13 @@ def _phi3(w: gguf.GGUFWriter, cfg) -> None:
     w.add_sliding_window(cfg.sliding_window or 0)
 
 
+def _experts(w: gguf.GGUFWriter, cfg) -> None:
+    """The MoE converters' expert keys (Qwen2MoeModel and its heirs)."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
@@ -105,10 +112,24 @@ LAYOUTS = {
     "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),
     "smollm3": Layout(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True),
     "olmo2": Layout(gguf.MODEL_ARCH.OLMO2),
+    "qwen3moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, metadata=_experts),
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
 }
+
+
+def _converter_tensors(sd: dict):
+    """(HF name, tensor) as the converter reads a checkpoint: transformers 5 keeps the experts
+    stacked as gate_up_proj [E, 2F, D]; on disk (and so to the converter, which stacks them per
+    kind) they are gate [E, F, D] and up [E, F, D]. Views: writing into them writes the twin."""
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, t
 
 
 def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None) -> Path:
@@ -125,7 +146,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     if layout.metadata is not None:
         layout.metadata(w, cfg)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    for hf_name, p in model.state_dict().items():
+    for hf_name, p in _converter_tensors(model.state_dict()):
         if any(s in hf_name for s in layout.skip):
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -133,6 +154,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
+        if not name.endswith((".weight", ".bias")):
+            name += ".weight"  # transformers' stacked experts are bare parameters; GGUF names are not
         t = p.detach().float()
         if hf_name.endswith("norm.weight"):
             t = t + layout.norm_shift

@@ -60,6 +60,11 @@ FAMILIES = {
              dict(SMALL, sliding_window=None, tie_word_embeddings=False, original_max_position_embeddings=256,
                   rope_parameters={"rope_type": "default", "rope_theta": 2.5e5, "partial_rotary_factor": 1.0}),
              ["phi3"], {}),
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig",
+                 dict(SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                 ["qwen3_moe"], {"blk.0.attn_output.weight": Q.Q8_0}),
     # window 4 < the 11 positions checked, so the sliding layers really slide
     "gemma2": ("gemma2", "Gemma2Config",
                dict(SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
