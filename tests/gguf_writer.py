@@ -105,8 +105,15 @@ def _experts(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
+def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
+    """LlamaModel on a Mixtral config: the expert count and top-k."""
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "mixtral": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True, metadata=_mixtral),
     "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
     "qwen3": Layout(gguf.MODEL_ARCH.QWEN3),
     "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),

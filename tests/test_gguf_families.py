@@ -65,6 +65,11 @@ FAMILIES = {
                       norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                  ["qwen3_moe"], {"blk.0.attn_output.weight": Q.Q8_0}),
+    "mixtral_as_llama": ("mixtral", "MixtralConfig",
+                         dict(SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                              tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         ["mixtral"], {"blk.1.attn_v.weight": Q.Q8_0}),
     # window 4 < the 11 positions checked, so the sliding layers really slide
     "gemma2": ("gemma2", "Gemma2Config",
                dict(SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,

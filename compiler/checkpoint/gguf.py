@@ -111,8 +111,7 @@ class GGUFSource(Source):
         Raises CheckpointError for an architecture without such a file, and for anything its
         `reject` section names (MoE files, per-dimension RoPE factors, partial rotary, ...).
         """
-        arch = self.metadata("general.architecture")
-        mapping = _gguf_mapping(arch, self.description)
+        arch, _, mapping = self._mapping()
         names = self._open_tensors()
         reject = mapping.get("reject", {})
         for key, why in reject.get("metadata", {}).items():
@@ -162,10 +161,12 @@ class GGUFSource(Source):
         Raises CheckpointError when no such rule file exists for the file's architecture.
         """
         arch = self.metadata("general.architecture")
-        name = f"gguf_{arch}"
+        variant = self._mapping()[1] if isinstance(arch, str) and arch in conf_files("gguf") else arch
+        name = f"gguf_{variant}"
         rules = conf_files("rules")
         if not isinstance(arch, str) or name not in rules:
-            known = sorted(n.removeprefix("gguf_") for n in rules if n.startswith("gguf_"))
+            known = sorted(n.removeprefix("gguf_") for n in rules
+                           if n.startswith("gguf_") and n.removeprefix("gguf_") in _architectures())
             raise CheckpointError(f"{self.description}: unsupported GGUF architecture {arch!r}: no tensor-name "
                                   f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
         return [name]
@@ -176,6 +177,22 @@ class GGUFSource(Source):
         self._tensors = {}
 
     # -- metadata -------------------------------------------------------------------------------
+
+    def _mapping(self) -> tuple[str, str, dict]:
+        """(general.architecture, the map's name, the map): conf/gguf/ARCH.yaml, or the first of
+        its `variants` whose `when` key is set and nonzero (e.g. llama files with experts), whose
+        rules are then conf/rules/gguf_<variant>.yaml."""
+        arch = self.metadata("general.architecture")
+        mapping = _gguf_mapping(arch, self.description)
+        for variant in mapping.get("variants", []):
+            if self.metadata(variant["when"].format(arch=arch), 0):
+                path = conf_files("gguf").get(variant["map"])
+                if path is None:
+                    raise CheckpointError(f"{self.description}: conf/gguf/{arch}.yaml names variant map "
+                                          f"{variant['map']!r}, which has no file conf/gguf/{variant['map']}.yaml")
+                return arch, variant["map"], _load_yaml(path)
+        return arch, arch, mapping
+
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""
@@ -273,14 +290,23 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
     return dequantize(raw, ggml_type.name)
 
 
-def _gguf_mapping(arch: Any, description: str) -> dict:
-    """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
+def _load_yaml(path: Path) -> dict:
     import yaml
 
+    return yaml.safe_load(path.read_text())
+
+
+def _architectures() -> list[str]:
+    """The architectures with a map of their own (a variant map, e.g. llama_moe, is not one)."""
+    return sorted(name for name, path in conf_files("gguf").items() if _load_yaml(path).get("architecture") == name)
+
+
+def _gguf_mapping(arch: Any, description: str) -> dict:
+    """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
     maps = conf_files("gguf")
     path = maps.get(arch) if isinstance(arch, str) else None
-    if path is None:
+    if path is None or _load_yaml(path).get("architecture") != arch:
         raise CheckpointError(f"{description}: unsupported GGUF architecture {arch!r} (supported: "
-                              f"{', '.join(sorted(maps))}); a new one is a file conf/gguf/<architecture>.yaml "
+                              f"{', '.join(_architectures())}); a new one is a file conf/gguf/<architecture>.yaml "
                               f"(or gguf/<architecture>.yaml in the user conf dir)")
-    return yaml.safe_load(path.read_text())
+    return _load_yaml(path)
