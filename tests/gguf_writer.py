@@ -139,19 +139,25 @@ def _converter_tensors(sd: dict):
             yield name, t
 
 
-def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None) -> Path:
+def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None,
+               arch: str | None = None, extra: dict | None = None) -> Path:
     """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
 
     quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
     weights are replaced by their dequantized values (the file and the twin stay equal).
+    arch: another general.architecture; extra: more metadata {key ("{arch}." expanded): str,
+    int or float value} (bad-input tests).
     """
     cfg = model.config
     quantize = dict(quantize or {})
     names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), layout.name)
+    w = gguf.GGUFWriter(str(path), arch or layout.name)
     _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
+    for key, value in (extra or {}).items():
+        key = key.format(arch=arch or layout.name)
+        {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for hf_name, p in _converter_tensors(model.state_dict()):
         if any(s in hf_name for s in layout.skip):

@@ -108,3 +108,50 @@ def test_gguf_family_matches_transformers(tmp_path, family):
     assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_unknown_architecture_names_it_and_the_file(tmp_path):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    path = write_gguf(tmp_path / "odd.gguf", ref, LAYOUTS["qwen2"], arch="qwen9")
+    with pytest.raises(CheckpointError, match=rf"{path}.*unsupported GGUF architecture 'qwen9' \(supported: .*qwen2"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su"])
+def test_rope_scaling_the_map_cannot_express(tmp_path, kind):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    path = write_gguf(tmp_path / "rope.gguf", ref, LAYOUTS["qwen2"],
+                      extra={"{arch}.rope.scaling.type": kind, "{arch}.rope.scaling.factor": 4.0})
+    with pytest.raises(CheckpointError, match=rf"{path} \(GGUF, general.architecture='qwen2'\): "
+                                              rf"unsupported RoPE scaling type '{kind}'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_size_dependent_scale_is_refused(tmp_path):
+    """A Gemma 2 file with the 27B's layer count: llama.cpp would scale its scores differently."""
+    ref = twin("Gemma2Config", dict(FAMILIES["gemma2"][2], num_hidden_layers=46, hidden_size=32,
+                                    intermediate_size=32, vocab_size=32))
+    path = write_gguf(tmp_path / "g27.gguf", ref, LAYOUTS["gemma2"])
+    with pytest.raises(CheckpointError, match=r"size-dependent attention scale.*gemma2.block_count = 46"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_tensor_shape_disagreeing_with_metadata(tmp_path):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    ref.config.intermediate_size = 96  # the file says 96; its ffn tensors are 128 wide
+    path = write_gguf(tmp_path / "shape.gguf", ref, LAYOUTS["qwen2"])
+    with pytest.raises(CheckpointError, match=r"shape") as err:
+        zoo.from_pretrained(str(path), compile=False)
+    assert str(path) in str(err.value) and "ffn" in str(err.value)
+
+
+def test_llama_moe_file_with_a_window_is_refused(tmp_path):
+    """The llama_moe variant refuses what its map cannot express, instead of dropping it."""
+    ref = twin("MixtralConfig", FAMILIES["mixtral_as_llama"][2])
+    path = write_gguf(tmp_path / "moe.gguf", ref, LAYOUTS["mixtral"],
+                      extra={"{arch}.attention.sliding_window": 4})
+    with pytest.raises(CheckpointError, match=r"sliding-window attention is not supported for llama GGUF"):
+        zoo.from_pretrained(str(path), compile=False)

@@ -50,6 +50,8 @@ class GGUFSource(Source):
         except (OSError, GGUFFormatError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._tensors = {name: _Tensor(self._index, t) for name, t in self._index.tensors.items()}
+        # every error from here on names the file and its architecture
+        self.description = f"{self.path} (GGUF, general.architecture={self.metadata('general.architecture')!r})"
 
     # -- Source protocol ------------------------------------------------------------------------
 
