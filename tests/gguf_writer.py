@@ -19,6 +19,10 @@ import torch
 
 Q = gguf.GGMLQuantizationType
 
+# general.architecture values with a conf/gguf map of their own, as errors list them (a variant
+# map such as llama_moe is not one); a new map adds its architecture here
+MAPPED_ARCHITECTURES = "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The converter's LlamaModel.permute: per head, HF (rotate-half) row h*hd/2 + i -> 2i + h."""
