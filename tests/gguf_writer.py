@@ -41,6 +41,13 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     theta = rope.get("full_attention", rope).get("rope_theta")  # per layer kind: the global layers'
     if theta is not None:
         w.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "yarn":  # the converter's yarn keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if head_dim_key and (head_dim := getattr(cfg, "head_dim", None)) is not None:
         w.add_key_length(head_dim)

@@ -38,6 +38,12 @@ FAMILIES = {
               dict(SMALL, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
               ["qwen3"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "qwen3_yarn": ("qwen3", "Qwen3Config",
+                   dict(SMALL, head_dim=32, tie_word_embeddings=True, use_sliding_window=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 16.0,
+                                         "beta_slow": 2.0}),
+                   ["qwen3"], {}),
     "granite": ("granite", "GraniteConfig",
                 dict(SMALL, tie_word_embeddings=True, attention_multiplier=0.2, embedding_multiplier=3.0,
                      residual_multiplier=0.5, logits_scaling=4.0,
@@ -128,6 +134,13 @@ def test_rope_scaling_the_map_cannot_express(tmp_path, kind):
                       extra={"{arch}.rope.scaling.type": kind, "{arch}.rope.scaling.factor": 4.0})
     with pytest.raises(CheckpointError, match=rf"{path} \(GGUF, general.architecture='qwen2'\): "
                                               rf"unsupported RoPE scaling type '{kind}'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_yarn_knob_without_a_config_counterpart(tmp_path):
+    ref = twin("Qwen3Config", FAMILIES["qwen3_yarn"][2])
+    path = write_gguf(tmp_path / "yarn.gguf", ref, LAYOUTS["qwen3"], extra={"{arch}.rope.scaling.yarn_ext_factor": 0.5})
+    with pytest.raises(CheckpointError, match=rf"{path}.*qwen3.rope.scaling.yarn_ext_factor = 0.5 is not supported"):
         zoo.from_pretrained(str(path), compile=False)
 
 

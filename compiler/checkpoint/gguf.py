@@ -244,6 +244,16 @@ class GGUFSource(Source):
             scaling["original_max_position_embeddings"] = original
             if (attn_factor := self.metadata(f"{arch}.rope.scaling.attn_factor")) is not None:
                 scaling["attention_factor"] = float(attn_factor)
+            for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                    scaling[hf_key] = float(value)
+            # llama.cpp's own yarn knobs without a config.json counterpart: ignoring them would
+            # silently change every rotation
+            for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+                if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                    raise CheckpointError(f"{self.description}: yarn RoPE with {arch}.rope.scaling.{key} = {value} "
+                                          f"is not supported (expressible: factor, original_context_length, "
+                                          f"attn_factor, yarn_beta_fast, yarn_beta_slow)")
         return scaling
 
     def _open_reader(self):
