@@ -359,7 +359,7 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"unknown.gguf.*tensor 'w': unknown GGML type 250"):
         GGUFSource(unknown)
     iq2 = _one_tensor_file(tmp_path / "iq2.gguf", int(Q.IQ2_XXS), (256, 1), 0, 66)
-    with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF\): unsupported GGML quantization type\(s\) in w \(IQ2_XXS\)"):
+    with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF, general.architecture=None\): unsupported GGML quantization type\(s\) in w \(IQ2_XXS\)"):
         GGUFSource(iq2).entries()
 
 

@@ -50,6 +50,8 @@ class GGUFSource(Source):
         except (OSError, GGUFFormatError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._tensors = {name: _Tensor(self._index, t) for name, t in self._index.tensors.items()}
+        # every error from here on names the file and its architecture
+        self.description = f"{self.path} (GGUF, general.architecture={self.metadata('general.architecture')!r})"
 
     # -- Source protocol ------------------------------------------------------------------------
 
@@ -111,13 +113,16 @@ class GGUFSource(Source):
         Raises CheckpointError for an architecture without such a file, and for anything its
         `reject` section names (MoE files, per-dimension RoPE factors, partial rotary, ...).
         """
-        arch = self.metadata("general.architecture")
-        mapping = _gguf_mapping(arch, self.description)
+        arch, _, mapping = self._mapping()
         names = self._open_tensors()
         reject = mapping.get("reject", {})
         for key, why in reject.get("metadata", {}).items():
             if self.metadata(key.format(arch=arch), 0):
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is set)")
+        for key, values in reject.get("values", {}).items():
+            value = self.metadata(key.format(arch=arch))
+            if value in values:
+                raise CheckpointError(f"{self.description}: {values[value]} ({key.format(arch=arch)} = {value})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
@@ -125,6 +130,8 @@ class GGUFSource(Source):
         for hf_key, field in mapping.get("fields", {}).items():
             key = (field["key"] if isinstance(field, dict) else field).format(arch=arch)
             value = self.metadata(key) if isinstance(field, dict) else self._required(key)
+            if isinstance(field, dict) and "none_if" in field and value == field["none_if"]:
+                value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
             if value is not None:
@@ -133,8 +140,11 @@ class GGUFSource(Source):
             cfg[hf_key] = tensor in names
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
-        # llama.cpp's own default for every architecture: key_length = embedding_length / head_count
-        head_dim = cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
+        # config.json gets it only where the map has the field (some import maps have no head_dim)
+        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        if "head_dim" in mapping.get("fields", {}):
+            cfg["head_dim"] = head_dim
         if "rotary_dim" in reject:
             rotary = self.metadata(reject["rotary_dim"].format(arch=arch), head_dim)
             if rotary != head_dim:
@@ -153,10 +163,12 @@ class GGUFSource(Source):
         Raises CheckpointError when no such rule file exists for the file's architecture.
         """
         arch = self.metadata("general.architecture")
-        name = f"gguf_{arch}"
+        variant = self._mapping()[1] if isinstance(arch, str) and arch in conf_files("gguf") else arch
+        name = f"gguf_{variant}"
         rules = conf_files("rules")
         if not isinstance(arch, str) or name not in rules:
-            known = sorted(n.removeprefix("gguf_") for n in rules if n.startswith("gguf_"))
+            known = sorted(n.removeprefix("gguf_") for n in rules
+                           if n.startswith("gguf_") and n.removeprefix("gguf_") in _architectures())
             raise CheckpointError(f"{self.description}: unsupported GGUF architecture {arch!r}: no tensor-name "
                                   f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
         return [name]
@@ -167,6 +179,22 @@ class GGUFSource(Source):
         self._tensors = {}
 
     # -- metadata -------------------------------------------------------------------------------
+
+    def _mapping(self) -> tuple[str, str, dict]:
+        """(general.architecture, the map's name, the map): conf/gguf/ARCH.yaml, or the first of
+        its `variants` whose `when` key is set and nonzero (e.g. llama files with experts), whose
+        rules are then conf/rules/gguf_<variant>.yaml."""
+        arch = self.metadata("general.architecture")
+        mapping = _gguf_mapping(arch, self.description)
+        for variant in mapping.get("variants", []):
+            if self.metadata(variant["when"].format(arch=arch), 0):
+                path = conf_files("gguf").get(variant["map"])
+                if path is None:
+                    raise CheckpointError(f"{self.description}: conf/gguf/{arch}.yaml names variant map "
+                                          f"{variant['map']!r}, which has no file conf/gguf/{variant['map']}.yaml")
+                return arch, variant["map"], _load_yaml(path)
+        return arch, arch, mapping
+
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""
@@ -216,6 +244,16 @@ class GGUFSource(Source):
             scaling["original_max_position_embeddings"] = original
             if (attn_factor := self.metadata(f"{arch}.rope.scaling.attn_factor")) is not None:
                 scaling["attention_factor"] = float(attn_factor)
+            for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                    scaling[hf_key] = float(value)
+            # llama.cpp's own yarn knobs without a config.json counterpart: ignoring them would
+            # silently change every rotation
+            for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+                if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                    raise CheckpointError(f"{self.description}: yarn RoPE with {arch}.rope.scaling.{key} = {value} "
+                                          f"is not supported (expressible: factor, original_context_length, "
+                                          f"attn_factor, yarn_beta_fast, yarn_beta_slow)")
         return scaling
 
     def _open_reader(self):
@@ -264,14 +302,23 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
     return dequantize(raw, ggml_type.name)
 
 
-def _gguf_mapping(arch: Any, description: str) -> dict:
-    """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
+def _load_yaml(path: Path) -> dict:
     import yaml
 
+    return yaml.safe_load(path.read_text())
+
+
+def _architectures() -> list[str]:
+    """The architectures with a map of their own (a variant map, e.g. llama_moe, is not one)."""
+    return sorted(name for name, path in conf_files("gguf").items() if _load_yaml(path).get("architecture") == name)
+
+
+def _gguf_mapping(arch: Any, description: str) -> dict:
+    """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
     maps = conf_files("gguf")
     path = maps.get(arch) if isinstance(arch, str) else None
-    if path is None:
+    if path is None or _load_yaml(path).get("architecture") != arch:
         raise CheckpointError(f"{description}: unsupported GGUF architecture {arch!r} (supported: "
-                              f"{', '.join(sorted(maps))}); a new one is a file conf/gguf/<architecture>.yaml "
+                              f"{', '.join(_architectures())}); a new one is a file conf/gguf/<architecture>.yaml "
                               f"(or gguf/<architecture>.yaml in the user conf dir)")
-    return yaml.safe_load(path.read_text())
+    return _load_yaml(path)

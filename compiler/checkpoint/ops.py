@@ -47,6 +47,13 @@ def _identity(xs):
     return xs[0]
 
 
+@op("add", 1, lambda shapes, value: shapes[0])
+def _add(xs, value: float):
+    """Every entry plus `value`: e.g. llama.cpp's Gemma norms, stored as 1 + w where the
+    checkpoint's zero-centred RMSNorm keeps w."""
+    return xs[0] + value
+
+
 def _cat_shape(shapes, dim: int = 0):
     ref = list(shapes[0])
     for s in shapes[1:]:

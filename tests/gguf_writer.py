@@ -1,0 +1,209 @@
+"""Write a tiny transformers twin as a GGUF file the way llama.cpp's convert_hf_to_gguf.py lays
+it out, for the GGUF family tests (tests/test_gguf_families.py).
+
+Tensor names come from gguf-py's own converter table (`gguf.get_tensor_name_map`), so a name
+this file gets wrong is one the converter gets wrong too. What the converter does on top of the
+table is a `Layout` per architecture: the q/k row permutation of its Llama-family classes, and the
+metadata keys its `set_gguf_parameters` writes. Weights are F32 except the tensors named in
+`quantize`, which are stored block-quantized and written back into the twin rounded the same way,
+so that the twin stays the exact reference for the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import torch
+
+Q = gguf.GGMLQuantizationType
+
+# general.architecture values with a conf/gguf map of their own, as errors list them (a variant
+# map such as llama_moe is not one); a new map adds its architecture here
+MAPPED_ARCHITECTURES = "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+
+
+def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The converter's LlamaModel.permute: per head, HF (rotate-half) row h*hd/2 + i -> 2i + h."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
+    """TextModel.set_gguf_parameters: the keys every text architecture gets."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("full_attention", rope).get("rope_theta")  # per layer kind: the global layers'
+    if theta is not None:
+        w.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "yarn":  # the converter's yarn keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if head_dim_key and (head_dim := getattr(cfg, "head_dim", None)) is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)  # the converter's vocabulary comes from the tokenizer; none here
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the converter writes one architecture.
+
+    arch: gguf-py's MODEL_ARCH; permute_qk: the LlamaModel q/k row permutation;
+    metadata: extra `set_gguf_parameters` keys after TextModel's; head_dim_key: whether it
+    writes attention.key_length / value_length from config.json's head_dim.
+    """
+
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool = False
+    metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
+    head_dim_key: bool = True
+    norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
+    skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
+
+    @property
+    def name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+def _granite(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteModel: config.json's *_multiplier / logits_scaling as *_scale, when set."""
+    if cfg.attention_multiplier:
+        w.add_attention_scale(cfg.attention_multiplier)
+    if cfg.embedding_multiplier:
+        w.add_embedding_scale(cfg.embedding_multiplier)
+    if cfg.residual_multiplier:
+        w.add_residual_scale(cfg.residual_multiplier)
+    if cfg.logits_scaling:
+        w.add_logit_scale(cfg.logits_scaling)
+
+
+def _gemma2(w: gguf.GGUFWriter, cfg) -> None:
+    """Gemma2Model: the soft-caps and the window; no rope base (llama.cpp's default)."""
+    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+
+
+def _gemma3(w: gguf.GGUFWriter, cfg) -> None:
+    """Gemma3Model: the window (the global rope base is TextModel's key)."""
+    w.add_sliding_window(cfg.sliding_window)
+
+
+def _phi3(w: gguf.GGUFWriter, cfg) -> None:
+    """Phi3MiniModel: the rotated dims, the original context and the window (0: none)."""
+    rope = cfg.rope_parameters
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    rot = rope.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_sliding_window(cfg.sliding_window or 0)
+
+
+def _experts(w: gguf.GGUFWriter, cfg) -> None:
+    """The MoE converters' expert keys (Qwen2MoeModel and its heirs)."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
+    """LlamaModel on a Mixtral config: the expert count and top-k."""
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+LAYOUTS = {
+    "llama": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "mixtral": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True, metadata=_mixtral),
+    "qwen2": Layout(gguf.MODEL_ARCH.QWEN2),
+    "qwen3": Layout(gguf.MODEL_ARCH.QWEN3),
+    "granite": Layout(gguf.MODEL_ARCH.GRANITE, permute_qk=True, metadata=_granite, head_dim_key=False),
+    "smollm3": Layout(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True),
+    "olmo2": Layout(gguf.MODEL_ARCH.OLMO2),
+    "qwen3moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, metadata=_experts),
+    "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
+    "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
+    "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
+}
+
+
+def _converter_tensors(sd: dict):
+    """(HF name, tensor) as the converter reads a checkpoint: transformers 5 keeps the experts
+    stacked as gate_up_proj [E, 2F, D]; on disk (and so to the converter, which stacks them per
+    kind) they are gate [E, F, D] and up [E, F, D]. Views: writing into them writes the twin."""
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, t
+
+
+def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None,
+               arch: str | None = None, extra: dict | None = None) -> Path:
+    """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
+
+    quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
+    weights are replaced by their dequantized values (the file and the twin stay equal).
+    arch: another general.architecture; extra: more metadata {key ("{arch}." expanded): str,
+    int or float value} (bad-input tests).
+    """
+    cfg = model.config
+    quantize = dict(quantize or {})
+    names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch or layout.name)
+    _text_metadata(w, cfg, layout.head_dim_key)
+    if layout.metadata is not None:
+        layout.metadata(w, cfg)
+    for key, value in (extra or {}).items():
+        key = key.format(arch=arch or layout.name)
+        {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for hf_name, p in _converter_tensors(model.state_dict()):
+        if any(s in hf_name for s in layout.skip):
+            continue
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the converter writes no output.weight for tied embeddings
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
+        if not name.endswith((".weight", ".bias")):
+            name += ".weight"  # transformers' stacked experts are bare parameters; GGUF names are not
+        t = p.detach().float()
+        if hf_name.endswith("norm.weight"):
+            t = t + layout.norm_shift
+        kind = name.split(".")[-2]
+        if name in quantize:
+            if layout.permute_qk and kind in heads:
+                raise ValueError(f"quantize a tensor the converter does not permute, not {name}")
+            qtype = quantize.pop(name)
+            blocks = gguf.quants.quantize(t.numpy(), qtype)
+            t = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(t.shape)
+            with torch.no_grad():
+                p.copy_(t)  # the twin now holds exactly the file's values
+        else:
+            blocks, qtype = None, None
+        if layout.permute_qk and kind in heads:
+            t = llama_cpp_permute(t, heads[kind])
+        if blocks is not None:
+            w.add_tensor(name, blocks, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t.numpy())
+    if quantize:
+        raise KeyError(f"no tensors named {sorted(quantize)} in the twin")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

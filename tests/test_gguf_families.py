@@ -1,0 +1,171 @@
+"""Every GGUF architecture map (conf/gguf/<arch>.yaml + conf/rules/gguf_<arch>.yaml) against
+transformers: a tiny random twin of the family is written the way llama.cpp's converter writes it
+(tests/gguf_writer.py: gguf-py's tensor names, the q/k permutation, the metadata keys, one tensor
+block-quantized), loaded with zoo.from_pretrained(file.gguf), and must give the twin's logits at
+prefill and at every decode step (float32, eager, batch 2). Also the errors for files no map can
+express."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from zoo.compiler.errors import CheckpointError  # noqa: E402
+from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
+from tests.helpers import check_parity  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
+# rules zoo must pick, {tensor: block type} stored quantized)
+FAMILIES = {
+    "mistral_as_llama": ("llama", "MistralConfig",
+                         dict(SMALL, head_dim=16, sliding_window=None, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         ["llama"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    "qwen2": ("qwen2", "Qwen2Config",
+              dict(SMALL, tie_word_embeddings=True, use_sliding_window=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+              ["qwen2"], {"blk.0.attn_v.weight": Q.Q8_0}),
+    "qwen3": ("qwen3", "Qwen3Config",
+              dict(SMALL, head_dim=32, tie_word_embeddings=False, use_sliding_window=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+              ["qwen3"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "qwen3_yarn": ("qwen3", "Qwen3Config",
+                   dict(SMALL, head_dim=32, tie_word_embeddings=True, use_sliding_window=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 16.0,
+                                         "beta_slow": 2.0}),
+                   ["qwen3"], {}),
+    "granite": ("granite", "GraniteConfig",
+                dict(SMALL, tie_word_embeddings=True, attention_multiplier=0.2, embedding_multiplier=3.0,
+                     residual_multiplier=0.5, logits_scaling=4.0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                ["granite"], {"blk.0.ffn_gate.weight": Q.Q8_0}),
+    # four layers: llama.cpp's fixed NoPE schedule makes the 4th one NoPE
+    "smollm3": ("smollm3", "SmolLM3Config",
+                dict(SMALL, num_hidden_layers=4, tie_word_embeddings=True, use_sliding_window=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 2e6}),
+                ["smollm3"], {"blk.2.ffn_down.weight": Q.Q8_0}),
+    "olmo2": ("olmo2", "Olmo2Config",
+              dict(SMALL, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+              ["olmo2"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    "phi3": ("phi3", "Phi3Config",
+             dict(SMALL, sliding_window=4, tie_word_embeddings=False, original_max_position_embeddings=256,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}),
+             ["phi3"], {"blk.1.attn_qkv.weight": Q.Q8_0}),
+    "phi4": ("phi3", "Phi3Config",
+             dict(SMALL, sliding_window=None, tie_word_embeddings=False, original_max_position_embeddings=256,
+                  rope_parameters={"rope_type": "default", "rope_theta": 2.5e5, "partial_rotary_factor": 1.0}),
+             ["phi3"], {}),
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig",
+                 dict(SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                 ["qwen3_moe"], {"blk.0.attn_output.weight": Q.Q8_0, "blk.1.ffn_gate_exps.weight": Q.Q8_0,
+                                 "blk.1.ffn_up_exps.weight": Q.Q4_0}),
+    "mixtral_as_llama": ("mixtral", "MixtralConfig",
+                         dict(SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                              tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         ["mixtral"], {"blk.1.attn_v.weight": Q.Q8_0}),
+    # window 4 < the 11 positions checked, so the sliding layers really slide
+    "gemma2": ("gemma2", "Gemma2Config",
+               dict(SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+               ["gemma2"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    "gemma3": ("gemma3", "Gemma3TextConfig",
+               dict(SMALL, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                    tie_word_embeddings=True,
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+               ["gemma3"], {"blk.5.ffn_gate.weight": Q.Q8_0}),
+}
+
+
+def twin(config_class: str, kwargs: dict):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_family_matches_transformers(tmp_path, family):
+    layout, config_class, kwargs, rules, quantized = FAMILIES[family]
+    ref = twin(config_class, kwargs)
+    path = write_gguf(tmp_path / f"{family}.gguf", ref, LAYOUTS[layout], quantize=quantized)
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    assert m.spec.checkpoint.rules == rules
+    assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_unknown_architecture_names_it_and_the_file(tmp_path):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    path = write_gguf(tmp_path / "odd.gguf", ref, LAYOUTS["qwen2"], arch="qwen9")
+    with pytest.raises(CheckpointError, match=rf"{path}.*unsupported GGUF architecture 'qwen9' \(supported: .*qwen2"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su"])
+def test_rope_scaling_the_map_cannot_express(tmp_path, kind):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    path = write_gguf(tmp_path / "rope.gguf", ref, LAYOUTS["qwen2"],
+                      extra={"{arch}.rope.scaling.type": kind, "{arch}.rope.scaling.factor": 4.0})
+    with pytest.raises(CheckpointError, match=rf"{path} \(GGUF, general.architecture='qwen2'\): "
+                                              rf"unsupported RoPE scaling type '{kind}'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_yarn_knob_without_a_config_counterpart(tmp_path):
+    ref = twin("Qwen3Config", FAMILIES["qwen3_yarn"][2])
+    path = write_gguf(tmp_path / "yarn.gguf", ref, LAYOUTS["qwen3"], extra={"{arch}.rope.scaling.yarn_ext_factor": 0.5})
+    with pytest.raises(CheckpointError, match=rf"{path}.*qwen3.rope.scaling.yarn_ext_factor = 0.5 is not supported"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_size_dependent_scale_is_refused(tmp_path):
+    """A Gemma 2 file with the 27B's layer count: llama.cpp would scale its scores differently."""
+    ref = twin("Gemma2Config", dict(FAMILIES["gemma2"][2], num_hidden_layers=46, hidden_size=32,
+                                    intermediate_size=32, vocab_size=32))
+    path = write_gguf(tmp_path / "g27.gguf", ref, LAYOUTS["gemma2"])
+    with pytest.raises(CheckpointError, match=r"size-dependent attention scale.*gemma2.block_count = 46"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_tensor_shape_disagreeing_with_metadata(tmp_path):
+    ref = twin("Qwen2Config", FAMILIES["qwen2"][2])
+    ref.config.intermediate_size = 96  # the file says 96; its ffn tensors are 128 wide
+    path = write_gguf(tmp_path / "shape.gguf", ref, LAYOUTS["qwen2"])
+    with pytest.raises(CheckpointError, match=r"shape") as err:
+        zoo.from_pretrained(str(path), compile=False)
+    assert str(path) in str(err.value) and "ffn" in str(err.value)
+
+
+def test_llama_moe_file_with_a_window_is_refused(tmp_path):
+    """The llama_moe variant refuses what its map cannot express, instead of dropping it."""
+    ref = twin("MixtralConfig", FAMILIES["mixtral_as_llama"][2])
+    path = write_gguf(tmp_path / "moe.gguf", ref, LAYOUTS["mixtral"],
+                      extra={"{arch}.attention.sliding_window": 4})
+    with pytest.raises(CheckpointError, match=r"sliding-window attention is not supported for llama GGUF"):
+        zoo.from_pretrained(str(path), compile=False)
