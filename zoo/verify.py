@@ -134,7 +134,9 @@ def twin_config(model_type: str, config: Optional[dict] = None):
     full = cls(**base)
     common, own, min_layers = _verify_section(model_type)
     kw = dict(base)
-    kw.update({k: v for k, v in common.items() if getattr(full, k, None) is not None})
+    # a key the class computes (a property without a setter, e.g. a derived head_dim) is not an input
+    settable = {k for k in common if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
+    kw.update({k: v for k, v in common.items() if k in settable and getattr(full, k, None) is not None})
     n = int(getattr(full, "num_hidden_layers", 0) or 0)
     lists = _per_layer_lists(full, n)
     need = min_layers
