@@ -3,7 +3,11 @@
 generation_config.json: what the serve tests talk to."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -74,3 +78,24 @@ def wait_for_health(proc, base: str, log, seconds: float, what: str = "zoo serve
             proc.kill()
             pytest.fail(f"{what} did not answer /health within {seconds:.0f} s")
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log_dir: Path, seconds: float = 240):
+    """`zoo serve` with these key=value args (plus a free port) in a subprocess, one thread, its
+    output in log_dir/server.log -> (base URL, process); stopped (terminated, then killed) on exit."""
+    port = free_port()
+    with open(log_dir / "server.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", f"port={port}", *args],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_health(proc, base, log, seconds)
+            yield base, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.serve_fixtures import free_port, wait_for_health, write_tiny_llama
+from tests.serve_fixtures import running_server, write_tiny_llama
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -29,23 +26,11 @@ MAX_SEQ, MAX_BATCH, MAX_QUEUE = 128, 8, 16
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_tiny_llama(tmp_path_factory.mktemp("serve") / "ckpt")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    # eager (compile=false): the graphs' compile is covered by test_serve_rows; here the server is
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", f"weights={ckpt}", f"port={port}",
-                             f"api_key={KEY}", f"model_name={NAME}", f"max_seq={MAX_SEQ}", f"max_batch={MAX_BATCH}",
-                             f"max_queue={MAX_QUEUE}", "compile=false", "log_level=warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    wait_for_health(proc, base, log, 240)
-    yield base, proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-    log.close()
+    # eager (compile=false): the graphs' compile is covered by test_serve_rows; here the server is tested
+    args = [f"weights={ckpt}", f"api_key={KEY}", f"model_name={NAME}", f"max_seq={MAX_SEQ}",
+            f"max_batch={MAX_BATCH}", f"max_queue={MAX_QUEUE}", "compile=false", "log_level=warning"]
+    with running_server(args, tmp_path_factory.mktemp("log")) as (base, proc):
+        yield base, proc
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,14 @@ jsonschema. Eager models only (no compile)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
 
 import zoo
-from tests.serve_fixtures import free_port, wait_for_health, write_tiny_llama
+from tests.serve_fixtures import running_server, write_tiny_llama
 from zoo.constrain import GrammarError, Grammars
 from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
 
@@ -124,22 +121,10 @@ def test_constrained_rows_beside_unconstrained_rows(model, grammars):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.cli", "serve", f"weights={ckpt}", f"port={port}",
-                             f"api_key={KEY}", f"model_name={NAME}", "max_seq=256", "max_batch=4",
-                             "compile=false", "log_level=warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    wait_for_health(proc, base, log, 240)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-    log.close()
+    args = [f"weights={ckpt}", f"api_key={KEY}", f"model_name={NAME}", "max_seq=256", "max_batch=4",
+            "compile=false", "log_level=warning"]
+    with running_server(args, tmp_path_factory.mktemp("log")) as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")
