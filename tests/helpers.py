@@ -83,3 +83,22 @@ def check_decode_equals_prefill(model, seq: torch.Tensor, prompt_len: int, rtol:
     for t in range(prompt_len, seq.shape[1]):
         step = model.decode(seq[:, t])
         assert_logits_close(step, full[:, t], rtol, f"decode at position {t}")
+
+
+def check_flagship_count(preset: str, config) -> None:
+    """The preset's exact parameter count equals transformers' for the published `config` (a
+    transformers config, models built on the meta device), and importing that config gives the
+    preset's layers."""
+    import transformers
+
+    import zoo
+    from zoo.compiler.hf_import import import_config
+    from zoo.compiler.spec import validate
+
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(config)
+    want = sum(p.numel() for p in ref.parameters())  # tied weights appear once
+    m = zoo.build(preset, dry=True)
+    assert m.info.params == want
+    imported = validate(import_config(config.to_dict(), preset), preset)
+    assert imported.layers == m.spec.layers and imported.dim == m.spec.dim

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zoo
+from tests.helpers import check_flagship_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,19 +103,9 @@ FLAGSHIPS = {
 @pytest.mark.parametrize("preset", list(FLAGSHIPS))
 def test_flagship_parameter_count(preset):
     """The preset's exact parameter count equals transformers' for the published config (meta
-    device), and importing that config gives the preset's layers."""
-    from zoo.compiler.hf_import import import_config
-    from zoo.compiler.spec import validate
-
+    device), and importing that config gives the preset's layers (helpers.check_flagship_count)."""
     prefix, values = FLAGSHIPS[preset]
-    config = getattr(transformers, f"{prefix}Config")(**values)
-    with torch.device("meta"):
-        ref = getattr(transformers, f"{prefix}ForCausalLM")(config)
-    want = sum(p.numel() for p in ref.parameters())  # tied weights appear once
-    m = zoo.build(preset, dry=True)
-    assert m.info.params == want
-    imported = validate(import_config(config.to_dict(), preset), preset)
-    assert imported.layers == m.spec.layers and imported.dim == m.spec.dim
+    check_flagship_count(preset, getattr(transformers, f"{prefix}Config")(**values))
 
 
 @pytest.mark.parametrize("family, change, words", [
