@@ -19,12 +19,55 @@ import torch
 from .cache_root import zoo_cache_root
 
 
+# instruction-set levels zoo's kernels are built for, best first: the CPU flags each needs
+# (/proc/cpuinfo's names) and the compiler flags it builds with
+ISAS = {
+    "avx512_vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                    ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    "portable": ((), []),
+}
+ISA_ENV = "ZOO_CPU_ISA"  # forces a level (tests run the AVX2 kernels on an AVX512 machine this way)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.cache
+def isa() -> str:
+    """The instruction-set level the kernels are built for: $ZOO_CPU_ISA if set (it must be one
+    this CPU runs), else the best level of ISAS this CPU has. AVX2 and up also need torch itself
+    to dispatch AVX2 or better (its `Vectorized` headers are compiled for CPU_CAPABILITY_AVX2)."""
+    have = cpu_flags()
+    torch_vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    usable = [name for name, (need, _) in ISAS.items() if set(need) <= have and (torch_vector or not need)]
+    forced = os.environ.get(ISA_ENV)
+    if forced is not None:
+        if forced not in ISAS:
+            raise ValueError(f"${ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}")
+        if forced not in usable:
+            raise ValueError(f"${ISA_ENV}={forced!r}: this CPU lacks "
+                             f"{', '.join(sorted(set(ISAS[forced][0]) - have)) or 'torch AVX2 dispatch'}; "
+                             f"it runs {', '.join(usable)}")
+        return forced
+    return usable[0]
+
+
 def flags() -> list[str]:
-    """Vector flags when torch itself dispatches AVX2 or better on this CPU (AVX2 machines have
-    FMA and F16C; CPU_CAPABILITY_AVX2 selects ATen's AVX2 `Vectorized`), else portable loops."""
-    vector = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    """Compiler flags for this process's ISA level (isa()): the vector extensions, and
+    CPU_CAPABILITY_AVX2 (ATen's AVX2 `Vectorized`) from AVX2 up, else portable loops."""
+    vector = ISAS[isa()][1]
     return ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DNDEBUG"] + \
-        (["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"] if vector else [])
+        (vector + ["-DCPU_CAPABILITY_AVX2"] if vector else [])
 
 
 def _compiler() -> str:

@@ -137,8 +137,15 @@ def test_int8g_kernel_computes_its_reference(group):
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
+    for I in (384, 416):  # 12 and 13 blocks: the AVX512 kernels take blocks in pairs, the odd one apart
+        if I % group == 0:
+            check_int8g_kernel(group, 200, I)
+
+
+def check_int8g_kernel(group, O, I):
+    from zoo.compiler.quant import cpu_kernels
+
     torch.manual_seed(0)
-    O, I = 200, 384
     qw = torch.randint(-128, 128, (O, I), dtype=torch.int8)
     sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1)
     for offsets in (True, False):

@@ -81,8 +81,15 @@ def test_cpu_kernel_computes_its_reference(mode, group):
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
+    for I in (384, 416):  # 12 and 13 blocks: the AVX512 kernels take blocks in pairs, the odd one apart
+        if I % (group or 32) == 0:
+            check_kernel_against_reference(mode, group, 200, I)
+
+
+def check_kernel_against_reference(mode, group, O, I):
+    from zoo.compiler.quant import cpu_kernels
+
     torch.manual_seed(0)
-    O, I = 200, 384
     if mode == "int4":
         q, d, m = torch.randint(0, 16, (O, I)), torch.rand(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05
         qs, sm = cpu_kernels.pack_int4(q, d, m)

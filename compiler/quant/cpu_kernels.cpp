@@ -39,6 +39,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ZOO_AVX2 1
 #endif
+// AVX512 with VNNI (native.py's "avx512_vnni" level): vpdpbusd takes a 4-byte dot product per
+// int32 lane in one instruction (maddubs + madd on AVX2), and 512-bit vectors take two blocks of
+// 32 codes at a time
+#if defined(ZOO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define ZOO_VNNI 1
+#endif
 
 namespace {
 
@@ -71,8 +77,12 @@ inline float hsum(__m256 v) {
 
 // 32 unsigned codes times 32 signed activations -> 8 int32 partial sums, as floats
 inline __m256 dot32(__m256i w_u8, __m256i x_i8) {
+#ifdef ZOO_VNNI
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w_u8, x_i8));
+#else
   const __m256i p16 = _mm256_maddubs_epi16(w_u8, x_i8);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
 }
 
 // 8 scales as floats, from float16 or float32
@@ -126,6 +136,52 @@ inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float*
 }
 #endif
 
+#ifdef ZOO_VNNI
+inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// the 64 codes of two consecutive Q4 blocks (32 bytes) in input order: each block's 16 bytes in
+// two 128-bit lanes, the second shifted by a nibble
+inline __m512i q4_codes2(const uint8_t* qs) {
+  const __m512i r = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+  const __m512i lanes = _mm512_shuffle_i64x2(r, r, 0x50);  // 128-bit lanes 0, 0, 1, 1
+  return _mm512_and_si512(_mm512_srlv_epi64(lanes, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
+}
+
+// 64 unsigned codes times 64 signed activations -> 16 int32 sums (8 per block of 32), as floats
+inline __m512 dot64(__m512i w_u8, __m512i x_i8) {
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_u8, x_i8));
+}
+
+// signed codes: |w| times x with w's sign (vpdpbusd multiplies unsigned by signed)
+inline __m512 dot64_signed(__m512i w, __m512i x) {
+  const __mmask64 neg = _mm512_movepi8_mask(w);
+  return dot64(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+// 16 lanes of scales: lane l takes s[idx[l]] (2 blocks x 8 lanes, or 4 half-blocks x 4 lanes)
+inline __m512 spread(const float* s, int n, __m512i idx) {
+  const __m128 v = n == 2 ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s))) : _mm_loadu_ps(s);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+const __m512i kTwoBlocks = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+const __m512i kFourHalves = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+
+// sum over pairs of blocks p < np of pair(p, acc) into four sums (as sum_blocks)
+template <typename Pair>
+inline __m512 sum_pairs(int64_t np, Pair pair) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 3 < np; p += 4) {
+    a0 = pair(p, a0);
+    a1 = pair(p + 1, a1);
+    a2 = pair(p + 2, a2);
+    a3 = pair(p + 3, a3);
+  }
+  for (; p < np; ++p) a0 = pair(p, a0);
+  return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+}
+#endif
+
 // One output of an int4 row over one int8-rounded row of x:
 //   sum_b d[b >> sh] dx[b] sum_{i in b} q[i] xq[i]  +  sum_g m[g] xs[g]
 // d, m: the row's scales (sm[o, 0], sm[o, 1], float16 or float32); sh = log2(blocks per group);
@@ -133,7 +189,21 @@ inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float*
 template <typename S>
 inline float q4_row(const uint8_t* qs, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xs) {
-#ifdef ZOO_AVX2
+#ifdef ZOO_VNNI
+  float ds[kMaxBlocks];
+  block_scales(d, sh, dx, nb, ds);
+  auto pair = [&](int64_t p, __m512 acc) {
+    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
+    return _mm512_fmadd_ps(dot64(q4_codes2(qs + 32 * p), xv), spread(ds + 2 * p, 2, kTwoBlocks), acc);
+  };
+  float acc = hsum512(sum_pairs(nb / 2, pair));
+  if (nb % 2) {
+    const int64_t b = nb - 1;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    acc += ds[b] * hsum(dot32(q4_codes(qs + 16 * b), xv));
+  }
+  return acc + m_term(m, xs, ng);
+#elif defined(ZOO_AVX2)
   float ds[kMaxBlocks];
   block_scales(d, sh, dx, nb, ds);
   auto block = [&](int64_t b, __m256 acc) {
@@ -194,7 +264,21 @@ inline void int8_rows(const int8_t* qw, float sc, int64_t nb, const int8_t* xq, 
 
 // sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
 inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
-#ifdef ZOO_AVX2
+#ifdef ZOO_VNNI
+  auto pair = [&](int64_t p, __m512 acc) {
+    const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
+    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
+    return _mm512_fmadd_ps(dot64_signed(w, xv), spread(dx + 2 * p, 2, kTwoBlocks), acc);
+  };
+  float acc = hsum512(sum_pairs(nb / 2, pair));
+  if (nb % 2) {
+    const int64_t b = nb - 1;
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    acc += dx[b] * hsum(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)));
+  }
+  return acc;
+#elif defined(ZOO_AVX2)
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
@@ -228,7 +312,23 @@ inline void half_block_scales(const float* d, int64_t group, const float* dx, in
 inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
   half_block_scales(d, group, dx, nb, ds);
-#ifdef ZOO_AVX2
+#ifdef ZOO_VNNI
+  auto pair = [&](int64_t p, __m512 acc) {
+    const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
+    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
+    // lanes 0-3, 4-7, 8-11, 12-15: inputs 0-15 and 16-31 of the first block, then the second's
+    return _mm512_fmadd_ps(dot64_signed(w, xv), spread(ds + 4 * p, 4, kFourHalves), acc);
+  };
+  float acc = hsum512(sum_pairs(nb / 2, pair));
+  if (nb % 2) {
+    const int64_t b = nb - 1;
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
+    acc += hsum(_mm256_mul_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc));
+  }
+  return acc + m_term(m, xs, ng);
+#elif defined(ZOO_AVX2)
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
@@ -436,7 +536,9 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
 }
 
 int64_t simd_level() {
-#ifdef ZOO_AVX2
+#ifdef ZOO_VNNI
+  return 3;
+#elif defined(ZOO_AVX2)
   return 2;
 #else
   return 0;

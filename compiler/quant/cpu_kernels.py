@@ -132,5 +132,5 @@ def status() -> str:
     if why is not None:
         return f"torch reference (dequantize + matmul; zoo's kernel did not build: {why})"
     simd = torch.ops.zoo_quant.simd_level()
-    return "zoo cpu kernel (" + ("avx2 + fma" if simd == 2 else "portable loops") + ", float32)"
+    return "zoo cpu kernel (" + {3: "avx512 + vnni", 2: "avx2 + fma"}.get(simd, "portable loops") + ", float32)"
 
