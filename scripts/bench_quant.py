@@ -11,6 +11,10 @@ Llama-40M benchmark model. Each engine runs in its own process, engines take tur
         engines zoo_int8, zoo_int4, zoo_float32 (an MoE: the stacked experts quantized too)
     python scripts/bench_quant.py --case smollm2 --engines zoo_int4,llama_cpp --prompt 64 --new-tokens 16
         a quick check that everything runs
+    python scripts/bench_quant.py --case smollm2 --gguf-type Q4_K_M,Q5_K_M,Q8_0 --engines zoo_int4,zoo_int4_aot,llama_cpp
+        the same on files llama.cpp's own quantizer makes from the shipped Q4_1 one (requantized,
+        into ~/.cache/zoo-bench/); zoo keeps each tensor as stored (quant=int4 on a GGUF keeps every
+        block type on zoo's kernels: the load report says which)
 
 llama_cpp needs the benchmark extra: `pip install -e .[bench]` (llama-cpp-python builds llama.cpp
 from source, ~10 minutes). Prompt 512 random token ids, 128 greedy new tokens, batch 1. Run on an
@@ -92,6 +96,31 @@ def worker_llama_cpp(path: str, prompt: int, new: int, threads: int) -> dict:
             "peak_rss": bench.peak_rss_bytes()}
 
 
+# llama.cpp's file types (llama_ftype in llama.h) for --gguf-type
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
+          "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def requantized(source: str, ftype: str, threads: int) -> str:
+    """The shipped file requantized by llama.cpp's own quantizer into `ftype` (made once, cached)."""
+    import llama_cpp
+
+    out = Path.home() / ".cache" / "zoo-bench" / Path(source).name.replace(".Q4_1.", f".{ftype}.")
+    if out.exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[ftype]
+    params.nthread = threads
+    params.allow_requantize = True
+    tmp = out.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(source.encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {ftype} failed ({rc})")
+    tmp.replace(out)
+    return str(out)
+
+
 def run_worker(engine: str, path: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--path", path, "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
@@ -123,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--gguf-type", default="Q4_1",
+                    help="smollm2: comma-separated llama.cpp file types (Q4_1 is the shipped file; others are "
+                         f"made from it: {', '.join(FTYPES)})")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -132,29 +164,47 @@ def main(argv=None) -> int:
         return 0
 
     engines = (args.engines or DEFAULT_ENGINES[args.case]).split(",")
-    results: dict = {"case": args.case, "cpu": cpu_model(), "threads": args.threads, "prompt": args.prompt,
-                     "new_tokens": args.new_tokens, "torch": torch.__version__, "rounds": args.rounds}
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.case == "smollm2":
-            from zoo.compiler.checkpoint.hub import resolve_local
+    types = args.gguf_type.split(",") if args.case == "smollm2" else [None]
+    unknown = [t for t in types if t is not None and t not in FTYPES]
+    if unknown:
+        ap.error(f"--gguf-type {unknown[0]!r}: expected one of {', '.join(FTYPES)}")
+    runs = []
+    for ftype in types:
+        results: dict = {"case": args.case, "cpu": cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads,
+                         "prompt": args.prompt, "new_tokens": args.new_tokens, "torch": torch.__version__,
+                         "rounds": args.rounds, "gguf_type": ftype}
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.case == "smollm2":
+                from zoo.compiler.checkpoint.hub import resolve_local
 
-            path = str(resolve_local(GGUF))  # every engine reads this one file
-        else:
-            path = str(Path(tmp) / "ckpt")
-            bench.CASES[args.case][0](Path(path))
-        results.update(bench.take_turns(engines, args.rounds, lambda e: run_worker(e, path, args)))
-    base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
-    print(f"{args.case}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, {args.new_tokens} new")
-    print(f"| engine | decode tok/s | prefill tok/s |" + (f" decode / {base} | prefill / {base} |" if base else ""))
-    print("|---|---|---|" + ("---|---|" if base else ""))
-    for e in engines:
-        r = results[e]
-        ratio = (f" {r['decode_tok_s'] / results[base]['decode_tok_s']:.2f}x |"
-                 f" {r['prefill_tok_s'] / results[base]['prefill_tok_s']:.2f}x |") if base else ""
-        print(f"| {e} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.1f} |{ratio}")
+                path = str(resolve_local(GGUF))  # every engine reads this one file
+                if ftype != "Q4_1":
+                    path = requantized(path, ftype, args.threads)
+            else:
+                path = str(Path(tmp) / "ckpt")
+                bench.CASES[args.case][0](Path(path))
+            results.update(bench.take_turns(engines, args.rounds, lambda e: run_worker(e, path, args)))
+        base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
+        print(f"{args.case} {ftype or ''}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, "
+              f"{args.new_tokens} new")
+        print(f"| engine | decode tok/s | prefill tok/s |" + (f" decode / {base} | prefill / {base} |" if base else ""))
+        print("|---|---|---|" + ("---|---|" if base else ""))
+        for e in engines:
+            r = results[e]
+            ratio = (f" {r['decode_tok_s'] / results[base]['decode_tok_s']:.2f}x |"
+                     f" {r['prefill_tok_s'] / results[base]['prefill_tok_s']:.2f}x |") if base else ""
+            print(f"| {e} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.1f} |{ratio}")
+        runs.append(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2))
     return 0
+
+
+def cpu_flags() -> str:
+    """The vector extensions lscpu reports (the kernels' levels depend on them)."""
+    from zoo.compiler import native
+
+    return " ".join(sorted(f for f in native.cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))))
 
 
 if __name__ == "__main__":
