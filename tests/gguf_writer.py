@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -70,6 +70,9 @@ class Layout:
     head_dim_key: bool = True
     norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
+    # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
+    # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
+    tensors: Callable[[str, torch.Tensor, object], list | None] | None = None
 
     @property
     def name(self) -> str:
@@ -116,6 +119,46 @@ def _experts(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
+def _deepseek2(w: gguf.GGUFWriter, cfg) -> None:
+    """DeepseekV2Model: MLA written as MQA (one kv head of kv_lora_rank + rope), the true widths
+    as *_mla, the MoE keys, and yarn_log_multiplier = 0.1 * mscale_all_dim."""
+    w.add_head_count_kv(1)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if getattr(cfg, "n_group", None) is not None:  # TextModel's expert group keys
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.model_type == "deepseek_v3":  # TextModel's scoring_func key (V3's config.json: sigmoid)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if cfg.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters or {}
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(name: str, t: torch.Tensor, cfg) -> list | None:
+    """DeepseekV2Model.modify_tensors: kv_b_proj [H (nope + v), R] -> k_b_proj [H, R, nope] (each
+    head's key part transposed) and v_b_proj [H, v, R]."""
+    if not name.endswith("kv_b_proj.weight"):
+        return None
+    kv_b = t.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
+    k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+    return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b_proj", "v_b_proj"), v_b)]
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -134,6 +177,9 @@ LAYOUTS = {
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
+    # recent converters split MLA's kv_b; older files keep attn_kv_b
+    "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
+    "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
 }
 
 
@@ -142,7 +188,9 @@ def _converter_tensors(sd: dict):
     stacked as gate_up_proj [E, 2F, D]; on disk (and so to the converter, which stacks them per
     kind) they are gate [E, F, D] and up [E, F, D]. Views: writing into them writes the twin."""
     for name, t in sd.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if name.endswith("e_score_correction_bias"):  # the converter's rename, so the table finds it
+            yield name.replace("e_score_correction_bias", "e_score_correction.bias"), t
+        elif name.endswith("mlp.experts.gate_up_proj"):
             gate, up = t.chunk(2, dim=1)
             yield name.replace("gate_up_proj", "gate_proj"), gate
             yield name.replace("gate_up_proj", "up_proj"), up
@@ -170,7 +218,11 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    for hf_name, p in _converter_tensors(model.state_dict()):
+    tensors = list(_converter_tensors(model.state_dict()))
+    if layout.tensors is not None:
+        tensors = [out for hf_name, p in tensors
+                   for out in (layout.tensors(hf_name, p, cfg) or [(hf_name, p)])]
+    for hf_name, p in tensors:
         if any(s in hf_name for s in layout.skip):
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -89,6 +89,27 @@ FAMILIES = {
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
                ["gemma3"], {"blk.5.ffn_gate.weight": Q.Q8_0}),
+    # MLA with q_lora, sigmoid routing in groups with a selection bias, yarn with mscale: the
+    # deepseek2_v3 variant; attn_kv_b whole, as older converters wrote it
+    "deepseek_v3": ("deepseek2_kv_b", "DeepseekV3Config",
+                    dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                          "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+                    ["deepseek_mtp", "deepseek_v3"], {"blk.1.ffn_up_exps.weight": Q.Q8_0,
+                                                      "blk.1.attn_kv_a_mqa.weight": Q.Q8_0}),
+    # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
+    "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
+                         dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                              n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                              topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.5,
+                              tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["deepseek_v3"], {"blk.0.ffn_down.weight": Q.Q8_0}),
 }
 
 
@@ -102,6 +123,9 @@ def twin(config_class: str, kwargs: dict):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+                b.uniform_(-0.3, 0.3)
     return model
 
 

@@ -151,6 +151,23 @@ def unpermute_llama_cpp_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _kv_b_shape(shapes):
+    if len(shapes[0]) != 3 or len(shapes[1]) != 3 or shapes[0][0] != shapes[1][0] or shapes[0][1] != shapes[1][2]:
+        raise ValueError(f"k_b {list(shapes[0])} and v_b {list(shapes[1])} are not [heads, rank, nope] and "
+                         f"[heads, v, rank] of the same heads and rank")
+    (h, r, nope), v = shapes[0], shapes[1][1]
+    return (h * (nope + v), r)
+
+
+@op("join_kv_b", 2, _kv_b_shape)
+def _join_kv_b(xs):
+    """llama.cpp's MLA split back into one kv_b_proj: k_b [H, R, nope] (the converter transposed
+    each head's key part) and v_b [H, v, R] -> [H * (nope + v), R], per head its nope key rows
+    then its value rows (DeepSeek's kv_b_proj)."""
+    k_b, v_b = xs
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+
+
 # ---------------------------------------------------------------------------- dequantization
 
 def _fp8_block_shape(shapes, block=(128, 128)):
