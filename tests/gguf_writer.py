@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -159,6 +159,23 @@ def _split_kv_b(name: str, t: torch.Tensor, cfg) -> list | None:
     return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b_proj", "v_b_proj"), v_b)]
 
 
+def _glm4moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Glm4MoeModel: block_count with the MTP layers, the rotated width, DeepSeek-V3's routing keys."""
+    w.add_block_count(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -177,6 +194,7 @@ LAYOUTS = {
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
+    "glm4moe": Layout(gguf.MODEL_ARCH.GLM4_MOE, metadata=_glm4moe),
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
     "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),

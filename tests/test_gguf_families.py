@@ -101,6 +101,16 @@ FAMILIES = {
                                           "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
                     ["deepseek_mtp", "deepseek_v3"], {"blk.1.ffn_up_exps.weight": Q.Q8_0,
                                                       "blk.1.attn_kv_a_mqa.weight": Q.Q8_0}),
+    # GLM-4.5: partial rotary, q/k/v biases, q/k norms, sigmoid routing with shared experts; the
+    # file's block_count counts the (absent) MTP layer
+    "glm4_moe": ("glm4moe", "Glm4MoeConfig",
+                 dict(SMALL, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                      n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+                      tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+                 ["deepseek_mtp", "glm4_moe"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0,
+                                                "blk.0.attn_output.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,

@@ -140,9 +140,14 @@ class GGUFSource(Source):
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
-            elif isinstance(field, dict) and "minus" in field:
-                # a width the converter writes as a sum (DeepSeek's key_length_mla = nope + rope)
-                value = value - self._required(field["minus"].format(arch=arch))
+            elif isinstance(field, dict) and ("minus" in field or "over" in field):
+                # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
+                # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
+                # partial_rotary_factor * head_dim); an absent `minus` key is 0
+                if "minus" in field:
+                    value = value - self.metadata(field["minus"].format(arch=arch), 0)
+                if "over" in field:
+                    value = value / self._required(field["over"].format(arch=arch))
             if value is not None or (isinstance(field, dict) and field.get("nullable")):
                 cfg[hf_key] = value  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
