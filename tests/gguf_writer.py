@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -176,6 +176,30 @@ def _glm4moe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
 
 
+def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
+    """GptOssModel: the window and the experts' keys."""
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def _gpt_oss_experts(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GptOssModel.modify_tensors (float experts): gate_up_proj [E, D, 2F] (gate and up columns
+    interleaved) -> gate / up [E, F, D] and their biases [E, F]; down_proj [E, F, D] -> [E, D, F]."""
+    base = name.rsplit(".", 1)[0] + "."
+    if name.endswith("mlp.experts.gate_up_proj"):
+        w = t.transpose(-1, -2)
+        return [(base + "gate_proj.weight", w[:, ::2, :]), (base + "up_proj.weight", w[:, 1::2, :])]
+    if name.endswith("mlp.experts.gate_up_proj_bias"):
+        return [(base + "gate_proj.bias", t[..., ::2]), (base + "up_proj.bias", t[..., 1::2])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(base + "down_proj.weight", t.transpose(-1, -2))]
+    if name.endswith("mlp.experts.down_proj_bias"):
+        return [(base + "down_proj.bias", t)]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -195,6 +219,7 @@ LAYOUTS = {
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
     "glm4moe": Layout(gguf.MODEL_ARCH.GLM4_MOE, metadata=_glm4moe),
+    "gpt-oss": Layout(gguf.MODEL_ARCH.GPT_OSS, metadata=_gpt_oss, tensors=_gpt_oss_experts),
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
     "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
@@ -236,10 +261,11 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    tensors = list(_converter_tensors(model.state_dict()))
-    if layout.tensors is not None:
+    tensors = list(model.state_dict().items())
+    if layout.tensors is not None:  # before the generic expert split: the layout's own comes first
         tensors = [out for hf_name, p in tensors
                    for out in (layout.tensors(hf_name, p, cfg) or [(hf_name, p)])]
+    tensors = list(_converter_tensors(dict(tensors)))
     for hf_name, p in tensors:
         if any(s in hf_name for s in layout.skip):
             continue

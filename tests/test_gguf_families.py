@@ -111,6 +111,14 @@ FAMILIES = {
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
                  ["deepseek_mtp", "glm4_moe"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0,
                                                 "blk.0.attn_output.weight": Q.Q8_0}),
+    # sinks, biases, sliding / full layers (window 4 < the positions checked), yarn; the experts
+    # stored MXFP4 as released files have them
+    "gpt_oss": ("gpt-oss", "GptOssConfig",
+                dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                      "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0}),
+                ["gpt_oss"], {f"blk.{i}.ffn_{k}_exps.weight": Q.MXFP4 for i in (0, 1) for k in ("gate", "up", "down")}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
