@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -200,6 +200,18 @@ def _gpt_oss_experts(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _qwen2moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Qwen2MoeModel: the routed experts' keys and the shared expert's width."""
+    _experts(w, cfg)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _olmoe(w: gguf.GGUFWriter, cfg) -> None:
+    """OlmoeModel: TextModel's keys (feed_forward_length is the experts' width) and the expert count."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -219,6 +231,8 @@ LAYOUTS = {
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
     "glm4moe": Layout(gguf.MODEL_ARCH.GLM4_MOE, metadata=_glm4moe),
+    "qwen2moe": Layout(gguf.MODEL_ARCH.QWEN2MOE, metadata=_qwen2moe),
+    "olmoe": Layout(gguf.MODEL_ARCH.OLMOE, metadata=_olmoe),
     "gpt-oss": Layout(gguf.MODEL_ARCH.GPT_OSS, metadata=_gpt_oss, tensors=_gpt_oss_experts),
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
