@@ -320,6 +320,27 @@ def test_gguf_tokenizer_matches_transformers(zoo_tokenizer, hf_tokenizer, text):
     assert zoo_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_gguf_tokenizer_multilingual_text(zoo_tokenizer, hf_tokenizer):
+    """The real file over tests/data/multilingual.txt (scripts, code, numbers, emoji), line by line
+    and whole. Reference: transformers' tokenizer from the same file with SmolLM2's own
+    pre-tokenizer (its tokenizer.json: every \\p{N} character on its own, then GPT-2's split;
+    llama.cpp's "smollm"), which transformers' GGUF loader does not know: it leaves "½" whole."""
+    import copy
+
+    from tokenizers import pre_tokenizers
+
+    reference = copy.deepcopy(hf_tokenizer)
+    reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    text = (Path(__file__).parent / "data" / "multilingual.txt").read_text(encoding="utf-8")
+    for piece in [*text.split("\n"), text]:
+        ids = zoo_tokenizer.encode(piece)
+        assert ids == reference.encode(piece), piece
+        assert zoo_tokenizer.decode(ids, skip_special_tokens=False) == piece
+    assert zoo_tokenizer.encode(" ½") != hf_tokenizer.encode(" ½")  # the one place the loaders differ here
+
+
 def test_gguf_tokenizer_special_ids(zoo_tokenizer):
     assert zoo_tokenizer.encode("<|im_start|>user") == [1, 4093]
     assert zoo_tokenizer.bos_id == 1 and zoo_tokenizer.eos_ids == {2}
@@ -378,8 +399,11 @@ def test_gguf_pre_tokenizers_build(tmp_path, pre):
 
 def test_gguf_tokenizer_errors(tmp_path):
     spm = GGUFSource(write_gguf(tmp_path / "spm.gguf", kv=_tokenizer_kv(model="llama")))
-    with pytest.raises(ZooError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf(spm)
+    with pytest.raises(ZooError, match=r"spm.gguf.*SentencePiece GGUF tokenizer needs tokenizer.ggml.scores"):
+        Tokenizer.from_gguf(spm)  # SentencePiece without scores (tests/test_gguf_tokenizer.py: with them)
+    rwkv = GGUFSource(write_gguf(tmp_path / "rwkv.gguf", kv=_tokenizer_kv(model="rwkv")))
+    with pytest.raises(ZooError, match=r"rwkv.gguf.*unsupported GGUF tokenizer model 'rwkv' \(supported: gpt2, llama\)"):
+        Tokenizer.from_gguf(rwkv)
     no_merges = {k: v for k, v in _tokenizer_kv().items() if k != "tokenizer.ggml.merges"}
     with pytest.raises(ZooError, match="tokenizer.ggml.merges"):
         Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "nm.gguf", kv=no_merges)))

@@ -187,6 +187,14 @@ class GGUFSource(Source):
                                   f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
         return [name]
 
+    def tokenizer_options(self) -> dict:
+        """The architecture map's `tokenizer` section (e.g. {sentencepiece: gemma}: how its
+        SentencePiece vocabulary spells spaces), {} without one or for an unmapped architecture."""
+        arch = self.metadata("general.architecture")
+        if not isinstance(arch, str) or arch not in conf_files("gguf"):
+            return {}
+        return dict(self._mapping()[2].get("tokenizer", {}))
+
     def close(self) -> None:
         """Drop the memory map (tensors already returned by `read` are independent copies)."""
         self._index = None
