@@ -220,3 +220,29 @@ def test_llama_moe_file_with_a_window_is_refused(tmp_path):
                       extra={"{arch}.attention.sliding_window": 4})
     with pytest.raises(CheckpointError, match=r"sliding-window attention is not supported for llama GGUF"):
         zoo.from_pretrained(str(path), compile=False)
+
+
+def test_routing_the_maps_cannot_express(tmp_path):
+    """DeepSeek-V2's group-limited softmax routing (llama.cpp scores a group by its best two
+    experts, transformers' V2 by its best one) and a glm4moe file routed by softmax are refused,
+    naming the key, its value and the file."""
+    v2 = twin("DeepseekV2Config", dict(FAMILIES["deepseek_v2_lite"][2], topk_method="group_limited_greedy",
+                                       n_group=2, topk_group=1))
+    path = write_gguf(tmp_path / "v2.gguf", v2, LAYOUTS["deepseek2"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*group-limited softmax routing .*is not supported "
+                                              rf"\(deepseek2.expert_group_count = 2\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    glm = twin("Glm4MoeConfig", FAMILIES["glm4_moe"][2])
+    path = write_gguf(tmp_path / "glm.gguf", glm, LAYOUTS["glm4moe"], extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for glm4moe "
+                                              rf"\(glm4moe.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_deepseek_yarn_needs_its_log_multiplier(tmp_path):
+    """Without yarn_log_multiplier (DeepSeek's mscale_all_dim) the attention scale is unknown."""
+    ref = twin("DeepseekV3Config", FAMILIES["deepseek_v3"][2])
+    ref.config.rope_parameters = {k: v for k, v in ref.config.rope_parameters.items() if not k.startswith("mscale")}
+    path = write_gguf(tmp_path / "yarn.gguf", ref, LAYOUTS["deepseek2"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*yarn RoPE without deepseek2.rope.scaling.yarn_log_multiplier"):
+        zoo.from_pretrained(str(path), compile=False)
