@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -212,6 +212,41 @@ def _olmoe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_used_count(cfg.num_experts_per_tok)
 
 
+def _qwen3next(w: gguf.GGUFWriter, cfg) -> None:
+    """Qwen3NextModel: Qwen2MoeModel's keys, the Gated DeltaNet sizes as ssm.*, the interval."""
+    _qwen2moe(w, cfg)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", None) or 4)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+
+
+def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
+    zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
+    attn_qkv and attn_gate (GGUF names: the converter writes them itself)."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if "conv1d" in name:
+        return [(name, t.squeeze())]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    if name.endswith("in_proj_qkvz.weight"):
+        nk, hk, hv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        vz = cfg.linear_num_value_heads // nk * hv
+        q, k, v, z = t.t().reshape(-1, nk, 2 * hk + 2 * vz).split([hk, hk, vz, vz], dim=-1)
+        flat = lambda x: x.reshape(cfg.hidden_size, -1)
+        bid = name.split(".")[2]
+        return [(f"blk.{bid}.attn_qkv.weight", torch.cat([flat(q), flat(k), flat(v)], dim=-1).t()),
+                (f"blk.{bid}.attn_gate.weight", flat(z).t())]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -233,6 +268,7 @@ LAYOUTS = {
     "glm4moe": Layout(gguf.MODEL_ARCH.GLM4_MOE, metadata=_glm4moe),
     "qwen2moe": Layout(gguf.MODEL_ARCH.QWEN2MOE, metadata=_qwen2moe),
     "olmoe": Layout(gguf.MODEL_ARCH.OLMOE, metadata=_olmoe),
+    "qwen3next": Layout(gguf.MODEL_ARCH.QWEN3NEXT, metadata=_qwen3next, tensors=_qwen3next_tensors),
     "gpt-oss": Layout(gguf.MODEL_ARCH.GPT_OSS, metadata=_gpt_oss, tensors=_gpt_oss_experts),
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
@@ -276,6 +312,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     tensors = list(model.state_dict().items())
+    storages = {t.untyped_storage().data_ptr() for _, t in tensors}  # the twin's own weights
     if layout.tensors is not None:  # before the generic expert split: the layout's own comes first
         tensors = [out for hf_name, p in tensors
                    for out in (layout.tensors(hf_name, p, cfg) or [(hf_name, p)])]
@@ -285,11 +322,14 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # the converter writes no output.weight for tied embeddings
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # a layout's own tensors may come GGUF-named already
+        name = hf_name if hf_name.startswith("blk.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
-        if not name.endswith((".weight", ".bias")):
-            name += ".weight"  # transformers' stacked experts are bare parameters; GGUF names are not
+        if not name.endswith((".weight", ".bias")) and not name.endswith(".ssm_a"):
+            # transformers' stacked experts are bare parameters; GGUF names are not (but A_log's
+            # ssm_a, as in llama.cpp's own tensor names)
+            name += ".weight"
         t = p.detach().float()
         if hf_name.endswith("norm.weight"):
             t = t + layout.norm_shift
@@ -297,6 +337,9 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         if name in quantize:
             if layout.permute_qk and kind in heads:
                 raise ValueError(f"quantize a tensor the converter does not permute, not {name}")
+            if p.untyped_storage().data_ptr() not in storages:
+                raise ValueError(f"{name} is computed from the twin's weights, so its rounded values cannot be "
+                                 f"written back: quantize another tensor")
             qtype = quantize.pop(name)
             blocks = gguf.quants.quantize(t.numpy(), qtype)
             t = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(t.shape)

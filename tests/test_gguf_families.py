@@ -128,6 +128,16 @@ FAMILIES = {
               dict(SMALL, intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                    tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
               ["olmoe"], {"blk.0.ffn_gate_exps.weight": Q.Q8_0}),
+    # Gated DeltaNet (2 value heads per key head) and gated attention every 4th layer, MoE with a
+    # gated shared expert; llama.cpp's A, conv, norm and in_proj layouts
+    "qwen3_next": ("qwen3next", "Qwen3NextConfig",
+                   dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        norm_topk_prob=True, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+                   ["qwen3_next_mtp", "qwen3_next"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ssm_out.weight": Q.Q8_0,
+                                                      "blk.2.ffn_up_exps.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,

@@ -146,8 +146,9 @@ class GGUFSource(Source):
                 # partial_rotary_factor * head_dim); an absent `minus` key is 0
                 if "minus" in field:
                     value = value - self.metadata(field["minus"].format(arch=arch), 0)
-                if "over" in field:
-                    value = value / self._required(field["over"].format(arch=arch))
+                if "over" in field:  # a whole quotient stays an integer (a width), else a fraction
+                    d = self._required(field["over"].format(arch=arch))
+                    value = value // d if value % d == 0 else value / d
             if value is not None or (isinstance(field, dict) and field.get("nullable")):
                 cfg[hf_key] = value  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
