@@ -213,3 +213,15 @@ def test_sentencepiece_errors(tmp_path, sentencepiece):
         "tokenizer.ggml.model": ("bert", V.STRING), "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
     with pytest.raises(ZooError, match=r"bert.gguf.*unsupported GGUF tokenizer model 'bert' \(supported: gpt2, llama\)"):
         Tokenizer.from_gguf(GGUFSource(bert))
+
+
+def test_chat_template_from_the_file_runs_sandboxed(tmp_path, byte_level):
+    """A template is the file's code: it renders in jinja's immutable sandbox, so reaching Python
+    internals or mutating the messages fails with a clear error instead of running."""
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    mutate = "{% set _ = messages.append({'role': 'x'}) %}{{ messages | length }}"
+    for template in (escape, mutate):
+        path = _gpt2_file(tmp_path, byte_level, "qwen2", **{"tokenizer.chat_template": (template, V.STRING)})
+        tok = Tokenizer.from_gguf(GGUFSource(path))
+        with pytest.raises(ZooError, match="chat template"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
