@@ -214,6 +214,37 @@ def test_unpermute_inverts_the_converter_permutation():
         unpermute_llama_cpp_rope(torch.zeros(6, 2), 2)
 
 
+def test_llama_cpp_layout_ops():
+    """The ops that undo llama.cpp converters' layouts, against the converters' own transforms."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    # DeepSeek MLA: kv_b [H (nope + v), R] split as k_b [H, R, nope] (transposed) and v_b [H, v, R]
+    H, nope, v, R = 3, 4, 5, 6
+    kv_b = torch.randn(H * (nope + v), R)
+    k_b, v_b = kv_b.view(H, nope + v, R).split([nope, v], dim=1)
+    join = get_op("join_kv_b", "test")
+    assert torch.equal(join.apply([k_b.transpose(1, 2), v_b]), kv_b)
+    assert join.shape([(H, R, nope), (H, v, R)]) == tuple(kv_b.shape)
+    with pytest.raises(ValueError, match="same heads and rank"):
+        join.shape([(H, R, nope), (H + 1, v, R)])
+    # Qwen3-Next: A = -exp(A_log), conv1d [C, 1, K] squeezed
+    a_log = torch.randn(7)
+    torch.testing.assert_close(get_op("log_neg", "test").apply([-torch.exp(a_log)]), a_log)
+    conv = torch.randn(6, 1, 4)
+    assert torch.equal(get_op("unsqueeze", "test").apply([conv.squeeze()], dim=1), conv)
+    assert get_op("unsqueeze", "test").shape([(6, 4)], dim=1) == (6, 1, 4)
+    # split_groups: part-major inputs taken whole beside a grouped one; the grouped form unchanged
+    sg = get_op("split_groups", "test")
+    qkv, z, ba = torch.arange(6.0)[:, None], torch.arange(10.0, 12.0)[:, None], torch.arange(20.0, 24.0)[:, None]
+    out = sg.apply([qkv, z, ba], groups=2, sizes=[[], [], [1, 1]], whole=[0, 1])
+    assert out.flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 11, 20, 22, 21, 23]
+    assert sg.shape([(6, 1), (2, 1), (4, 1)], groups=2, sizes=[[], [], [1, 1]], whole=[0, 1]) == (12, 1)
+    grouped = torch.arange(6.0)[:, None]  # two groups of [q | v | k]
+    assert sg.apply([grouped], groups=2, sizes=[1, 1, 1], order=[0, 2, 1]).flatten().tolist() == [0, 3, 2, 5, 1, 4]
+    with pytest.raises(ValueError, match="neither index nor order"):
+        sg.shape([(6, 1), (4, 1)], groups=2, sizes=[[], [1, 1]], whole=[0], order=[1, 0])
+
+
 def test_synthetic_types_and_shapes(tmp_path):
     rng = np.random.default_rng(0)
     f32 = rng.standard_normal((2, 3, 64)).astype(np.float32)
