@@ -292,13 +292,14 @@ def _converter_tensors(sd: dict):
 
 
 def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None,
-               arch: str | None = None, extra: dict | None = None) -> Path:
+               arch: str | None = None, extra: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
 
     quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
     weights are replaced by their dequantized values (the file and the twin stay equal).
     arch: another general.architecture; extra: more metadata {key ("{arch}." expanded): str,
-    int or float value} (bad-input tests).
+    int or float value} (bad-input tests); extra_tensors: more F32 tensors {GGUF name: tensor}
+    (parts of the file the twin does not have, e.g. an MTP block).
     """
     cfg = model.config
     quantize = dict(quantize or {})
@@ -353,6 +354,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
             w.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(name, t.numpy())
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t.detach().float().numpy())
     if quantize:
         raise KeyError(f"no tensors named {sorted(quantize)} in the twin")
     w.write_header_to_file()

@@ -256,3 +256,20 @@ def test_deepseek_yarn_needs_its_log_multiplier(tmp_path):
     path = write_gguf(tmp_path / "yarn.gguf", ref, LAYOUTS["deepseek2"])
     with pytest.raises(CheckpointError, match=rf"{path}.*yarn RoPE without deepseek2.rope.scaling.yarn_log_multiplier"):
         zoo.from_pretrained(str(path), compile=False)
+
+
+def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
+    """GLM-4.5 files carry the MTP layer as the last block (blk.{n_layers}: a decoder block plus
+    its nextn.* parts): with checkpoint.mtp=false every tensor of it is skipped, with the reason in
+    the load report, and the model is the twin."""
+    ref = twin("Glm4MoeConfig", FAMILIES["glm4_moe"][2])
+    D, n = ref.config.hidden_size, ref.config.num_hidden_layers
+    mtp = {f"blk.{n}.nextn.eh_proj.weight": torch.randn(D, 2 * D), f"blk.{n}.nextn.enorm.weight": torch.ones(D),
+           f"blk.{n}.nextn.hnorm.weight": torch.ones(D), f"blk.{n}.nextn.shared_head_norm.weight": torch.ones(D),
+           f"blk.{n}.attn_norm.weight": torch.ones(D), f"blk.{n}.attn_q.weight": torch.randn(64, D)}
+    path = write_gguf(tmp_path / "glm_mtp.gguf", ref, LAYOUTS["glm4moe"], extra_tensors=mtp)
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    skipped = dict(m.info.load.ignored)
+    assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
