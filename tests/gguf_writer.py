@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3moe, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -70,6 +70,9 @@ class Layout:
     head_dim_key: bool = True
     norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
+    # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
+    # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
+    tensors: Callable[[str, torch.Tensor, object], list | None] | None = None
 
     @property
     def name(self) -> str:
@@ -116,6 +119,134 @@ def _experts(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
+def _deepseek2(w: gguf.GGUFWriter, cfg) -> None:
+    """DeepseekV2Model: MLA written as MQA (one kv head of kv_lora_rank + rope), the true widths
+    as *_mla, the MoE keys, and yarn_log_multiplier = 0.1 * mscale_all_dim."""
+    w.add_head_count_kv(1)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if getattr(cfg, "n_group", None) is not None:  # TextModel's expert group keys
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.model_type == "deepseek_v3":  # TextModel's scoring_func key (V3's config.json: sigmoid)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if cfg.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters or {}
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _split_kv_b(name: str, t: torch.Tensor, cfg) -> list | None:
+    """DeepseekV2Model.modify_tensors: kv_b_proj [H (nope + v), R] -> k_b_proj [H, R, nope] (each
+    head's key part transposed) and v_b_proj [H, v, R]."""
+    if not name.endswith("kv_b_proj.weight"):
+        return None
+    kv_b = t.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
+    k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+    return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b_proj", "v_b_proj"), v_b)]
+
+
+def _glm4moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Glm4MoeModel: block_count with the MTP layers, the rotated width, DeepSeek-V3's routing keys."""
+    w.add_block_count(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
+
+
+def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
+    """GptOssModel: the window and the experts' keys."""
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def _gpt_oss_experts(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GptOssModel.modify_tensors (float experts): gate_up_proj [E, D, 2F] (gate and up columns
+    interleaved) -> gate / up [E, F, D] and their biases [E, F]; down_proj [E, F, D] -> [E, D, F]."""
+    base = name.rsplit(".", 1)[0] + "."
+    if name.endswith("mlp.experts.gate_up_proj"):
+        w = t.transpose(-1, -2)
+        return [(base + "gate_proj.weight", w[:, ::2, :]), (base + "up_proj.weight", w[:, 1::2, :])]
+    if name.endswith("mlp.experts.gate_up_proj_bias"):
+        return [(base + "gate_proj.bias", t[..., ::2]), (base + "up_proj.bias", t[..., 1::2])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(base + "down_proj.weight", t.transpose(-1, -2))]
+    if name.endswith("mlp.experts.down_proj_bias"):
+        return [(base + "down_proj.bias", t)]
+    return None
+
+
+def _qwen2moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Qwen2MoeModel: the routed experts' keys and the shared expert's width."""
+    _experts(w, cfg)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _olmoe(w: gguf.GGUFWriter, cfg) -> None:
+    """OlmoeModel: TextModel's keys (feed_forward_length is the experts' width) and the expert count."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def _qwen3next(w: gguf.GGUFWriter, cfg) -> None:
+    """Qwen3NextModel: Qwen2MoeModel's keys, the Gated DeltaNet sizes as ssm.*, the interval."""
+    _qwen2moe(w, cfg)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", None) or 4)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+
+
+def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
+    zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
+    attn_qkv and attn_gate (GGUF names: the converter writes them itself)."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if "conv1d" in name:
+        return [(name, t.squeeze())]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    if name.endswith("in_proj_qkvz.weight"):
+        nk, hk, hv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        vz = cfg.linear_num_value_heads // nk * hv
+        q, k, v, z = t.t().reshape(-1, nk, 2 * hk + 2 * vz).split([hk, hk, vz, vz], dim=-1)
+        flat = lambda x: x.reshape(cfg.hidden_size, -1)
+        bid = name.split(".")[2]
+        return [(f"blk.{bid}.attn_qkv.weight", torch.cat([flat(q), flat(k), flat(v)], dim=-1).t()),
+                (f"blk.{bid}.attn_gate.weight", flat(z).t())]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -134,6 +265,14 @@ LAYOUTS = {
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, metadata=_phi3, head_dim_key=False),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, metadata=_gemma2, norm_shift=1.0),
     "gemma3": Layout(gguf.MODEL_ARCH.GEMMA3, metadata=_gemma3, norm_shift=1.0),
+    "glm4moe": Layout(gguf.MODEL_ARCH.GLM4_MOE, metadata=_glm4moe),
+    "qwen2moe": Layout(gguf.MODEL_ARCH.QWEN2MOE, metadata=_qwen2moe),
+    "olmoe": Layout(gguf.MODEL_ARCH.OLMOE, metadata=_olmoe),
+    "qwen3next": Layout(gguf.MODEL_ARCH.QWEN3NEXT, metadata=_qwen3next, tensors=_qwen3next_tensors),
+    "gpt-oss": Layout(gguf.MODEL_ARCH.GPT_OSS, metadata=_gpt_oss, tensors=_gpt_oss_experts),
+    # recent converters split MLA's kv_b; older files keep attn_kv_b
+    "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
+    "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
 }
 
 
@@ -142,7 +281,9 @@ def _converter_tensors(sd: dict):
     stacked as gate_up_proj [E, 2F, D]; on disk (and so to the converter, which stacks them per
     kind) they are gate [E, F, D] and up [E, F, D]. Views: writing into them writes the twin."""
     for name, t in sd.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if name.endswith("e_score_correction_bias"):  # the converter's rename, so the table finds it
+            yield name.replace("e_score_correction_bias", "e_score_correction.bias"), t
+        elif name.endswith("mlp.experts.gate_up_proj"):
             gate, up = t.chunk(2, dim=1)
             yield name.replace("gate_up_proj", "gate_proj"), gate
             yield name.replace("gate_up_proj", "up_proj"), up
@@ -151,13 +292,14 @@ def _converter_tensors(sd: dict):
 
 
 def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None = None,
-               arch: str | None = None, extra: dict | None = None) -> Path:
+               arch: str | None = None, extra: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
 
     quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
     weights are replaced by their dequantized values (the file and the twin stay equal).
     arch: another general.architecture; extra: more metadata {key ("{arch}." expanded): str,
-    int or float value} (bad-input tests).
+    int or float value} (bad-input tests); extra_tensors: more F32 tensors {GGUF name: tensor}
+    (parts of the file the twin does not have, e.g. an MTP block).
     """
     cfg = model.config
     quantize = dict(quantize or {})
@@ -170,16 +312,25 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-    for hf_name, p in _converter_tensors(model.state_dict()):
+    tensors = list(model.state_dict().items())
+    storages = {t.untyped_storage().data_ptr() for _, t in tensors}  # the twin's own weights
+    if layout.tensors is not None:  # before the generic expert split: the layout's own comes first
+        tensors = [out for hf_name, p in tensors
+                   for out in (layout.tensors(hf_name, p, cfg) or [(hf_name, p)])]
+    tensors = list(_converter_tensors(dict(tensors)))
+    for hf_name, p in tensors:
         if any(s in hf_name for s in layout.skip):
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # the converter writes no output.weight for tied embeddings
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # a layout's own tensors may come GGUF-named already
+        name = hf_name if hf_name.startswith("blk.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
-        if not name.endswith((".weight", ".bias")):
-            name += ".weight"  # transformers' stacked experts are bare parameters; GGUF names are not
+        if not name.endswith((".weight", ".bias")) and not name.endswith(".ssm_a"):
+            # transformers' stacked experts are bare parameters; GGUF names are not (but A_log's
+            # ssm_a, as in llama.cpp's own tensor names)
+            name += ".weight"
         t = p.detach().float()
         if hf_name.endswith("norm.weight"):
             t = t + layout.norm_shift
@@ -187,6 +338,9 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         if name in quantize:
             if layout.permute_qk and kind in heads:
                 raise ValueError(f"quantize a tensor the converter does not permute, not {name}")
+            if p.untyped_storage().data_ptr() not in storages:
+                raise ValueError(f"{name} is computed from the twin's weights, so its rounded values cannot be "
+                                 f"written back: quantize another tensor")
             qtype = quantize.pop(name)
             blocks = gguf.quants.quantize(t.numpy(), qtype)
             t = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(t.shape)
@@ -200,6 +354,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
             w.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(name, t.numpy())
+    for name, t in (extra_tensors or {}).items():
+        w.add_tensor(name, t.detach().float().numpy())
     if quantize:
         raise KeyError(f"no tensors named {sorted(quantize)} in the twin")
     w.write_header_to_file()

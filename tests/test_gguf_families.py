@@ -89,6 +89,64 @@ FAMILIES = {
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
                ["gemma3"], {"blk.5.ffn_gate.weight": Q.Q8_0}),
+    # MLA with q_lora, sigmoid routing in groups with a selection bias, yarn with mscale: the
+    # deepseek2_v3 variant; attn_kv_b whole, as older converters wrote it
+    "deepseek_v3": ("deepseek2_kv_b", "DeepseekV3Config",
+                    dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                          "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+                    ["deepseek_mtp", "deepseek_v3"], {"blk.1.ffn_up_exps.weight": Q.Q8_0,
+                                                      "blk.1.attn_kv_a_mqa.weight": Q.Q8_0}),
+    # GLM-4.5: partial rotary, q/k/v biases, q/k norms, sigmoid routing with shared experts; the
+    # file's block_count counts the (absent) MTP layer
+    "glm4_moe": ("glm4moe", "Glm4MoeConfig",
+                 dict(SMALL, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                      n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+                      tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+                 ["deepseek_mtp", "glm4_moe"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0,
+                                                "blk.0.attn_output.weight": Q.Q8_0}),
+    # sinks, biases, sliding / full layers (window 4 < the positions checked), yarn; the experts
+    # stored MXFP4 as released files have them
+    "gpt_oss": ("gpt-oss", "GptOssConfig",
+                dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                      "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0}),
+                ["gpt_oss"], {f"blk.{i}.ffn_{k}_exps.weight": Q.MXFP4 for i in (0, 1) for k in ("gate", "up", "down")}),
+    "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig",
+                  dict(SMALL, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False, use_sliding_window=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                  ["qwen2_moe"], {"blk.1.ffn_down_exps.weight": Q.Q8_0, "blk.0.ffn_up_shexp.weight": Q.Q4_0}),
+    "olmoe": ("olmoe", "OlmoeConfig",
+              dict(SMALL, intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                   tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["olmoe"], {"blk.0.ffn_gate_exps.weight": Q.Q8_0}),
+    # Gated DeltaNet (2 value heads per key head) and gated attention every 4th layer, MoE with a
+    # gated shared expert; llama.cpp's A, conv, norm and in_proj layouts
+    "qwen3_next": ("qwen3next", "Qwen3NextConfig",
+                   dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        norm_topk_prob=True, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+                   ["qwen3_next_mtp", "qwen3_next"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ssm_out.weight": Q.Q8_0,
+                                                      "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
+    "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
+                         dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+                              n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                              topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.5,
+                              tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["deepseek_v3"], {"blk.0.ffn_down.weight": Q.Q8_0}),
 }
 
 
@@ -102,6 +160,9 @@ def twin(config_class: str, kwargs: dict):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+                b.uniform_(-0.3, 0.3)
     return model
 
 
@@ -169,3 +230,46 @@ def test_llama_moe_file_with_a_window_is_refused(tmp_path):
                       extra={"{arch}.attention.sliding_window": 4})
     with pytest.raises(CheckpointError, match=r"sliding-window attention is not supported for llama GGUF"):
         zoo.from_pretrained(str(path), compile=False)
+
+
+def test_routing_the_maps_cannot_express(tmp_path):
+    """DeepSeek-V2's group-limited softmax routing (llama.cpp scores a group by its best two
+    experts, transformers' V2 by its best one) and a glm4moe file routed by softmax are refused,
+    naming the key, its value and the file."""
+    v2 = twin("DeepseekV2Config", dict(FAMILIES["deepseek_v2_lite"][2], topk_method="group_limited_greedy",
+                                       n_group=2, topk_group=1))
+    path = write_gguf(tmp_path / "v2.gguf", v2, LAYOUTS["deepseek2"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*group-limited softmax routing .*is not supported "
+                                              rf"\(deepseek2.expert_group_count = 2\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    glm = twin("Glm4MoeConfig", FAMILIES["glm4_moe"][2])
+    path = write_gguf(tmp_path / "glm.gguf", glm, LAYOUTS["glm4moe"], extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for glm4moe "
+                                              rf"\(glm4moe.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_deepseek_yarn_needs_its_log_multiplier(tmp_path):
+    """Without yarn_log_multiplier (DeepSeek's mscale_all_dim) the attention scale is unknown."""
+    ref = twin("DeepseekV3Config", FAMILIES["deepseek_v3"][2])
+    ref.config.rope_parameters = {k: v for k, v in ref.config.rope_parameters.items() if not k.startswith("mscale")}
+    path = write_gguf(tmp_path / "yarn.gguf", ref, LAYOUTS["deepseek2"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*yarn RoPE without deepseek2.rope.scaling.yarn_log_multiplier"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
+    """GLM-4.5 files carry the MTP layer as the last block (blk.{n_layers}: a decoder block plus
+    its nextn.* parts): with checkpoint.mtp=false every tensor of it is skipped, with the reason in
+    the load report, and the model is the twin."""
+    ref = twin("Glm4MoeConfig", FAMILIES["glm4_moe"][2])
+    D, n = ref.config.hidden_size, ref.config.num_hidden_layers
+    mtp = {f"blk.{n}.nextn.eh_proj.weight": torch.randn(D, 2 * D), f"blk.{n}.nextn.enorm.weight": torch.ones(D),
+           f"blk.{n}.nextn.hnorm.weight": torch.ones(D), f"blk.{n}.nextn.shared_head_norm.weight": torch.ones(D),
+           f"blk.{n}.attn_norm.weight": torch.ones(D), f"blk.{n}.attn_q.weight": torch.randn(64, D)}
+    path = write_gguf(tmp_path / "glm_mtp.gguf", ref, LAYOUTS["glm4moe"], extra_tensors=mtp)
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    skipped = dict(m.info.load.ignored)
+    assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)

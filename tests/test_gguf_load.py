@@ -218,7 +218,7 @@ def test_unsupported_quant_type_through_from_pretrained(tmp_path, random_llama):
     with pytest.raises(CheckpointError) as err:
         zoo.from_pretrained(str(path), compile=False)
     message = str(err.value)
-    assert "blk.1.ffn_down.weight (IQ2_XXS)" in message and "Q4_K" in message
+    assert "blk.1.ffn_down.weight (IQ2_XXS)" in message and "Q4_K" in message and str(path) in message
 
 
 

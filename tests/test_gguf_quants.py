@@ -16,7 +16,9 @@ from zoo.compiler.quant import gguf_blocks  # noqa: E402
 
 # byte offsets of each type's float16 fields (random bytes there could be inf / nan)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
+              "MXFP4": []}
+E8M0_FIELDS = {"MXFP4": [0]}  # byte offsets of E8M0 scales: 2 ** (e - 128), subnormal for e < 2
 TYPES = list(F16_FIELDS)
 
 
@@ -30,6 +32,9 @@ def random_blocks(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0)
         h = (rng.standard_normal(len(b)) * 10.0 ** rng.integers(-7, 2, len(b))).astype(np.float16)
         h[::17] = 0
         b[:, off:off + 2] = h.view(np.uint8).reshape(-1, 2)
+    for off in E8M0_FIELDS.get(ggml_type, []):  # the subnormal scales, and none that overflow a product
+        b[:, off] = rng.integers(0, 136, len(b))
+        b[::7, off] = rng.integers(0, 2, len(b[::7]))
     return b.reshape(rows, -1)
 
 
@@ -58,7 +63,7 @@ def test_random_blocks_equal_gguf_bit_for_bit(ggml_type):
     np.testing.assert_array_equal(again.numpy(), want)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
 def test_quantized_values_equal_gguf(ggml_type):
     """Blocks written by gguf's own quantizer (real scales, not random bytes)."""
     w = np.random.default_rng(1).standard_normal((4, 128)).astype(np.float32)
@@ -186,7 +191,7 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
 KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int8 g32 (float32 scales)",
         "Q5_1": "int8 g32 (float32 scales)", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
-        "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)"}
+        "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])

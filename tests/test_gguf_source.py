@@ -214,6 +214,37 @@ def test_unpermute_inverts_the_converter_permutation():
         unpermute_llama_cpp_rope(torch.zeros(6, 2), 2)
 
 
+def test_llama_cpp_layout_ops():
+    """The ops that undo llama.cpp converters' layouts, against the converters' own transforms."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    # DeepSeek MLA: kv_b [H (nope + v), R] split as k_b [H, R, nope] (transposed) and v_b [H, v, R]
+    H, nope, v, R = 3, 4, 5, 6
+    kv_b = torch.randn(H * (nope + v), R)
+    k_b, v_b = kv_b.view(H, nope + v, R).split([nope, v], dim=1)
+    join = get_op("join_kv_b", "test")
+    assert torch.equal(join.apply([k_b.transpose(1, 2), v_b]), kv_b)
+    assert join.shape([(H, R, nope), (H, v, R)]) == tuple(kv_b.shape)
+    with pytest.raises(ValueError, match="same heads and rank"):
+        join.shape([(H, R, nope), (H + 1, v, R)])
+    # Qwen3-Next: A = -exp(A_log), conv1d [C, 1, K] squeezed
+    a_log = torch.randn(7)
+    torch.testing.assert_close(get_op("log_neg", "test").apply([-torch.exp(a_log)]), a_log)
+    conv = torch.randn(6, 1, 4)
+    assert torch.equal(get_op("unsqueeze", "test").apply([conv.squeeze()], dim=1), conv)
+    assert get_op("unsqueeze", "test").shape([(6, 4)], dim=1) == (6, 1, 4)
+    # split_groups: part-major inputs taken whole beside a grouped one; the grouped form unchanged
+    sg = get_op("split_groups", "test")
+    qkv, z, ba = torch.arange(6.0)[:, None], torch.arange(10.0, 12.0)[:, None], torch.arange(20.0, 24.0)[:, None]
+    out = sg.apply([qkv, z, ba], groups=2, sizes=[[], [], [1, 1]], whole=[0, 1])
+    assert out.flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 11, 20, 22, 21, 23]
+    assert sg.shape([(6, 1), (2, 1), (4, 1)], groups=2, sizes=[[], [], [1, 1]], whole=[0, 1]) == (12, 1)
+    grouped = torch.arange(6.0)[:, None]  # two groups of [q | v | k]
+    assert sg.apply([grouped], groups=2, sizes=[1, 1, 1], order=[0, 2, 1]).flatten().tolist() == [0, 3, 2, 5, 1, 4]
+    with pytest.raises(ValueError, match="neither index nor order"):
+        sg.shape([(6, 1), (4, 1)], groups=2, sizes=[[], [1, 1]], whole=[0], order=[1, 0])
+
+
 def test_synthetic_types_and_shapes(tmp_path):
     rng = np.random.default_rng(0)
     f32 = rng.standard_normal((2, 3, 64)).astype(np.float32)
@@ -296,7 +327,8 @@ def test_truncated_file(tmp_path, keep):
     full = write_gguf(tmp_path / "full.gguf", kv=LLAMA_KV, tensors={"w": np.ones((64, 64), np.float32)}).read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(full[: int(keep * len(full)) if isinstance(keep, float) else keep])
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match=rf"{cut}: not a readable GGUF file \((cannot mmap an empty file|GGUF magic invalid|truncated|"
+                                              rf"tensor 'w': data at .* past the end)"):
         GGUFSource(cut)
 
 
@@ -318,6 +350,27 @@ def test_gguf_tokenizer_matches_transformers(zoo_tokenizer, hf_tokenizer, text):
     assert zoo_tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer.encode(text, add_special_tokens=False)
     assert zoo_tokenizer.decode(ids, skip_special_tokens=False) == text
     assert zoo_tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_tokenizer_multilingual_text(zoo_tokenizer, hf_tokenizer):
+    """The real file over tests/data/multilingual.txt (scripts, code, numbers, emoji), line by line
+    and whole. Reference: transformers' tokenizer from the same file with SmolLM2's own
+    pre-tokenizer (its tokenizer.json: every \\p{N} character on its own, then GPT-2's split;
+    llama.cpp's "smollm"), which transformers' GGUF loader does not know: it leaves "½" whole."""
+    import copy
+
+    from tokenizers import pre_tokenizers
+
+    reference = copy.deepcopy(hf_tokenizer)
+    reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    text = (Path(__file__).parent / "data" / "multilingual.txt").read_text(encoding="utf-8")
+    for piece in [*text.split("\n"), text]:
+        ids = zoo_tokenizer.encode(piece)
+        assert ids == reference.encode(piece), piece
+        assert zoo_tokenizer.decode(ids, skip_special_tokens=False) == piece
+    assert zoo_tokenizer.encode(" ½") != hf_tokenizer.encode(" ½")  # the one place the loaders differ here
 
 
 def test_gguf_tokenizer_special_ids(zoo_tokenizer):
@@ -378,8 +431,11 @@ def test_gguf_pre_tokenizers_build(tmp_path, pre):
 
 def test_gguf_tokenizer_errors(tmp_path):
     spm = GGUFSource(write_gguf(tmp_path / "spm.gguf", kv=_tokenizer_kv(model="llama")))
-    with pytest.raises(ZooError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf(spm)
+    with pytest.raises(ZooError, match=r"spm.gguf.*SentencePiece GGUF tokenizer needs tokenizer.ggml.scores"):
+        Tokenizer.from_gguf(spm)  # SentencePiece without scores (tests/test_gguf_tokenizer.py: with them)
+    rwkv = GGUFSource(write_gguf(tmp_path / "rwkv.gguf", kv=_tokenizer_kv(model="rwkv")))
+    with pytest.raises(ZooError, match=r"rwkv.gguf.*unsupported GGUF tokenizer model 'rwkv' \(supported: gpt2, llama\)"):
+        Tokenizer.from_gguf(rwkv)
     no_merges = {k: v for k, v in _tokenizer_kv().items() if k != "tokenizer.ggml.merges"}
     with pytest.raises(ZooError, match="tokenizer.ggml.merges"):
         Tokenizer.from_gguf(GGUFSource(write_gguf(tmp_path / "nm.gguf", kv=no_merges)))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from .compiler.errors import ZooError
@@ -25,13 +25,43 @@ if TYPE_CHECKING:
 _CONTROL = 3
 _USER_DEFINED = 4
 
-# Llama 3's split: contractions case-insensitively, letters with at most one leading non-letter,
-# digits in runs of up to three, punctuation runs swallowing trailing newlines.
+# llama.cpp's `tokenizer.ggml.pre` names -> the split its merges were learned with (llama.cpp's
+# llama-vocab.cpp; transformers' GGUF loader keeps the same table). Letters with at most one
+# leading non-letter, digits in runs of up to three (Llama 3) or one by one (Qwen2), punctuation
+# runs swallowing trailing newlines.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+_SPLITS = {
+    **dict.fromkeys((*_LLAMA3_PRE, "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+# SentencePiece vocabularies (`tokenizer.ggml.model` llama) as an architecture's conf/gguf map
+# names them (`tokenizer: {sentencepiece: ...}`): how its spaces are spelled and its merges ranked
+_SENTENCEPIECE = ("llama", "gemma", "phi3")
 
 
 def _gguf_pre_tokenizer(pre: str):
@@ -48,13 +78,60 @@ def _gguf_pre_tokenizer(pre: str):
     if pre == "smollm":
         # GPT-2's split after putting every digit on its own.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    if pre in _LLAMA3_PRE:
+    if pre in _SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-    supported = ", ".join(("default", "gpt2", "smollm", *_LLAMA3_PRE))
+    supported = ", ".join(sorted(("default", "gpt2", "smollm", *_SPLITS)))
     raise ZooError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges implied by a vocabulary: every split of a token into two tokens,
+    ranked by the whole token's score (higher first), then the longer left part; within a token
+    by the parts' ids (transformers' generate_merges, the order its GGUF loader uses)."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep their order
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_backend(tokens: list[str], scores: list[float], flavour: str, add_space_prefix: bool) -> Backend:
+    """A SentencePiece BPE vocabulary (byte fallback through its <0xXX> tokens) as a Backend.
+
+    llama: "▁" for spaces and a leading one (add_space_prefix), merges ranked by the tokens'
+    scores. gemma: no leading space; tokens of spaces stored as spaces are the "▁" runs the
+    text has, and the file order ranks the merges (Gemma's scores do not). phi3: llama's, with the
+    leading space prepended to the whole text rather than to its first piece.
+    """
+    if flavour == "gemma":
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {t: -i for i, t in enumerate(tokens)}
+    else:
+        ranks = dict(zip(tokens, scores))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = "<unk>" if flavour == "gemma" else None
+    backend = Backend(models.BPE(vocab=vocab, merges=_merges_from_scores(vocab, ranks), fuse_unk=True,
+                                 byte_fallback=True, unk_token=unk))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if flavour == "gemma":
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif flavour == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False)
+        if add_space_prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
 
 
 class Tokenizer:
@@ -131,32 +208,49 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: GGUFSource) -> Tokenizer:
-        """From the `tokenizer.*` metadata of a GGUF file (byte-level BPE, "gpt2" model only).
+        """From the `tokenizer.*` metadata of a GGUF file: byte-level BPE ("gpt2": tokens, merges,
+        the split `tokenizer.ggml.pre` names) or SentencePiece BPE ("llama": tokens, scores, byte
+        fallback; the architecture's map says which spelling, see _sentencepiece_backend).
 
         Tokens of type CONTROL become special added tokens (kept whole, dropped by
         `decode(skip_special_tokens=True)`), USER_DEFINED ones plain added tokens.
-        `tokenizer.ggml.add_space_prefix` is not applied: llama.cpp uses it for SentencePiece
-        vocabularies only.
+        `tokenizer.ggml.add_space_prefix` applies to SentencePiece vocabularies only (llama.cpp's
+        rule). Nothing from the file is executed: the chat template renders in a sandbox.
         """
         model = source.metadata("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ZooError(f"{source.description}: unsupported GGUF tokenizer model {model!r} (supported: gpt2)")
-        pre = source.metadata("tokenizer.ggml.pre", "default")
         tokens: list[str] | None = source.metadata("tokenizer.ggml.tokens")
-        merges: list[str] | None = source.metadata("tokenizer.ggml.merges")
-        if not tokens or not merges:
-            # Without merges byte-level BPE would silently fall apart into single bytes.
-            raise ZooError(f"{source.description}: GGUF tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
         token_types: list[int] = source.metadata("tokenizer.ggml.token_type", [])
-
-        backend = Backend(models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            # llama.cpp looks a whole Llama-3 pre-token up in the vocabulary before merging.
-            ignore_merges=pre in _LLAMA3_PRE,
-        ))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        if not tokens:
+            raise ZooError(f"{source.description}: GGUF tokenizer needs tokenizer.ggml.tokens")
+        pre = source.metadata("tokenizer.ggml.pre", "default")
+        if model == "gpt2":
+            merges: list[str] | None = source.metadata("tokenizer.ggml.merges")
+            if not merges:
+                # Without merges byte-level BPE would silently fall apart into single bytes.
+                raise ZooError(f"{source.description}: GGUF tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
+            backend = Backend(models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)},
+                merges=[tuple(m.split(" ", 1)) for m in merges],
+                # llama.cpp looks a whole Llama-3 pre-token up in the vocabulary before merging.
+                ignore_merges=pre in _LLAMA3_PRE,
+            ))
+            backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+            backend.decoder = decoders.ByteLevel()
+            add_bos_default = pre in _LLAMA3_PRE  # llama.cpp adds BOS by default for Llama-3 vocabularies only
+        elif model == "llama":
+            scores: list[float] | None = source.metadata("tokenizer.ggml.scores")
+            if not scores or len(scores) != len(tokens):
+                raise ZooError(f"{source.description}: a SentencePiece GGUF tokenizer needs tokenizer.ggml.scores, "
+                               f"one per token ({len(scores or [])} for {len(tokens)} tokens)")
+            flavour = source.tokenizer_options().get("sentencepiece", "llama")
+            if flavour not in _SENTENCEPIECE:
+                raise ZooError(f"{source.description}: the map's tokenizer.sentencepiece {flavour!r} is not one of "
+                               f"{', '.join(_SENTENCEPIECE)}")
+            backend = _sentencepiece_backend(tokens, scores, flavour,
+                                             bool(source.metadata("tokenizer.ggml.add_space_prefix", True)))
+            add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
+        else:
+            raise ZooError(f"{source.description}: unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)")
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL]
         )
@@ -178,8 +272,7 @@ class Tokenizer:
             bos_token=token("bos_token_id"),
             eos_token=token("eos_token_id"),
             extra_eos_ids=extra_eos,
-            # llama.cpp adds BOS by default for Llama-3 vocabularies only.
-            add_bos=bool(source.metadata("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
+            add_bos=bool(source.metadata("tokenizer.ggml.add_bos_token", add_bos_default)),
             add_eos=bool(source.metadata("tokenizer.ggml.add_eos_token", False)),
             chat_template=source.metadata("tokenizer.chat_template"),
         )

@@ -123,19 +123,34 @@ class GGUFSource(Source):
             value = self.metadata(key.format(arch=arch))
             if value in values:
                 raise CheckpointError(f"{self.description}: {values[value]} ({key.format(arch=arch)} = {value})")
+        for key, (limit, why) in reject.get("above", {}).items():
+            if (value := self.metadata(key.format(arch=arch), 0)) > limit:
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
         cfg: dict[str, Any] = dict(mapping.get("config", {}))
         for hf_key, field in mapping.get("fields", {}).items():
-            key = (field["key"] if isinstance(field, dict) else field).format(arch=arch)
+            key = field["key"] if isinstance(field, dict) else field
+            if isinstance(key, list):  # the first key the file has (newer converters renamed some)
+                key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
+            key = key.format(arch=arch)
             value = self.metadata(key) if isinstance(field, dict) else self._required(key)
             if isinstance(field, dict) and "none_if" in field and value == field["none_if"]:
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
-            if value is not None:
-                cfg[hf_key] = value
+            elif isinstance(field, dict) and ("minus" in field or "over" in field):
+                # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
+                # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
+                # partial_rotary_factor * head_dim); an absent `minus` key is 0
+                if "minus" in field:
+                    value = value - self.metadata(field["minus"].format(arch=arch), 0)
+                if "over" in field:  # a whole quotient stays an integer (a width), else a fraction
+                    d = self._required(field["over"].format(arch=arch))
+                    value = value // d if value % d == 0 else value / d
+            if value is not None or (isinstance(field, dict) and field.get("nullable")):
+                cfg[hf_key] = value  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             cfg[hf_key] = tensor in names
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
@@ -152,7 +167,7 @@ class GGUFSource(Source):
                     f"{self.description}: partial rotary embedding (rope.dimension_count={rotary}, "
                     f"head_dim={head_dim}) is not supported for {arch}")
         cfg["vocab_size"] = self._vocab_size(arch)
-        if (rope_scaling := self._rope_scaling(arch)) is not None:
+        if (rope_scaling := self._rope_scaling(arch, mapping.get("yarn", {}))) is not None:
             cfg["rope_scaling"] = rope_scaling
         return cfg
 
@@ -173,6 +188,14 @@ class GGUFSource(Source):
                                   f"rules conf/rules/{name}.yaml (supported: {', '.join(known)})")
         return [name]
 
+    def tokenizer_options(self) -> dict:
+        """The architecture map's `tokenizer` section (e.g. {sentencepiece: gemma}: how its
+        SentencePiece vocabulary spells spaces), {} without one or for an unmapped architecture."""
+        arch = self.metadata("general.architecture")
+        if not isinstance(arch, str) or arch not in conf_files("gguf"):
+            return {}
+        return dict(self._mapping()[2].get("tokenizer", {}))
+
     def close(self) -> None:
         """Drop the memory map (tensors already returned by `read` are independent copies)."""
         self._index = None
@@ -182,12 +205,13 @@ class GGUFSource(Source):
 
     def _mapping(self) -> tuple[str, str, dict]:
         """(general.architecture, the map's name, the map): conf/gguf/ARCH.yaml, or the first of
-        its `variants` whose `when` key is set and nonzero (e.g. llama files with experts), whose
-        rules are then conf/rules/gguf_<variant>.yaml."""
+        its `variants` whose `when` key is set and nonzero (e.g. llama files with experts), or
+        equal to its `equals` value, whose rules are then conf/rules/gguf_<variant>.yaml."""
         arch = self.metadata("general.architecture")
         mapping = _gguf_mapping(arch, self.description)
         for variant in mapping.get("variants", []):
-            if self.metadata(variant["when"].format(arch=arch), 0):
+            value = self.metadata(variant["when"].format(arch=arch), 0)
+            if value == variant["equals"] if "equals" in variant else value:
                 path = conf_files("gguf").get(variant["map"])
                 if path is None:
                     raise CheckpointError(f"{self.description}: conf/gguf/{arch}.yaml names variant map "
@@ -219,9 +243,11 @@ class GGUFSource(Source):
             return int(self._open_tensors()["token_embd.weight"].shape[-1])  # GGUF order: [d, vocab]
         raise CheckpointError(f"{self.description}: cannot tell the vocabulary size")
 
-    def _rope_scaling(self, arch: str) -> dict | None:
+    def _rope_scaling(self, arch: str, yarn: dict) -> dict | None:
         """HF `rope_scaling` from {arch}.rope.scaling.* (llama.cpp's keys for every architecture),
-        or None when the file has no scaling."""
+        or None when the file has no scaling. yarn: the map's `yarn` section, {llama.cpp knob:
+        {to: [HF keys], scale: s, required: bool}} for the knobs an architecture gives a meaning
+        (DeepSeek's yarn_log_multiplier is 0.1 * mscale_all_dim)."""
         kind = self.metadata(f"{arch}.rope.scaling.type")
         factor = self.metadata(f"{arch}.rope.scaling.factor")
         if kind is None and (old_linear := self.metadata(f"{arch}.rope.scale_linear")) is not None:
@@ -247,10 +273,17 @@ class GGUFSource(Source):
             for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
                 if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
                     scaling[hf_key] = float(value)
+            for key, knob in yarn.items():
+                value = self.metadata(f"{arch}.rope.scaling.{key}")
+                if value is None and knob.get("required"):
+                    raise CheckpointError(f"{self.description}: yarn RoPE without {arch}.rope.scaling.{key} is not "
+                                          f"supported for {arch} (the map reads it as {', '.join(knob['to'])})")
+                if value is not None:
+                    scaling.update({hf_key: float(value) * knob.get("scale", 1.0) for hf_key in knob["to"]})
             # llama.cpp's own yarn knobs without a config.json counterpart: ignoring them would
             # silently change every rotation
             for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
-                if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                if key not in yarn and (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
                     raise CheckpointError(f"{self.description}: yarn RoPE with {arch}.rope.scaling.{key} = {value} "
                                           f"is not supported (expressible: factor, original_context_length, "
                                           f"attn_factor, yarn_beta_fast, yarn_beta_slow)")

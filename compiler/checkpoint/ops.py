@@ -151,6 +151,36 @@ def unpermute_llama_cpp_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _kv_b_shape(shapes):
+    if len(shapes[0]) != 3 or len(shapes[1]) != 3 or shapes[0][0] != shapes[1][0] or shapes[0][1] != shapes[1][2]:
+        raise ValueError(f"k_b {list(shapes[0])} and v_b {list(shapes[1])} are not [heads, rank, nope] and "
+                         f"[heads, v, rank] of the same heads and rank")
+    (h, r, nope), v = shapes[0], shapes[1][1]
+    return (h * (nope + v), r)
+
+
+@op("join_kv_b", 2, _kv_b_shape)
+def _join_kv_b(xs):
+    """llama.cpp's MLA split back into one kv_b_proj: k_b [H, R, nope] (the converter transposed
+    each head's key part) and v_b [H, v, R] -> [H * (nope + v), R], per head its nope key rows
+    then its value rows (DeepSeek's kv_b_proj)."""
+    k_b, v_b = xs
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+
+
+@op("unsqueeze", 1, lambda shapes, dim: (*shapes[0][:dim % (len(shapes[0]) + 1)], 1,
+                                         *shapes[0][dim % (len(shapes[0]) + 1):]))
+def _unsqueeze(xs, dim: int):
+    """A dimension of size 1 put back at `dim` (llama.cpp squeezes conv1d weights [C, 1, K] to [C, K])."""
+    return xs[0].unsqueeze(dim)
+
+
+@op("log_neg", 1, lambda shapes: shapes[0])
+def _log_neg(xs):
+    """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32 rounding."""
+    return torch.log(-xs[0].float())
+
+
 # ---------------------------------------------------------------------------- dequantization
 
 def _fp8_block_shape(shapes, block=(128, 128)):
@@ -204,7 +234,17 @@ def check_op_args(op_: Op, args: dict, where: str) -> None:
 
 # ---------------------------------------------------------------------------- grouped layouts
 
-def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None, order=None):
+def _split_groups_shape(shapes, groups: int, sizes, index: int | None = None, order=None, whole=()):
+    if whole:
+        if index is not None or order is not None:
+            raise ValueError("whole inputs take neither index nor order")
+        if any(not 0 <= i < len(shapes) for i in whole):
+            raise ValueError(f"whole {list(whole)} names inputs beyond the {len(shapes)} given")
+        kept = [i for i in range(len(shapes)) if i not in whole]
+        rows, *rest = _split_groups_shape([shapes[i] for i in kept], groups, [sizes[i] for i in kept])
+        if any(tuple(shapes[i][1:]) != tuple(rest) for i in whole):
+            raise ValueError(f"inputs {[list(s) for s in shapes]} differ beyond dim 0")
+        return (rows + sum(shapes[i][0] for i in whole), *rest)
     sizes = _group_sizes(sizes, len(shapes))
     n_parts = sum(len(parts) for parts in sizes)
     if order is not None and sorted(order) != list(range(n_parts)):
@@ -236,18 +276,23 @@ def _group_sizes(sizes, n_inputs: int) -> list[list[int]]:
 
 
 @op("split_groups", None, _split_groups_shape)
-def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None):
+def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None, whole=()):
     """Group-major rows -> part-major rows.
 
     Each input's rows (dim 0) are `groups` equal groups, each the parts `sizes[i]` in order
     (e.g. per key head [q | k | v | z]). The output gathers each part across all groups, part
     after part and input after input ([q of every group | k of every group | ...]); with `index`
     (a rule with several targets) only that part, counted over all inputs' parts. `order` lists
-    the parts in the order wanted (CodeGen's groups hold [q | v | k]: order [0, 2, 1]).
+    the parts in the order wanted (CodeGen's groups hold [q | v | k]: order [0, 2, 1]). `whole`:
+    inputs already part-major, taken as they are in their place (their sizes entry is []; llama.cpp's
+    Qwen3-Next attn_qkv / attn_gate beside the per-head ssm_ba).
     """
     sizes = _group_sizes(sizes, len(xs))
     parts = []
-    for x, sz in zip(xs, sizes):
+    for i, (x, sz) in enumerate(zip(xs, sizes)):
+        if i in whole:
+            parts.append(x)
+            continue
         grouped = x.reshape(groups, sum(sz), *x.shape[1:])
         parts += [p.reshape(groups * p.shape[1], *x.shape[1:]) for p in grouped.split(sz, dim=1)]
     if order is not None:

@@ -21,11 +21,12 @@ which `dequantize` equals bit for bit, tests/test_gguf_quants.py):
     Q5_K   256: d | dmin | scales[12] | qh[32] | qs[128]   as Q4_K with a fifth bit
     Q6_K   256: ql[128] | qh[64] | scales[16] int8 | d     16 groups of 16: d * s, q in -32..31
     IQ4_XS 256: d | scales_h u16 | scales_l[4] | qs[128]  8 groups of 32: d * (6-bit s - 32), KVALUES
+    MXFP4   32: e u8 | qs[16]                        d = 2^(e - 128) (E8M0, halved), q = 2 * e2m1[nibble]
 
 Nibbles: in a run of n bytes the low nibbles are inputs 0..n-1 and the high ones n..2n-1 (n = 16
 for the 32-blocks, 32 for Q4_K / Q5_K, 64 for Q6_K's ql). The group scales d of every type are
-a float16 times an integer of at most 8 bits, exact in float32, so q * d (+ m) rounds as
-llama.cpp's own dequantization does.
+a float16 times an integer of at most 8 bits (MXFP4's a power of two), exact in float32, so q * d
+(+ m) rounds as llama.cpp's own dequantization does.
 
 zoo's int4 layout (QuantLinear, cpu_kernels.py) is w = q * d + m per group of 32 with q in 0..15:
 Q4_0 (m = -8 d), Q4_1 and Q4_K are that with the same codes; Q4_0 / Q4_1's d and m are float16
@@ -184,6 +185,22 @@ def _iq4_xs(b):
     return Codes(q, d * ((low | (high << 4)) - 32).float(), None)
 
 
+# MXFP4's e2m1 values doubled (gguf.quants.MXFP4.kvalues): integer codes, the block's scale halved
+_MX = torch.tensor((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=torch.int32)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes [N, 1] -> 2 ** (e - 128) float32 [N, 1] (ggml_e8m0_to_fp32_half: e < 2 are
+    the float32 subnormals 2 ** -127, 2 ** -126 / 2... as bits 0x00200000 << e)."""
+    e = e.int()
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b):
+    return Codes(_MX[_nibbles(b[:, 1:], 16).long()], _e8m0_half(b[:, 0:1]), None)
+
+
 LAYOUTS: dict[str, Layout] = {
     "Q4_0": Layout(32, 18, 32, _q4_0),
     "Q4_1": Layout(32, 20, 32, _q4_1),
@@ -197,6 +214,7 @@ LAYOUTS: dict[str, Layout] = {
     "Q5_K": Layout(QK_K, 176, 32, _q5_k),
     "Q6_K": Layout(QK_K, 210, 16, _q6_k),
     "IQ4_XS": Layout(QK_K, 136, 32, _iq4_xs),
+    "MXFP4": Layout(32, 17, 32, _mxfp4),
 }
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
 

@@ -1,0 +1,227 @@
+"""zoo's tokenizer from a GGUF file's `tokenizer.*` metadata against transformers' tokenizer loaded
+from the same file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), over a multilingual text
+with code, numbers and emoji (tests/data/multilingual.txt).
+
+The vocabularies are small ones trained here with `tokenizers` on that text and written as
+llama.cpp's converter writes them: byte-level BPE (`gpt2`: tokens, merges, one file per
+`tokenizer.ggml.pre` split) and SentencePiece BPE (`llama`: tokens, scores, token types, the 256
+<0xXX> byte-fallback tokens) in the spellings of llama / Mistral, Gemma and Phi-3. The real-file
+test (SmolLM2's GGUF) is tests/test_gguf_source.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers  # noqa: E402
+
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
+from zoo.compiler.errors import ZooError  # noqa: E402
+from zoo.tokenizer import Tokenizer  # noqa: E402
+
+TEXT = (Path(__file__).parent / "data" / "multilingual.txt").read_text(encoding="utf-8")
+LINES = [line for line in TEXT.split("\n") if line] + [
+    TEXT,  # the whole text: newlines, indentation
+    "line one\r\nline two\r\n\r\n",
+    "  leading spaces and a trailing one ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>",
+]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # CONTROL
+USER = ["<think>"]  # USER_DEFINED
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+T = gguf.TokenType
+
+
+def _write(path: Path, arch: str, kv: dict) -> Path:
+    """A tokenizer-only GGUF file (one placeholder tensor) with metadata kv {key: (value, type[, sub])}."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, (value, vtype, *sub) in kv.items():
+        w.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
+    w.add_tensor("x", np.zeros((1, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    """A byte-level BPE trained on the text (GPT-2's split): tokens as GGUF spells them, merges."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=700, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    vocab = sorted(backend.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + SPECIAL + USER
+    merges = [" ".join(m) for m in _merges(backend)]
+    types = [T.NORMAL] * len(vocab) + [T.CONTROL] * len(SPECIAL) + [T.USER_DEFINED] * len(USER)
+    return tokens, merges, [int(t) for t in types]
+
+
+def _merges(backend) -> list[tuple[str, str]]:
+    import json
+
+    merges = json.loads(backend.to_str())["model"]["merges"]
+    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def _gpt2_file(tmp_path, byte_level, pre: str, **extra) -> Path:
+    tokens, merges, types = byte_level
+    kv = {
+        "tokenizer.ggml.model": ("gpt2", V.STRING),
+        "tokenizer.ggml.pre": (pre, V.STRING),
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        "tokenizer.ggml.merges": (merges, V.ARRAY, V.STRING),
+        "tokenizer.ggml.bos_token_id": (tokens.index("<|endoftext|>"), V.UINT32),
+        "tokenizer.ggml.eos_token_id": (tokens.index("<|im_end|>"), V.UINT32),
+        "tokenizer.ggml.add_bos_token": (False, V.BOOL),
+        "tokenizer.chat_template": (TEMPLATE, V.STRING),
+    } | extra
+    return _write(tmp_path / f"{pre}.gguf", "qwen2", kv)
+
+
+def _both(path: Path):
+    zoo_tok = Tokenizer.from_gguf(GGUFSource(path))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return zoo_tok, hf_tok
+
+
+def _check(zoo_tok, hf_tok, lines=LINES, roundtrip=True):
+    for text in lines:
+        ids = zoo_tok.encode(text)
+        assert ids == hf_tok.encode(text), text
+        assert zoo_tok.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False), text
+        assert zoo_tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+        if roundtrip:
+            assert zoo_tok.decode(ids, skip_special_tokens=False) == text
+
+
+# llama.cpp's pre-tokenizer names of the shipped families' files (llama-bpe: Llama 3, SmolLM3;
+# qwen2: Qwen2 / 2.5 / 3 and their MoEs; gpt-4o: gpt-oss) and the generic ones
+@pytest.mark.parametrize("pre", ["default", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "tekken", "qwen35"])
+def test_byte_level_matches_transformers(tmp_path, byte_level, pre):
+    zoo_tok, hf_tok = _both(_gpt2_file(tmp_path, byte_level, pre))
+    _check(zoo_tok, hf_tok)
+    assert zoo_tok.encode("<|im_start|><think>") == [byte_level[0].index("<|im_start|>"), byte_level[0].index("<think>")]
+
+
+def test_splits_really_differ(tmp_path, byte_level):
+    """The variants are not the same tokenizer: digits and letters are split differently."""
+    text = "Numbers: 1234567 and CamelCaseWords f(hello)"
+    splits = set()
+    for pre in ("gpt2", "llama-bpe", "qwen2", "smollm", "gpt-4o"):
+        tok = Tokenizer.from_gguf(GGUFSource(_gpt2_file(tmp_path, byte_level, pre)))
+        splits.add(tuple(piece for piece, _ in tok._backend.pre_tokenizer.pre_tokenize_str(text)))
+    assert len(splits) == 5
+
+
+def test_byte_level_special_ids_bos_and_template(tmp_path, byte_level):
+    tokens = byte_level[0]
+    path = _gpt2_file(tmp_path, byte_level, "qwen2",
+                      **{"tokenizer.ggml.add_bos_token": (True, V.BOOL),
+                         "tokenizer.ggml.eot_token_id": (tokens.index("<|endoftext|>"), V.UINT32)})
+    zoo_tok, hf_tok = _both(path)
+    bos, eos = tokens.index("<|endoftext|>"), tokens.index("<|im_end|>")
+    assert zoo_tok.bos_id == bos and zoo_tok.eos_ids == {eos, bos}
+    assert zoo_tok.encode("hi")[0] == bos and zoo_tok.encode("hi") == hf_tok.encode("hi")
+    messages = [{"role": "user", "content": "Où est 🙂?"}, {"role": "assistant", "content": "Ici."}]
+    for prompt in (True, False):
+        assert zoo_tok.apply_chat_template(messages, add_generation_prompt=prompt) == \
+            hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+# ------------------------------------------------------------------------------ SentencePiece
+
+
+@pytest.fixture(scope="module")
+def sentencepiece():
+    """A SentencePiece-style BPE trained on the text ("\u2581" for spaces), as llama.cpp's converter
+    writes one: <unk>, <s>, </s>, the 256 byte tokens, then the pieces, scored by merge rank."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(vocab_size=900, show_progress=False))
+    rank = {a + b: i for i, (a, b) in enumerate(_merges(backend))}
+    pieces = sorted(backend.get_vocab(), key=lambda t: (rank.get(t, -1), t))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + SPECIAL[1:] + USER
+    scores = [0.0] * 259 + [-float(rank.get(t, len(rank) + 1)) for t in pieces] + [0.0] * 3
+    types = ([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * len(pieces)
+             + [T.CONTROL] * 2 + [T.USER_DEFINED])
+    return tokens, scores, [int(t) for t in types]
+
+
+def _spm_file(tmp_path, sentencepiece, arch: str, **extra) -> Path:
+    tokens, scores, types = sentencepiece
+    kv = {
+        "tokenizer.ggml.model": ("llama", V.STRING),
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": (scores, V.ARRAY, V.FLOAT32),
+        "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+        "tokenizer.ggml.bos_token_id": (1, V.UINT32),
+        "tokenizer.ggml.eos_token_id": (2, V.UINT32),
+        "tokenizer.ggml.unknown_token_id": (0, V.UINT32),
+    } | extra
+    return _write(tmp_path / f"spm_{arch}.gguf", arch, kv)
+
+
+# llama: Llama 2 / Mistral files (scores rank the merges); gemma2, gemma3: Gemma's spelling;
+# phi3: the leading space on the whole text
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3", "phi3"])
+def test_sentencepiece_matches_transformers(tmp_path, sentencepiece, arch):
+    zoo_tok, hf_tok = _both(_spm_file(tmp_path, sentencepiece, arch))
+    # SentencePiece decoding does not give back every text (spaces at the start, unknown bytes)
+    _check(zoo_tok, hf_tok, roundtrip=False)
+    text = "日本語 𝄞 ŵ"  # the last two are not in the training text: byte fallback
+    ids = zoo_tok.encode(text)
+    assert ids == hf_tok.encode(text)
+    assert ids[0] == 1  # BOS by default (llama.cpp's rule for SentencePiece vocabularies)
+    assert sum(3 <= i < 259 for i in ids) == 6  # 𝄞 and ŵ as their UTF-8 bytes, <0xXX> tokens
+    assert zoo_tok.decode(ids).strip() == text
+
+
+def test_sentencepiece_without_space_prefix(tmp_path, sentencepiece):
+    """tokenizer.ggml.add_space_prefix false (llama.cpp honours it; transformers does not read it):
+    no "\u2581" in front of the text, and none taken off when decoding."""
+    plain = Tokenizer.from_gguf(GGUFSource(_spm_file(tmp_path, sentencepiece, "llama")))
+    path = _spm_file(tmp_path / "..", sentencepiece, "llama", **{"tokenizer.ggml.add_space_prefix": (False, V.BOOL)})
+    tok = Tokenizer.from_gguf(GGUFSource(path))
+    first = lambda t: t._backend.id_to_token(t.encode("hello world", add_special_tokens=False)[0])
+    assert first(plain).startswith("\u2581") and not first(tok).startswith("\u2581")
+    assert tok.decode(tok.encode(" hello world")) == " hello world"
+
+
+def test_sentencepiece_errors(tmp_path, sentencepiece):
+    tokens, scores, types = sentencepiece
+    no_scores = _write(tmp_path / "ns.gguf", "llama", {
+        "tokenizer.ggml.model": ("llama", V.STRING),
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": (scores[:10], V.ARRAY, V.FLOAT32)})
+    with pytest.raises(ZooError, match=r"ns.gguf.*tokenizer.ggml.scores, one per token \(10 for \d+ tokens\)"):
+        Tokenizer.from_gguf(GGUFSource(no_scores))
+    bert = _write(tmp_path / "bert.gguf", "llama", {
+        "tokenizer.ggml.model": ("bert", V.STRING), "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING)})
+    with pytest.raises(ZooError, match=r"bert.gguf.*unsupported GGUF tokenizer model 'bert' \(supported: gpt2, llama\)"):
+        Tokenizer.from_gguf(GGUFSource(bert))
+
+
+def test_chat_template_from_the_file_runs_sandboxed(tmp_path, byte_level):
+    """A template is the file's code: it renders in jinja's immutable sandbox, so reaching Python
+    internals or mutating the messages fails with a clear error instead of running."""
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    mutate = "{% set _ = messages.append({'role': 'x'}) %}{{ messages | length }}"
+    for template in (escape, mutate):
+        path = _gpt2_file(tmp_path, byte_level, "qwen2", **{"tokenizer.chat_template": (template, V.STRING)})
+        tok = Tokenizer.from_gguf(GGUFSource(path))
+        with pytest.raises(ZooError, match="chat template"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
