@@ -71,10 +71,10 @@ def test_silently_different_model_is_a_mismatch():
 
 
 def test_refused_names_the_reason(capsys):
-    v = verify("mpt")  # transformers has it; zoo ships no import map for it
+    v = verify("ctrl")  # transformers has it; zoo ships no import map for it
     assert v.status == "refused"
-    assert "model_type 'mpt' is not supported" in v.message and "adding-a-family" in v.message
-    assert main(["verify", "mpt"]) == 1
+    assert "model_type 'ctrl' is not supported" in v.message and "adding-a-family" in v.message
+    assert main(["verify", "ctrl"]) == 1
     assert "refused" in capsys.readouterr().out
 
 
@@ -152,6 +152,6 @@ def test_coverage_sample():
     assert "is_decoder" in cov.not_decoder_reason("bert")
     assert "vision_config" in cov.not_decoder_reason("gemma3")
     assert cov.not_decoder_reason("llama") is None
-    assert cov.static("mpt")["detail"].startswith("no import map")
+    assert cov.static("ctrl")["detail"].startswith("no import map")
     assert cov.concept("/tmp/zoo-verify-x-abc (1 safetensors file): mixers.swa: o_groups=8\n does not divide") == \
         "mixers.swa: o_groups=8 does not divide"
