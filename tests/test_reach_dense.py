@@ -2,7 +2,8 @@
 with odd sizes (their prefill / decode parity, eager: tests/test_family_parity.py's reach_dense/*
 entries), exact parameter counts of the flagship presets against transformers on the meta device,
 and the new options' refusals. Each family is an import map, rules and presets under conf/; the
-options they needed: LayerNorm's `zero_centered` (Nemotron's LayerNorm1P)."""
+options they needed: LayerNorm's `zero_centered` (Nemotron's LayerNorm1P) and the MLP's learned
+xIELU activation (Apertus)."""
 from __future__ import annotations
 
 import pytest
@@ -76,6 +77,10 @@ FAMILIES = {
     # ALiBi over 4 heads, fused bias-free Wqkv, bias-free LayerNorms, q/k/v clamped low enough to bind
     "mpt": ("MptConfig", dict(vocab_size=VOCAB, d_model=48, n_layers=3, n_heads=4, max_seq_len=64,
                               attn_config={"clip_qkv": 0.3})),
+    # per-head q/k norms, llama3 rope, a non-gated MLP with the learned xIELU activation
+    "apertus": ("ApertusConfig", dict(DIMS, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 16})),
 }
 
 
@@ -123,3 +128,31 @@ def test_flagship_parameter_count(preset):
     device), and importing that config gives the preset's layers (helpers.check_flagship_count)."""
     cls, values = FLAGSHIPS[preset]
     check_flagship_count(preset, getattr(transformers, cls)(**values))
+
+
+@pytest.mark.parametrize("family, change, words", [
+    ("mpt", {"n_heads": 6, "d_model": 48}, ["n_heads", "power-of-two", "conf/hf/mpt.yaml"]),
+    ("mpt", {"attn_config": {"qk_ln": True}}, ["qk_ln", "conf/hf/mpt.yaml"]),
+    ("hunyuan_v1_dense", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0,
+                                              "alpha": 1000.0}}, ["dynamic", "conf/hf/hunyuan_v1_dense.yaml"]),
+    ("nemotron", {"hidden_act": "swish"}, ["hidden_act='swish'", "conf/hf/nemotron.yaml"]),
+])
+def test_what_cannot_be_expressed_is_refused(family, change, words):
+    from zoo.compiler.hf_import import import_config
+
+    config = {**make_config(family).to_dict(), **change}
+    with pytest.raises(zoo.ConfigError) as e:
+        import_config(config, "config.json")
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("ffns.mlp.activation=xielu2", ["activation='xielu2'", "xielu"]),
+    ("norm.zero_centered=true", ["zero_centered=true needs affine=true"]),
+])
+def test_bad_options_are_refused(override, words):
+    """The new options' bad values are ConfigErrors naming the key, the value and what was expected."""
+    extra = ["norm.affine=false", "norm.bias=false"] if override.startswith("norm.") else []
+    with pytest.raises(zoo.ConfigError) as e:
+        zoo.build("nemotron_tiny", dry=True, overrides=[override, *extra])
+    assert all(w in str(e.value) for w in words), str(e.value)
