@@ -81,6 +81,12 @@ FAMILIES = {
     "apertus": ("ApertusConfig", dict(DIMS, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                              "original_max_position_embeddings": 16})),
+    # fused per-head qkv without biases, rotary on half of each head, an output bias on the last layer only
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3,
+                                                        num_attention_heads=4, intermediate_multiple_size=2,
+                                                        max_position_embeddings=64,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "partial_rotary_factor": 0.5})),
 }
 
 
@@ -118,6 +124,7 @@ FLAGSHIPS = {
     "ernie4_5_0_3b": ("Ernie4_5Config", dict()),  # Ernie4_5Config's defaults are baidu/ERNIE-4.5-0.3B-PT's
     "gpt_neo_1_3b": ("GPTNeoConfig", dict()),  # GPTNeoConfig's defaults are EleutherAI/gpt-neo-1.3B's
     "biogpt": ("BioGptConfig", dict()),  # BioGptConfig's defaults are microsoft/biogpt's
+    "gpt_neox_japanese_2_7b": ("GPTNeoXJapaneseConfig", dict()),  # the defaults are abeja/gpt-neox-japanese-2.7b's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
