@@ -80,13 +80,16 @@ def test_refused_names_the_reason(capsys):
 
 def test_user_dir_family(tmp_path, monkeypatch):
     """A family added in the user conf dir only (an import map reusing a shipped preset and rules)
-    verifies the same way: iquestcoder is Llama under another model_type."""
+    verifies the same way: helium is Llama under another model_type, its rotary in interleaved
+    pairs (a `set:` entry)."""
     llama = (ROOT / "conf" / "hf" / "llama.yaml").read_text()
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "iquestcoder.yaml").write_text(re.sub(r"^model_type: llama$", "model_type: iquestcoder",
-                                                             llama, flags=re.M))
+    (tmp_path / "hf" / "helium.yaml").write_text(re.sub(r"^model_type: llama$", "model_type: helium", llama,
+                                                        flags=re.M) + "set: {mixers.attn.rope_interleaved: true}\n"
+                                                 # Helium's o_proj is [D, D]: heads * head_dim == D
+                                                 "verify: {config: {head_dim: 12}}\n")
     monkeypatch.setenv("ZOO_CONF_DIR", str(tmp_path))
-    v = verify("iquestcoder")
+    v = verify("helium")
     assert v.status == "ok", (v.message, v.steps)
 
 
