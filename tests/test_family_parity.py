@@ -28,6 +28,7 @@ from tests import test_llama as llama
 from tests import test_moe_families as moe
 from tests import test_qwen3_5 as qwen3_5
 from tests import test_qwen3_next as qwen3_next
+from tests import test_reach_dense as reach_dense
 from tests.family_harness import (DecodeEqualsPrefill as DEP, Family, Parity as P, randomize_norms, run_checks,
                                   tiny_reference)
 from tests.helpers import populate_hub_cache
@@ -159,6 +160,14 @@ for _i, _name in enumerate(gpt2era.FAMILIES):
         eager=(P(9, 6), DEP(20, 7)),
         compiled=(P(9, 4), P(17, 2), DEP(20, 7)) if _name in GPT2ERA_COMPILED else (),
         graphs=GPT2ERA_COMPILED.get(_name))
+
+
+# ------------------------------------------- dense families through data (issue 26; test_reach_dense.py)
+
+for _i, _name in enumerate(reach_dense.FAMILIES):
+    FAMILIES[f"reach_dense/{_name}"] = Family(
+        (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
+        eager=(P(11, 6), DEP(25, 9)))
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -71,22 +71,25 @@ def test_silently_different_model_is_a_mismatch():
 
 
 def test_refused_names_the_reason(capsys):
-    v = verify("mpt")  # transformers has it; zoo ships no import map for it
+    v = verify("ctrl")  # transformers has it; zoo ships no import map for it
     assert v.status == "refused"
-    assert "model_type 'mpt' is not supported" in v.message and "adding-a-family" in v.message
-    assert main(["verify", "mpt"]) == 1
+    assert "model_type 'ctrl' is not supported" in v.message and "adding-a-family" in v.message
+    assert main(["verify", "ctrl"]) == 1
     assert "refused" in capsys.readouterr().out
 
 
 def test_user_dir_family(tmp_path, monkeypatch):
     """A family added in the user conf dir only (an import map reusing a shipped preset and rules)
-    verifies the same way: iquestcoder is Llama under another model_type."""
+    verifies the same way: helium is Llama under another model_type, its rotary in interleaved
+    pairs (a `set:` entry)."""
     llama = (ROOT / "conf" / "hf" / "llama.yaml").read_text()
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "iquestcoder.yaml").write_text(re.sub(r"^model_type: llama$", "model_type: iquestcoder",
-                                                             llama, flags=re.M))
+    (tmp_path / "hf" / "helium.yaml").write_text(re.sub(r"^model_type: llama$", "model_type: helium", llama,
+                                                        flags=re.M) + "set: {mixers.attn.rope_interleaved: true}\n"
+                                                 # Helium's o_proj is [D, D]: heads * head_dim == D
+                                                 "verify: {config: {head_dim: 12}}\n")
     monkeypatch.setenv("ZOO_CONF_DIR", str(tmp_path))
-    v = verify("iquestcoder")
+    v = verify("helium")
     assert v.status == "ok", (v.message, v.steps)
 
 
@@ -152,6 +155,6 @@ def test_coverage_sample():
     assert "is_decoder" in cov.not_decoder_reason("bert")
     assert "vision_config" in cov.not_decoder_reason("gemma3")
     assert cov.not_decoder_reason("llama") is None
-    assert cov.static("mpt")["detail"].startswith("no import map")
+    assert cov.static("ctrl")["detail"].startswith("no import map")
     assert cov.concept("/tmp/zoo-verify-x-abc (1 safetensors file): mixers.swa: o_groups=8\n does not divide") == \
         "mixers.swa: o_groups=8 does not divide"

@@ -45,7 +45,8 @@ class RMSNorm(Norm):
 class LayerNorm(Norm):
     """LayerNorm, computed in float32: with weight and bias (GPT-2, OPT), weight only (`bias:
     false`; Cohere, StableLM 2's q/k norms) or neither (`affine: false`; OLMo's non-parametric
-    norm). x: [..., D] -> [..., D]"""
+    norm); `zero_centered`: the scale is 1 + weight (Nemotron's LayerNorm1P).
+    x: [..., D] -> [..., D]"""
 
     @dataclass
     class Spec(KindSpec):
@@ -53,10 +54,13 @@ class LayerNorm(Norm):
         eps: float = 1e-6
         bias: bool = True
         affine: bool = True  # false: no weight and no bias
+        zero_centered: bool = False  # checkpoint stores w - 1 (Nemotron's LayerNorm1P)
 
         def check(self, model: dict):
             if not self.affine and self.bias:
                 return "bias=true needs affine=true (a non-parametric LayerNorm has neither weight nor bias)"
+            if not self.affine and self.zero_centered:
+                return "zero_centered=true needs affine=true (a non-parametric LayerNorm has no weight)"
             return None if self.eps > 0 else f"eps must be positive, got {self.eps}"
 
     def __init__(self, spec: "LayerNorm.Spec", dim: int):
@@ -64,15 +68,18 @@ class LayerNorm(Norm):
         self.eps = spec.eps
         self.weight = nn.Parameter(torch.empty(dim)) if spec.affine else None
         self.bias = nn.Parameter(torch.empty(dim)) if spec.bias else None
+        self.zero_centered = spec.zero_centered
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         if self.weight is not None:
-            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else self.weight.float()
+        if self.zero_centered:
+            w = 1.0 + w
         b = None if self.bias is None else self.bias.float()
         return nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, self.eps).to(x.dtype)
 
