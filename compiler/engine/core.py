@@ -9,13 +9,28 @@ mask that sends free rows back to position 0 after each step).
     prefill_rows(start, ids [n, L]) -> logits [n, V]   start sequences in free rows start..start+n-1
     prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission)
     decode_rows(tok [max_batch]) -> logits [max_batch, V]   one step of every row (free: garbage)
+    decode_active(tok [n]) -> logits [n, V]            one step of rows 0..n-1 (the rest are free)
+    move_row(src, dst)                                 a sequence's state to a free row (compaction)
     release_row(row)                                   free a row
-    prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1 (padded to max_batch)
+    prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1
     decode(tok [B]) -> logits [B, V]                   one step of those rows
 
-A 1-token batch prompt runs the decode step at position 0. Batches are padded to max_batch rows,
-so shapes never depend on the batch size: a batch prefill is one graph for every prompt length
-2..max_seq, a row's another (batch 1), and decode is one static step for every API.
+Decode batch buckets (buckets.py, runtime.decode_buckets): every decode step runs the smallest
+bucket b of a few static sizes (1, 2, 4, ..., max_batch) that holds the rows it must compute, over
+rows 0..b-1 (cache views caches[:b]); each bucket is its own static step (graph, package or
+capture), all made by warmup, so no step recompiles. decode_rows runs the bucket that holds the
+highest row in use; decode_active(tok [n]) the one that holds n rows, for a caller that keeps its
+sequences in rows 0..n-1. A server keeps them there by compaction (zoo/serve/scheduler.py): a
+new sequence takes the lowest free row, and when a row frees, the highest row in use moves into
+the hole (move_row). Compaction rather than an index map because a move copies one row of every
+cache field once per finished sequence, while a map costs every step: either a gather of b whole
+cache rows per layer (a step's cache traffic times two or more) or an indirection inside every
+mixer kind's cache reads and writes.
+
+The batch API runs the bucket of its batch B: a prefill over rows 0..b-1 (one prefill graph per
+bucket, compiled on first use except max_batch's, which warmup makes; a row's prefill is the
+1-row bucket's), padded rows free. A 1-token batch prompt runs the decode step at position 0.
+A prefill graph takes every prompt length 2..max_seq.
 
 Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
 ({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
@@ -30,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,6 +53,7 @@ from ..contracts import CachePlan
 from ..errors import InputError
 from ..model import Decoder
 from ..position.rope import rope_key
+from .buckets import bucket_for, check_buckets
 from .cache import plan_caches
 from .mtp import mtp_caches, mtp_prefill
 from .runners import RunnerOptions, choose
@@ -77,7 +93,7 @@ class Engine:
 
     def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
                  compile: bool = True, cuda_graph: bool = True, aot: bool = False,
-                 plan: CachePlan | None = None):
+                 plan: CachePlan | None = None, decode_buckets: Sequence[int] | None = None):
         self.model = model
         self.device = model.embed.weight.device
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -88,6 +104,11 @@ class Engine:
                              f"engine of max_batch={max_batch}, max_seq={max_seq}")
         self.plan = plan if plan is not None else plan_caches(model, max_batch, max_seq, cache_dtype)
         self.caches = self.plan.allocate(self.device)
+        self.buckets = check_buckets(decode_buckets, max_batch)
+        # each bucket's decode caches: views of its rows, made once (the same tensors every step)
+        self._bucket_caches = {b: self.caches if b == max_batch else
+                               [{name: t[:b] for name, t in layer.items()} for layer in self.caches]
+                               for b in self.buckets}
         self.mtp_caches = mtp_caches(model, max_batch, max_seq, cache_dtype, self.device)
         self.rope = {rope_key(r, slot): model.rope_impls[slot].table(r, max_seq, self.device)
                      for slot, r in model.rope_slots()}
@@ -161,10 +182,12 @@ class Engine:
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
             raise InputError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _pad_batch(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == self.max_batch:
+    def _pad_batch(self, x: torch.Tensor, b: int | None = None) -> torch.Tensor:
+        """x [B, ...] padded with zero rows to [b, ...] (b: max_batch unless given)."""
+        b = self.max_batch if b is None else b
+        if x.shape[0] == b:
             return x
-        pad = torch.zeros((self.max_batch - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        pad = torch.zeros((b - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         return torch.cat((x, pad))
 
     # ------------------------------------------------------------------ steps (runners call these)
@@ -179,18 +202,29 @@ class Engine:
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
 
-    def decode_ctx(self) -> dict:
-        """The block context of a decode step: the token buffer at the rows' positions."""
-        pos = self.pos
-        return {"ids": self.token_buffer[:, None], "pos": pos,
+    def decode_caches(self, b: int) -> list[dict]:
+        """The caches of decode bucket b: views of rows 0..b-1 of every field (the engine's own at
+        max_batch)."""
+        return self._bucket_caches[b]
+
+    def bucket(self, n: int) -> int:
+        """The smallest decode bucket holding n rows."""
+        return bucket_for(self.buckets, n)
+
+    def decode_ctx(self, b: int) -> dict:
+        """The block context of a decode step of bucket b: rows 0..b-1 of the token buffer at
+        their positions."""
+        pos = self.pos if b == self.max_batch else self.pos[:b]
+        return {"ids": self.token_buffer[:b, None], "pos": pos,
                 "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
 
-    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor:
-        """One decode step of the token buffer around `layers(h, ctx) -> h` (a runner's) ->
-        logits [max_batch, V]; advances every row's position by one."""
-        h = self.embed(self.token_buffer[:, None])
-        logits = self.model.logits(layers(h, self.decode_ctx())[:, 0])
-        self.pos.add_(1)
+    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor], b: int) -> torch.Tensor:
+        """One decode step of bucket b (rows 0..b-1 of the token buffer) around `layers(h, ctx) ->
+        h` (a runner's; h [b, 1, ...D], the caches are decode_caches(b)) -> logits [b, V];
+        advances those rows' positions by one."""
+        h = self.embed(self.token_buffer[:b, None])
+        logits = self.model.logits(layers(h, self.decode_ctx(b))[:, 0])
+        self.pos[:b].add_(1)
         return logits
 
     def _prefill_rows(self, rows: slice, ids: torch.Tensor) -> torch.Tensor:
@@ -202,6 +236,8 @@ class Engine:
         contracts.Mixer.cache_fields), so nothing is copied."""
         if rows == slice(0, self.max_batch):
             where, caches = "batch", self.caches
+        elif rows.start == 0 and rows.stop in self._bucket_caches:
+            where, caches = ("rows", 0, rows.stop), self._bucket_caches[rows.stop]
         else:
             where = ("rows", rows.start, rows.stop)
             caches = [{name: t[rows] for name, t in layer.items()} for layer in self.caches]
@@ -211,13 +247,17 @@ class Engine:
         return h
 
     def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        """tok [max_batch] -> logits [max_batch, V]: one decode step of every row; rows in use
-        advance by one position, free rows go back to position 0."""
-        self.token_buffer.copy_(tok)
-        logits = self._runner.decode()
+        """tok [n] (n <= max_batch; every row from n on is free) -> logits [n, V]: one decode
+        step of the smallest bucket holding rows 0..n-1 (the bucket's rows past n compute garbage
+        from the buffer's old tokens); rows in use advance by one position, free rows go back to
+        position 0."""
+        n = tok.shape[0]
+        b = self.bucket(n)
+        self.token_buffer[:n].copy_(tok)
+        logits = self._runner.decode(b)
         self.pos.mul_(self._active)
-        self.row_len = [None if n is None else n + 1 for n in self.row_len]
-        return logits
+        self.row_len = [None if r is None else r + 1 for r in self.row_len]
+        return logits[:n]
 
     # ------------------------------------------------------------------ rows
 
@@ -271,6 +311,37 @@ class Engine:
         self._mark_rows([row], None)
 
     @_engine_mode
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the sequence in row src to the free row dst: every cache field's row (the MTP
+        blocks' too), its position and token count; src is free after. What compaction does
+        (module docstring): a whole row of every field is copied, whatever the field holds (KV
+        slots, ring buffers, recurrent state), since fields say nothing of their layout past the
+        batch dimension."""
+        for r, what in ((src, "src"), (dst, "dst")):
+            if not 0 <= r < self.max_batch:
+                raise InputError(f"move_row: {what} row {r} must be in 0..{self.max_batch - 1} "
+                                 f"(max_batch={self.max_batch})")
+        if self.row_len[src] is None:
+            raise InputError(f"move_row: row {src} holds no sequence; expected a row in use as src")
+        if self.row_len[dst] is not None:
+            raise InputError(f"move_row: row {dst} is in use ({self.row_len[dst]} tokens); expected a free row "
+                             f"as dst")
+        for layer in (*self.caches, *self.mtp_caches):
+            for t in layer.values():
+                t[dst].copy_(t[src])
+        self.pos[dst] = self.pos[src]
+        self.pos[src] = 0
+        length = self.row_len[src]
+        self.row_len[src] = None
+        self._mark_rows([dst], length)
+
+    def _check_full(self, what: str) -> None:
+        full = [r for r, n in enumerate(self.row_len) if n is not None and n >= self.max_seq]
+        if full:
+            raise InputError(f"{what}: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
+                             f"(or rebuild with a larger runtime.max_seq)")
+
+    @_engine_mode
     def decode_rows(self, tok: torch.Tensor) -> torch.Tensor:
         """One step of every row: tok [max_batch] (any id for free rows) -> logits [max_batch, V].
 
@@ -281,11 +352,30 @@ class Engine:
         if tok.dim() != 1 or tok.shape[0] != self.max_batch:
             raise InputError(f"decode_rows: expected tokens of shape [{self.max_batch}] (max_batch), "
                              f"got {tuple(tok.shape)}")
-        full = [r for r, n in enumerate(self.row_len) if n is not None and n >= self.max_seq]
-        if full:
-            raise InputError(f"decode_rows: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
-                             f"(or rebuild with a larger runtime.max_seq)")
+        self._check_full("decode_rows")
         self._check_ids(tok, "decode_rows", check_range=tok.device.type == "cpu")
+        # the bucket that holds the highest row in use; the rows past it are free: zero logits
+        n = max((r + 1 for r, used in enumerate(self.row_len) if used is not None), default=1)
+        logits = self._step(tok[:n].to(self.device, torch.long))
+        if n == self.max_batch:
+            return logits
+        return torch.cat((logits, logits.new_zeros(self.max_batch - n, logits.shape[1])))
+
+    @_engine_mode
+    def decode_active(self, tok: torch.Tensor) -> torch.Tensor:
+        """One step of rows 0..n-1: tok [n] (any id for free rows among them) -> logits [n, V],
+        through the smallest decode bucket holding n rows. Every row from n on must be free (a
+        compacting caller keeps its n sequences in rows 0..n-1, see the module docstring)."""
+        if tok.dim() != 1 or not 1 <= tok.shape[0] <= self.max_batch:
+            raise InputError(f"decode_active: expected tokens of shape [n] with n in 1..max_batch={self.max_batch}, "
+                             f"got {tuple(tok.shape)}")
+        n = tok.shape[0]
+        beyond = [r for r in range(n, self.max_batch) if self.row_len[r] is not None]
+        if beyond:
+            raise InputError(f"decode_active: row {beyond[0]} is in use but tokens were given for rows 0..{n - 1} "
+                             f"only; expected every row in use below n={n} (move_row compacts them)")
+        self._check_full("decode_active")
+        self._check_ids(tok, "decode_active", check_range=tok.device.type == "cpu")
         return self._step(tok.to(self.device, torch.long))
 
     # ------------------------------------------------------------------ batch API
@@ -311,11 +401,12 @@ class Engine:
         self.reset()
         self.batch = B
         # canonical strides: graphs guard on them, and callers pass views (seq[:, :n])
-        ids = self._pad_batch(ids.to(self.device, torch.long)).clone(memory_format=torch.contiguous_format)
+        ids = self._pad_batch(ids.to(self.device, torch.long), self.bucket(B)).clone(
+            memory_format=torch.contiguous_format)
         if L == 1 and not return_mtp:
             self._mark_rows(range(B), 0)
-            return self._step(ids[:, 0])[:B, None]
-        h = self._prefill_rows(slice(0, self.max_batch), ids)
+            return self._step(ids[:B, 0])[:, None]
+        h = self._prefill_rows(slice(0, ids.shape[0]), ids)
         logits = self.model.logits(h[:, -1:] if last_only else h)
         self._mark_rows(range(B), L)
         if return_mtp:
@@ -337,13 +428,14 @@ class Engine:
         # could no longer queue the next one); an out-of-range id still fails loudly, in the
         # embedding's device-side bounds check
         self._check_ids(tok, "decode", check_range=tok.device.type == "cpu")
-        return self._step(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+        return self._step(tok.to(self.device, torch.long))
 
     def block_prefill(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor) -> torch.Tensor:
         """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
-        runner's prefill: h [max_batch, L, ...D], ids [max_batch, L] (the tokens at those
-        positions) -> [max_batch, L, ...D]; fills `cache` (that block's cache dict)."""
-        return self._runner.prefill_layers(("block", id(block)), [block], [cache], h, self.prefill_ctx(ids))
+        runner's prefill: h [b, L, ...D], ids [b, L] (the tokens at those positions) -> [b, L, ...D]
+        (b: a bucket's rows); fills `cache` (that block's cache dict, or views of its first b rows)."""
+        where = ("block", id(block), h.shape[0])
+        return self._runner.prefill_layers(where, [block], [cache], h, self.prefill_ctx(ids))
 
     # ------------------------------------------------------------------ runner
 
@@ -354,12 +446,14 @@ class Engine:
 
     @_engine_mode
     def warmup(self) -> dict[str, float]:
-        """Make what both steps need (compile the graphs, capture the CUDA graph, load or make the
-        packages) on dummy tokens, then reset.
+        """Make what both steps need (compile the graphs, capture the CUDA graphs, load or make the
+        packages) on dummy tokens, then reset: the batch prefill at max_batch and the decode step
+        of every bucket (each bucket compiles, captures or loads its own, so warmup's decode part
+        grows with the number of buckets).
 
         Returns the wall time spent on each step's first run (compile + one run; packages are
-        loaded without running), and on setting up the compiler ("setup": the CPU ISA probe, on
-        the first compile in a cache only).
+        loaded without running; decode: every bucket's), and on setting up the compiler ("setup":
+        the CPU ISA probe, on the first compile in a cache only).
         """
         self.compile_seconds.update(self._runner.warmup())
         return dict(self.compile_seconds)

@@ -18,6 +18,6 @@ class EagerRunner(Runner):
         return h
 
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        for block, cache in zip(self.engine.model.layers, self.engine.caches):
+        for block, cache in zip(self.engine.model.layers, self.engine.decode_caches(h.shape[0])):
             h = block.decode(h, cache, ctx)
         return h
