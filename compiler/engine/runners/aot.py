@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from ...errors import ConfigError
 from torch.utils import _pytree as pytree
 
 from ..aot import StepPackages, context_tensors
@@ -50,6 +52,10 @@ class AOTRunner(Runner):
         engine, b = self.engine, h.shape[0]
         steps = self._steps("decode", ("bucket", b), engine.model.layers, engine.decode_caches(b), h, ctx)
         return steps.run(h, context_tensors(ctx))
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        raise ConfigError("runtime.aot: extend_rows (chunked prefill, prefix reuse, speculative "
+                                  "decoding) has no AOTInductor packages; build with compile=true and aot=false")
 
     def warmup(self) -> dict[str, float]:
         """Load the packages (made on a miss) without running them."""

@@ -5,10 +5,11 @@ rope tables, per-row state, the checks) and calls it for:
 
     prefill_layers(where, layers, caches, h, ctx) -> h    layers' prefill in order over h [B, L, ...D]
     decode_layers(h, ctx) -> h                            every layer's decode over h [b, 1, ...D]
+    extend_layers(where, layers, caches, h, ctx) -> h     layers' extend in order over h [n, L, ...D]
     decode(b) -> logits [b, V]                            one whole decode step of bucket b (core.decode_step)
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
-`where` names the caches a prefill writes ("batch": the engine's own; ("rows", start, stop): views
+`where` names the caches a prefill or an extend writes (an extend: ("extend", n); "batch": the engine's own; ("rows", start, stop): views
 of some rows; ("block", id, b): an MTP block's first b rows), for runners that keep something per
 cache layout. A decode step's bucket b (core.py, buckets.py) is h's batch size; its caches are
 `engine.decode_caches(b)`. Each bucket is its own static step: a runner keeps what it makes per
@@ -23,6 +24,8 @@ import time
 from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
+
+from ...errors import ConfigError
 
 
 
@@ -90,6 +93,12 @@ class Runner:
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Every layer's decode over h [b, 1, ...D] and bucket b's caches (engine.decode_caches(b))."""
         raise NotImplementedError
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """layers' extend in order over h [n, L, ...D] (rows that already hold tokens, ctx
+        "start"); appends to their caches. Default: refused, naming the runner."""
+        raise ConfigError(f"the {self.name} runner cannot extend rows (extend_rows: chunked prefill, "
+                                  f"prefix reuse, speculative decoding); build without it")
 
     def decode(self, b: int) -> torch.Tensor:
         """One decode step of rows 0..b-1 of the engine's token buffer (bucket b) -> logits [b, V];

@@ -46,6 +46,9 @@ class CUDAGraphRunner(Runner):
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self.inner.decode_layers(h, ctx)
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return self.inner.extend_layers(where, layers, caches, h, ctx)
+
     def decode(self, b: int) -> torch.Tensor:
         graph = self.graphs.get(b)
         if graph is None:
