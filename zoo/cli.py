@@ -19,7 +19,8 @@
 Arguments are key=value. Each command reads the keys COMMAND_KEYS lists for it; a key only another
 command reads is an error (`zoo build temperature=0.7`); every other key=value (or +key=value, ~key)
 is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
-`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=`, `decode_buckets=` are shortcuts for `runtime.*`.
+`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=`, `decode_buckets=`, `step_tokens=` are shortcuts
+for `runtime.*`.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
 # commands that read no config: an override would be ignored, so it is refused
 NO_OVERRIDES = {"configs", "families", "cache"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group",
-                "decode_buckets"}
+                "decode_buckets", "step_tokens"}
 
 
 def _usage() -> str:
