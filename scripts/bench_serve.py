@@ -126,7 +126,7 @@ async def openai_round(base: str, model: str, clients: int, work: list[str], max
 
 
 async def itl_round(base: str, model: str, streams: int, stream_tokens: int, long_ids: list[int],
-                    long_after: int) -> dict:
+                    long_after: int, prompt_words: int) -> dict:
     """`streams` streamed completions of stream_tokens tokens; once each has streamed long_after
     tokens, one more request with the long_ids prompt. Inter-token gaps of the streams, overall
     and while the long prompt waits for its first token."""
@@ -156,7 +156,8 @@ async def itl_round(base: str, model: str, streams: int, stream_tokens: int, lon
                 if ch.choices and ch.choices[0].text and long_first is None:
                     long_first = time.perf_counter()
 
-        await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts(streams, 32, seed=7))), long_request())
+        await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts(streams, prompt_words, seed=7))),
+                             long_request())
     gaps = [(b - a, a, b) for t in times for a, b in zip(t, t[1:])]
     during = [g for g, a, b in gaps if b > long_sent and a < long_first]
     everything = [g for g, _, _ in gaps]
@@ -346,14 +347,15 @@ def main() -> int:
         rng = _random.Random(0)
         top = 300 if args.smoke else 1000  # ordinary ids of either vocabulary (the twin's has 384)
         long_ids = [rng.randrange(100, top) for _ in range(args.long_prompt)]
-        max_seq = max(args.long_prompt + 16, 64 + args.itl_stream_tokens + 16)
+        # room for the long prompt, and for a stream's prompt (a few tokens a word) and its tokens
+        max_seq = max(args.long_prompt + 16, 8 * args.prompt_words + 64 + args.itl_stream_tokens)
         for name, extra in (("whole", []), ("chunked", [f"step_tokens={args.step_tokens}"])):
             proc, base = zoo_server(max(16, args.itl_streams + 1) if not args.smoke else args.itl_streams + 2,
                                     max_seq, extra)
             try:
                 asyncio.run(openai_round(base, "smollm2", 1, prompts(1, 8, seed=98), 4))  # warm
                 r = asyncio.run(itl_round(base, "smollm2", args.itl_streams, args.itl_stream_tokens, long_ids,
-                                          long_after=4))
+                                          long_after=4, prompt_words=args.prompt_words))
             finally:
                 stop(proc)
             itl[name] = {**r, "step_tokens": args.step_tokens if name == "chunked" else None}
