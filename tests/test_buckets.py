@@ -120,3 +120,16 @@ def test_compiled_buckets_make_one_graph_each_and_never_recompile():
         e.reset()
     assert e.graph_counts() == counts
     assert e._trusted is True
+
+
+@torch.no_grad()
+def test_an_mtp_prefill_runs_its_bucket():
+    """The MTP blocks' prefill (return_mtp) writes the first rows of their own caches, as many
+    as the main prefill's bucket: batch 1 of a max_batch=2 engine gives batch 2's first row."""
+    m = zoo.build("deepseek_v3_tiny", ["checkpoint.mtp=true"], compile=False, max_batch=2, max_seq=16, seed=0)
+    ids = torch.randint(0, m.spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits, (mtp,) = m.prefill(ids, return_mtp=True)
+    one, (mtp_one,) = m.prefill(ids[:1], return_mtp=True)
+    assert mtp_one.shape == (1, 8, m.spec.vocab_size)
+    assert_logits_close(one, logits[:1], 1e-5, "main logits, bucket 1")
+    assert_logits_close(mtp_one, mtp[:1], 1e-5, "mtp logits, bucket 1")
