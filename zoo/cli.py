@@ -9,7 +9,8 @@
     zoo check weights=<dir | repo id> [conf=NAME]
     zoo patterns (conf=NAME | weights=...) [text="..."] [repeat=N] [seed=S] [output=json] [plot=DIR]
     zoo serve (conf=NAME | weights=...) [host=127.0.0.1] [port=8000] [max_batch=8] [max_seq=...]
-              [api_key=KEY] [max_queue=64] [model_name=NAME]     (OpenAI-compatible HTTP server)
+              [api_key=KEY] [max_queue=64] [model_name=NAME] [step_tokens=N]
+                                                                   (OpenAI-compatible HTTP server)
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
