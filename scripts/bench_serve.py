@@ -361,8 +361,8 @@ def main() -> int:
             itl[name] = {**r, "step_tokens": args.step_tokens if name == "chunked" else None}
             d = r["itl_during_long_prefill"] or {"p99": float("nan"), "max": float("nan")}
             print(f"ITL {name:8s} {args.itl_streams} streams + a {len(long_ids)}-token prompt: p99 "
-                  f"{r['itl']['p99'] * 1e3:7.1f} ms overall, p99 {d['p99'] * 1e3:7.1f} ms / max {d['max'] * 1e3:7.1f} ms "
-                  f"while it is prefilled; its TTFT {r['long_ttft']:.2f} s", flush=True)
+                  f"{r['itl']['p99'] * 1e3:7.1f} ms overall, p99 {d['p99'] * 1e3:7.1f} ms / max "
+                  f"{d['max'] * 1e3:7.1f} ms while it is prefilled; its TTFT {r['long_ttft']:.2f} s", flush=True)
     print(json.dumps({"results": results, "itl": itl}))
     meta = {**lscpu(), "threads": args.threads, "quant": args.quant, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "requests_per_client": args.requests, "smoke": args.smoke,

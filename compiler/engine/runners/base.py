@@ -9,9 +9,9 @@ rope tables, per-row state, the checks) and calls it for:
     decode(b) -> logits [b, V]                            one whole decode step of bucket b (core.decode_step)
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
-`where` names the caches a prefill or an extend writes (an extend: ("extend", n); "batch": the engine's own; ("rows", start, stop): views
-of some rows; ("block", id, b): an MTP block's first b rows), for runners that keep something per
-cache layout. A decode step's bucket b (core.py, buckets.py) is h's batch size; its caches are
+`where` names the caches a prefill or an extend writes ("batch": the engine's own; ("rows", start,
+stop): views of some rows; ("block", id, b): an MTP block's first b rows; an extend: ("extend", n)),
+for runners that keep something per cache layout. A decode step's bucket b (core.py, buckets.py) is h's batch size; its caches are
 `engine.decode_caches(b)`. Each bucket is its own static step: a runner keeps what it makes per
 bucket (graphs, packages, captures), and warmup makes every bucket's.
 The runners register here with a priority; the Engine takes the highest one whose `wants` accepts
