@@ -333,8 +333,10 @@ def engine_stage(module: Decoder, spec: ModelSpec, runner: RunnerStage, cache: C
     from .engine.core import Engine
 
     rt = spec.runtime
+    buckets = None if rt.decode_buckets is None else [int(b) for b in rt.decode_buckets]
     engine = Engine(module, max_batch=rt.max_batch, max_seq=rt.max_seq, cache_dtype=cache_dtype,
-                    compile=runner.compile, cuda_graph=runner.cuda_graph, aot=runner.aot, plan=cache.plan)
+                    compile=runner.compile, cuda_graph=runner.cuda_graph, aot=runner.aot, plan=cache.plan,
+                    decode_buckets=buckets)
     if engine.runner_kind != runner.runner:
         raise RuntimeError(f"the engine chose runner {engine.runner_kind!r}, not the runner stage's {runner}")
     return EngineStage(engine, engine.warmup() if runner.warmup else {})

@@ -59,6 +59,12 @@ class RuntimeSchema:
     cache_dtype: Optional[str] = None  # None: same as dtype
     max_batch: int = 1
     max_seq: int = 2048
+    # the batch sizes decode steps are made for, each its own static step; a step runs the
+    # smallest that holds its rows (compiler/engine/buckets.py). null: 1, 2, 4, ... and max_batch
+    decode_buckets: Optional[List[int]] = None
+    # zoo serve's chunked prefill: the tokens one scheduler step may spend (one per decoding row,
+    # the rest on a prompt's chunk; zoo/serve/scheduler.py). null: prompts are prefilled whole
+    step_tokens: Optional[int] = None
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
     # CPU: both graphs' layers as AOTInductor packages run by torch's C++ runner instead of
@@ -285,6 +291,16 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     if rt.max_batch <= 0 or rt.max_seq <= 0:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")
+    if rt.decode_buckets is not None:
+        sizes = list(rt.decode_buckets)
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] != rt.max_batch:
+            raise _fail(source, f"runtime.decode_buckets={sizes}: expected increasing batch sizes in "
+                                f"1..max_batch={rt.max_batch} ending with max_batch (e.g. [1, {rt.max_batch}]), "
+                                f"or null for 1, 2, 4, ... and max_batch")
+    if rt.step_tokens is not None and rt.step_tokens < rt.max_batch:
+        raise _fail(source, f"runtime.step_tokens={rt.step_tokens}: a step may hold max_batch - 1 decoding rows "
+                            f"besides a prompt's chunk; expected >= max_batch={rt.max_batch}, or null (no chunked "
+                            f"prefill)")
 
     if top.sublayer_norms not in SUBLAYER_NORMS:
         raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")

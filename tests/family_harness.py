@@ -177,8 +177,11 @@ class Families:
 
         family = self.family(name)
         _, path = self.reference(name)
+        # compiled: one decode bucket, max_batch's (CI time: each bucket is one more decode graph per
+        # layer kind; the buckets are tests/test_buckets.py's); eager runs the default buckets
+        buckets = [f"runtime.decode_buckets=[{family.batch}]"] if compile else []
         return zoo.from_pretrained(str(path), compile=compile, max_batch=family.batch, max_seq=family.max_seq,
-                                   overrides=list(family.overrides))
+                                   overrides=[*family.overrides, *buckets])
 
     def eager(self, name: str):
         """The family's eager zoo model, shared for the session (its caches are per call)."""

@@ -192,3 +192,69 @@ def test_a_rank_that_fails_alone_stops_the_group(tmp_path):
         assert lead["after"] == "refused"
         assert [c[0] for c in lead["calls"]] == ["prefill"] * (1 + (bad == 1))
         assert [c[0] for c in follow["calls"]] == ["prefill"] * (1 + (bad == 0))
+
+
+# ----------------------------------------------------------------------------- every row call replays
+
+REPLAY_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+from zoo.serve.parallel import LeaderEngine, control_group, follow
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+
+
+class Engine:
+    # records every call, with its arguments as the follower receives them
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append([name, [a.tolist() if isinstance(a, torch.Tensor) else a for a in args], kwargs])
+            return torch.zeros(1)
+        return call
+
+
+engine, group = Engine(), control_group()
+if rank == 0:
+    leader = LeaderEngine(engine, group)
+    leader.prefill_row(3, torch.tensor([5, 6, 7]))
+    leader.extend_rows([3], torch.tensor([[8, 9]]))
+    leader.extend_rows([1, 2], torch.tensor([[1, 2, 3], [4, 5, 6]]), last_only=True)
+    leader.move_row(3, 0)
+    leader.decode_active(torch.tensor([11, 12, 13])[:2])
+    leader.decode_rows(torch.tensor([1, 2, 3, 4]))
+    leader.release_row(0)
+    leader.stop()
+else:
+    follow(engine, group)
+print(json.dumps(engine.calls))
+"""
+
+
+def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_path):
+    """Two gloo ranks over a recording stand-in engine: the row calls of the compacting, chunking
+    scheduler (extend_rows with and without last_only, move_row, decode_active) reach rank 1 with
+    the arguments rank 0 ran them with."""
+    import json
+
+    from tests.serve_fixtures import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", REPLAY_WORKER, str(rank), str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr[-3000:]
+    leader, follower = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results)
+    assert leader == [["prefill_row", [3, [5, 6, 7]], {}], ["extend_rows", [[3], [[8, 9]]], {"last_only": False}],
+                      ["extend_rows", [[1, 2], [[1, 2, 3], [4, 5, 6]]], {"last_only": True}],
+                      ["move_row", [3, 0], {}], ["decode_active", [[11, 12]], {}], ["decode_rows", [[1, 2, 3, 4]], {}],
+                      ["release_row", [0], {}]]
+    assert follower == leader

@@ -9,7 +9,8 @@
     zoo check weights=<dir | repo id> [conf=NAME]
     zoo patterns (conf=NAME | weights=...) [text="..."] [repeat=N] [seed=S] [output=json] [plot=DIR]
     zoo serve (conf=NAME | weights=...) [host=127.0.0.1] [port=8000] [max_batch=8] [max_seq=...]
-              [api_key=KEY] [max_queue=64] [model_name=NAME]     (OpenAI-compatible HTTP server)
+              [api_key=KEY] [max_queue=64] [model_name=NAME] [step_tokens=N]
+                                                                   (OpenAI-compatible HTTP server)
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
@@ -19,7 +20,8 @@
 Arguments are key=value. Each command reads the keys COMMAND_KEYS lists for it; a key only another
 command reads is an error (`zoo build temperature=0.7`); every other key=value (or +key=value, ~key)
 is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
-`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=` are shortcuts for `runtime.*`.
+`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=`, `decode_buckets=`, `step_tokens=` are shortcuts
+for `runtime.*`.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
 ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
 # commands that read no config: an override would be ignored, so it is refused
 NO_OVERRIDES = {"configs", "families", "cache"}
-RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group"}
+RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group",
+                "decode_buckets", "step_tokens"}
 
 
 def _usage() -> str:

@@ -9,13 +9,46 @@ mask that sends free rows back to position 0 after each step).
     prefill_rows(start, ids [n, L]) -> logits [n, V]   start sequences in free rows start..start+n-1
     prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission)
     decode_rows(tok [max_batch]) -> logits [max_batch, V]   one step of every row (free: garbage)
+    decode_active(tok [n]) -> logits [n, V]            one step of rows 0..n-1 (rows past them: free,
+                                                       or in use past the bucket, left as they are)
+    move_row(src, dst)                                 a sequence's state to a free row (compaction)
     release_row(row)                                   free a row
-    prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1 (padded to max_batch)
+    extend_rows(rows, ids [n, L]) -> logits [n, L, V]  append L tokens to rows in use, each at its
+                                                       own position ([n, V] with last_only)
+    truncate_row(row, length)                          roll a row back to `length` tokens (caches
+                                                       whose every field grows with tokens)
+    save_state(rows) -> handle, restore_state(rows, handle)   copy the constant-state fields
+                                                       (recurrent, conv, ring) and lengths of rows
+                                                       out and back: the rollback of any family
+    prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1
     decode(tok [B]) -> logits [B, V]                   one step of those rows
 
-A 1-token batch prompt runs the decode step at position 0. Batches are padded to max_batch rows,
-so shapes never depend on the batch size: a batch prefill is one graph for every prompt length
-2..max_seq, a row's another (batch 1), and decode is one static step for every API.
+Decode batch buckets (buckets.py, runtime.decode_buckets): every decode step runs the smallest
+bucket b of a few static sizes (1, 2, 4, ..., max_batch) that holds the rows it must compute, over
+rows 0..b-1 (cache views caches[:b]); each bucket is its own static step (graph, package or
+capture), all made by warmup, so no step recompiles. decode_rows runs the bucket that holds the
+highest row in use; decode_active(tok [n]) the one that holds n rows, for a caller that keeps its
+sequences in rows 0..n-1. A server keeps them there by compaction (zoo/serve/scheduler.py): a
+new sequence takes the lowest free row, and when a row frees, the highest row in use moves into
+the hole (move_row). Compaction rather than an index map because a move copies one row of every
+cache field once per finished sequence, while a map costs every step: either a gather of b whole
+cache rows per layer (a step's cache traffic times two or more) or an indirection inside every
+mixer kind's cache reads and writes.
+
+The batch API runs the bucket of its batch B: a prefill over rows 0..b-1 (one prefill graph per
+bucket, compiled on first use except max_batch's, which warmup makes; a row's prefill is the
+1-row bucket's), padded rows free. A 1-token batch prompt runs the decode step at position 0.
+A prefill graph takes every prompt length 2..max_seq.
+
+Rollback: a row's grow-with-token fields (KV caches) need no copy to roll back: positions past
+the row's length are never visible (masks compare slots with positions) and the next write
+overwrites them, so truncate_row only moves the length. Constant-state fields (a recurrent
+state, a conv window, a sliding-window ring, a compressor's partial block) hold no per-position
+history, so a family with any refuses truncate_row (naming the kinds): save_state before the
+tokens that may be rolled back, restore_state after (it also restores the lengths), then
+extend_rows the tokens kept. Rings keep exactly Sw = min(window, max_seq) slots: extend reads
+the ring before writing it (any chunk length is exact), and rollback goes through the saved
+state rather than through spare ring slots (which every decode step would have to read).
 
 Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
 ({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
@@ -30,7 +63,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,6 +71,7 @@ from ..contracts import CachePlan
 from ..errors import InputError
 from ..model import Decoder
 from ..position.rope import rope_key
+from .buckets import bucket_for, check_buckets
 from .cache import plan_caches
 from .mtp import mtp_caches, mtp_prefill
 from .runners import RunnerOptions, choose
@@ -77,7 +111,7 @@ class Engine:
 
     def __init__(self, model: Decoder, *, max_batch: int, max_seq: int, cache_dtype: torch.dtype,
                  compile: bool = True, cuda_graph: bool = True, aot: bool = False,
-                 plan: CachePlan | None = None):
+                 plan: CachePlan | None = None, decode_buckets: Sequence[int] | None = None):
         self.model = model
         self.device = model.embed.weight.device
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -88,6 +122,11 @@ class Engine:
                              f"engine of max_batch={max_batch}, max_seq={max_seq}")
         self.plan = plan if plan is not None else plan_caches(model, max_batch, max_seq, cache_dtype)
         self.caches = self.plan.allocate(self.device)
+        self.buckets = check_buckets(decode_buckets, max_batch)
+        # each bucket's decode caches: views of its rows, made once (the same tensors every step)
+        self._bucket_caches = {b: self.caches if b == max_batch else
+                               [{name: t[:b] for name, t in layer.items()} for layer in self.caches]
+                               for b in self.buckets}
         self.mtp_caches = mtp_caches(model, max_batch, max_seq, cache_dtype, self.device)
         self.rope = {rope_key(r, slot): model.rope_impls[slot].table(r, max_seq, self.device)
                      for slot, r in model.rope_slots()}
@@ -161,10 +200,12 @@ class Engine:
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
             raise InputError(f"{what}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _pad_batch(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == self.max_batch:
+    def _pad_batch(self, x: torch.Tensor, b: int | None = None) -> torch.Tensor:
+        """x [B, ...] padded with zero rows to [b, ...] (b: max_batch unless given)."""
+        b = self.max_batch if b is None else b
+        if x.shape[0] == b:
             return x
-        pad = torch.zeros((self.max_batch - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        pad = torch.zeros((b - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         return torch.cat((x, pad))
 
     # ------------------------------------------------------------------ steps (runners call these)
@@ -179,18 +220,36 @@ class Engine:
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
         return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
 
-    def decode_ctx(self) -> dict:
-        """The block context of a decode step: the token buffer at the rows' positions."""
-        pos = self.pos
-        return {"ids": self.token_buffer[:, None], "pos": pos,
+    def decode_caches(self, b: int) -> list[dict]:
+        """The caches of decode bucket b: views of rows 0..b-1 of every field (the engine's own at
+        max_batch)."""
+        return self._bucket_caches[b]
+
+    def bucket(self, n: int) -> int:
+        """The smallest decode bucket holding n rows."""
+        return bucket_for(self.buckets, n)
+
+    def decode_ctx(self, b: int) -> dict:
+        """The block context of a decode step of bucket b: rows 0..b-1 of the token buffer at
+        their positions."""
+        pos = self.pos if b == self.max_batch else self.pos[:b]
+        return {"ids": self.token_buffer[:b, None], "pos": pos,
                 "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
 
-    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor:
-        """One decode step of the token buffer around `layers(h, ctx) -> h` (a runner's) ->
-        logits [max_batch, V]; advances every row's position by one."""
-        h = self.embed(self.token_buffer[:, None])
-        logits = self.model.logits(layers(h, self.decode_ctx())[:, 0])
-        self.pos.add_(1)
+    def extend_ctx(self, ids: torch.Tensor, start: torch.Tensor) -> dict:
+        """The block context of an extend: ids [n, L] at positions start[b]..start[b]+L-1 of each
+        row (start [n] long, on the device)."""
+        pos = start[:, None] + torch.arange(ids.shape[1], device=start.device)  # [n, L]
+        return {"ids": ids.contiguous(), "start": start,
+                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+
+    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor], b: int) -> torch.Tensor:
+        """One decode step of bucket b (rows 0..b-1 of the token buffer) around `layers(h, ctx) ->
+        h` (a runner's; h [b, 1, ...D], the caches are decode_caches(b)) -> logits [b, V];
+        advances those rows' positions by one."""
+        h = self.embed(self.token_buffer[:b, None])
+        logits = self.model.logits(layers(h, self.decode_ctx(b))[:, 0])
+        self.pos[:b].add_(1)
         return logits
 
     def _prefill_rows(self, rows: slice, ids: torch.Tensor) -> torch.Tensor:
@@ -202,6 +261,8 @@ class Engine:
         contracts.Mixer.cache_fields), so nothing is copied."""
         if rows == slice(0, self.max_batch):
             where, caches = "batch", self.caches
+        elif rows.start == 0 and rows.stop in self._bucket_caches:
+            where, caches = ("rows", 0, rows.stop), self._bucket_caches[rows.stop]
         else:
             where = ("rows", rows.start, rows.stop)
             caches = [{name: t[rows] for name, t in layer.items()} for layer in self.caches]
@@ -211,13 +272,17 @@ class Engine:
         return h
 
     def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        """tok [max_batch] -> logits [max_batch, V]: one decode step of every row; rows in use
-        advance by one position, free rows go back to position 0."""
-        self.token_buffer.copy_(tok)
-        logits = self._runner.decode()
+        """tok [n] (n <= max_batch; rows n..b-1 free) -> logits [n, V]: one decode step of the
+        smallest bucket b holding rows 0..n-1 (its rows past n compute garbage from the buffer's
+        old tokens); its rows in use advance by one position, free rows go back to position 0,
+        rows from b on are not touched."""
+        n = tok.shape[0]
+        b = self.bucket(n)
+        self.token_buffer[:n].copy_(tok)
+        logits = self._runner.decode(b)
         self.pos.mul_(self._active)
-        self.row_len = [None if n is None else n + 1 for n in self.row_len]
-        return logits
+        self.row_len = [r if r is None or i >= b else r + 1 for i, r in enumerate(self.row_len)]
+        return logits[:n]
 
     # ------------------------------------------------------------------ rows
 
@@ -265,10 +330,162 @@ class Engine:
         self._mark_rows(range(rows.start, rows.stop), ids.shape[1])
         return h
 
+    def _rows_in_use(self, what: str, rows) -> list[int]:
+        rows = [int(r) for r in rows]
+        if not rows:
+            raise InputError(f"{what}: expected at least one row, got none")
+        if len(set(rows)) != len(rows):
+            raise InputError(f"{what}: rows {rows} name a row twice")
+        for r in rows:
+            if not 0 <= r < self.max_batch:
+                raise InputError(f"{what}: row {r} must be in 0..{self.max_batch - 1} (max_batch={self.max_batch})")
+            if self.row_len[r] is None:
+                raise InputError(f"{what}: row {r} is free; start a sequence there first (prefill_row)")
+        return rows
+
+    def _row_caches(self, rows: list[int]):
+        """(caches of `rows`, write-back) for a step over some rows: views of a contiguous run
+        of rows (nothing to write back), else gathered copies written back by the returned
+        function."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            sl = slice(rows[0], rows[0] + len(rows))
+            return [{name: t[sl] for name, t in layer.items()} for layer in self.caches], lambda: None
+        idx = torch.tensor(rows, device=self.device)
+        caches = [{name: t.index_select(0, idx) for name, t in layer.items()} for layer in self.caches]
+
+        def write_back():
+            for layer, part in zip(self.caches, caches):
+                for name, t in layer.items():
+                    t.index_copy_(0, idx, part[name])
+
+        return caches, write_back
+
+    @_engine_mode
+    def extend_rows(self, rows, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append ids [n, L] to rows in use (n of them, in that order), each at its own next
+        position -> logits [n, L, V] float32 ([n, V], the last position only, with last_only).
+
+        Whatever a row already holds (a prompt prefilled whole or in chunks, decoded tokens, a
+        reused prefix) is what the new tokens see: a prompt extended in chunks equals its whole
+        prefill. Compiled: one graph per (n, layer kind) for every L and position."""
+        rows = self._rows_in_use("extend_rows", rows)
+        if ids.dim() != 2 or ids.shape[0] != len(rows) or ids.shape[1] < 1:
+            raise InputError(f"extend_rows: expected ids of shape [{len(rows)}, L] (one row of tokens per row "
+                             f"in {rows}, L >= 1), got {tuple(ids.shape)}")
+        L = ids.shape[1]
+        over = [r for r in rows if self.row_len[r] + L > self.max_seq]
+        if over:
+            raise InputError(f"extend_rows: row {over[0]} holds {self.row_len[over[0]]} tokens; {L} more exceed "
+                             f"max_seq={self.max_seq} (release it, or rebuild with a larger runtime.max_seq)")
+        self._check_ids(ids, "extend_rows")
+        ids = ids.to(self.device, torch.long).clone(memory_format=torch.contiguous_format)
+        start = torch.tensor([self.row_len[r] for r in rows], dtype=torch.long, device=self.device)
+        caches, write_back = self._row_caches(rows)
+        h = self.embed(ids)
+        h = self._runner.extend_layers(("extend", len(rows)), self.model.layers, caches, h,
+                                       self.extend_ctx(ids, start))
+        write_back()
+        idx = torch.tensor(rows, device=self.device)
+        self.pos.index_add_(0, idx, torch.full_like(idx, L))
+        for r in rows:
+            self.row_len[r] += L
+        return self.model.logits(h[:, -1] if last_only else h)
+
+    def constant_state_kinds(self) -> list[str]:
+        """"layers.i (kind): fields" of every layer whose cache has constant-state fields
+        (grows=False): what truncate_row cannot roll back."""
+        out = []
+        for i, (block, layer) in enumerate(zip(self.model.layers, self.plan.layers)):
+            names = [name for name, f in layer.items() if not f.grows]
+            if names:
+                out.append(f"layers.{i} ({block.mixer.kind}): {', '.join(names)}")
+        return out
+
+    @_engine_mode
+    def truncate_row(self, row: int, length: int) -> None:
+        """Roll a row in use back to its first `length` tokens (the next token goes to position
+        `length`). Only the length moves: slots past it are invisible and overwritten (see the
+        module docstring); a family with constant-state fields is refused, naming them."""
+        (row,) = self._rows_in_use("truncate_row", [row])
+        if not 0 <= length <= self.row_len[row]:
+            raise InputError(f"truncate_row: row {row} holds {self.row_len[row]} tokens; length {length} must be "
+                             f"in 0..{self.row_len[row]}")
+        if length == self.row_len[row]:
+            return
+        state = self.constant_state_kinds()
+        if state:
+            raise InputError(f"truncate_row: this model keeps constant-state cache fields, which hold no "
+                             f"per-position history to roll back ({'; '.join(state)}); save_state(rows) before "
+                             f"the tokens to drop, restore_state(rows, handle) after, then extend_rows the kept ones")
+        self.row_len[row] = length
+        self.pos[row] = length
+
+    def _state_fields(self):
+        """(caches, name) of every constant-state field, main layers and MTP blocks."""
+        for layer, fields in zip(self.caches, self.plan.layers):
+            for name, f in fields.items():
+                if not f.grows:
+                    yield layer, name
+        for layer, block in zip(self.mtp_caches, self.model.mtp):
+            fields = block.mixer.cache_fields(self.max_batch, self.max_seq, torch.float32)
+            for name, f in fields.items():
+                if not f.grows:
+                    yield layer, name
+
+    @_engine_mode
+    def save_state(self, rows) -> dict:
+        """A copy (on the device) of rows' constant-state fields and lengths, for restore_state."""
+        rows = self._rows_in_use("save_state", rows)
+        idx = torch.tensor(rows, device=self.device)
+        return {"rows": rows, "lengths": [self.row_len[r] for r in rows],
+                "fields": [layer[name].index_select(0, idx) for layer, name in self._state_fields()]}
+
+    @_engine_mode
+    def restore_state(self, rows, handle: dict) -> None:
+        """Put rows back as save_state found them: their constant-state fields and lengths (KV
+        slots written since are past the restored length, so invisible). rows: the saved rows or
+        as many others in use (the state then moves with them)."""
+        rows = self._rows_in_use("restore_state", rows)
+        if len(rows) != len(handle["rows"]):
+            raise InputError(f"restore_state: the handle holds {len(handle['rows'])} rows {handle['rows']}, "
+                             f"got {len(rows)} rows {rows}")
+        idx = torch.tensor(rows, device=self.device)
+        for (layer, name), saved in zip(self._state_fields(), handle["fields"]):
+            layer[name].index_copy_(0, idx, saved)
+        for r, n in zip(rows, handle["lengths"]):
+            self.row_len[r] = n
+            self.pos[r] = n
+
     @_engine_mode
     def release_row(self, row: int) -> None:
         """Free a row at once (its cache is left as is: the next prefill there zeroes it)."""
         self._mark_rows([row], None)
+
+    @_engine_mode
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the sequence in row src to the free row dst: every cache field's row (the MTP
+        blocks' too), its position and token count; src is free after. What compaction does
+        (module docstring): a whole row of every field is copied, whatever the field holds (KV
+        slots, ring buffers, recurrent state), since fields say nothing of their layout past the
+        batch dimension."""
+        for r, what in ((src, "src"), (dst, "dst")):
+            if not 0 <= r < self.max_batch:
+                raise InputError(f"move_row: {what} row {r} must be in 0..{self.max_batch - 1} "
+                                 f"(max_batch={self.max_batch})")
+        if self.row_len[src] is None:
+            raise InputError(f"move_row: row {src} holds no sequence; expected a row in use as src")
+        if self.row_len[dst] is not None:
+            raise InputError(f"move_row: row {dst} is in use ({self.row_len[dst]} tokens); expected a free row "
+                             f"as dst")
+        for layer in (*self.caches, *self.mtp_caches):
+            for t in layer.values():
+                t[dst].copy_(t[src])
+        self.pos[dst] = self.pos[src]
+        self.pos[src] = 0
+        length = self.row_len[src]
+        self.row_len[src] = None
+        self._mark_rows([dst], length)
+
 
     @_engine_mode
     def decode_rows(self, tok: torch.Tensor) -> torch.Tensor:
@@ -286,6 +503,35 @@ class Engine:
             raise InputError(f"decode_rows: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
                              f"(or rebuild with a larger runtime.max_seq)")
         self._check_ids(tok, "decode_rows", check_range=tok.device.type == "cpu")
+        # the bucket that holds the highest row in use; the rows past it are free: zero logits
+        n = max((r + 1 for r, used in enumerate(self.row_len) if used is not None), default=1)
+        logits = self._step(tok[:n].to(self.device, torch.long))
+        if n == self.max_batch:
+            return logits
+        return torch.cat((logits, logits.new_zeros(self.max_batch - n, logits.shape[1])))
+
+    @_engine_mode
+    def decode_active(self, tok: torch.Tensor) -> torch.Tensor:
+        """One step of rows 0..n-1: tok [n] (any id for free rows among them) -> logits [n, V],
+        through the smallest decode bucket b holding n rows. Rows n..b-1 must be free (they
+        compute garbage); rows from b on are left as they are, in use or not (a compacting caller
+        keeps its n decoding sequences in rows 0..n-1, see the module docstring, and may keep a
+        prompt being prefilled in chunks above the bucket)."""
+        if tok.dim() != 1 or not 1 <= tok.shape[0] <= self.max_batch:
+            raise InputError(f"decode_active: expected tokens of shape [n] with n in 1..max_batch={self.max_batch}, "
+                             f"got {tuple(tok.shape)}")
+        n = tok.shape[0]
+        b = self.bucket(n)
+        inside = [r for r in range(n, b) if self.row_len[r] is not None]
+        if inside:
+            raise InputError(f"decode_active: row {inside[0]} is in use but inside the decode bucket of {b} rows "
+                             f"past the n={n} rows given; expected rows {n}..{b - 1} free (move_row compacts "
+                             f"the rows in use into 0..n-1)")
+        full = [r for r in range(n) if self.row_len[r] is not None and self.row_len[r] >= self.max_seq]
+        if full:
+            raise InputError(f"decode_active: row {full[0]} holds max_seq={self.max_seq} tokens; release it "
+                             f"(or rebuild with a larger runtime.max_seq)")
+        self._check_ids(tok, "decode_active", check_range=tok.device.type == "cpu")
         return self._step(tok.to(self.device, torch.long))
 
     # ------------------------------------------------------------------ batch API
@@ -311,11 +557,12 @@ class Engine:
         self.reset()
         self.batch = B
         # canonical strides: graphs guard on them, and callers pass views (seq[:, :n])
-        ids = self._pad_batch(ids.to(self.device, torch.long)).clone(memory_format=torch.contiguous_format)
+        ids = self._pad_batch(ids.to(self.device, torch.long), self.bucket(B)).clone(
+            memory_format=torch.contiguous_format)
         if L == 1 and not return_mtp:
             self._mark_rows(range(B), 0)
-            return self._step(ids[:, 0])[:B, None]
-        h = self._prefill_rows(slice(0, self.max_batch), ids)
+            return self._step(ids[:B, 0])[:, None]
+        h = self._prefill_rows(slice(0, ids.shape[0]), ids)
         logits = self.model.logits(h[:, -1:] if last_only else h)
         self._mark_rows(range(B), L)
         if return_mtp:
@@ -337,13 +584,14 @@ class Engine:
         # could no longer queue the next one); an out-of-range id still fails loudly, in the
         # embedding's device-side bounds check
         self._check_ids(tok, "decode", check_range=tok.device.type == "cpu")
-        return self._step(self._pad_batch(tok.to(self.device, torch.long)))[: self.batch]
+        return self._step(tok.to(self.device, torch.long))
 
     def block_prefill(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor) -> torch.Tensor:
         """One block (a layer of `model.layers` or `model.mtp`) over positions 0..L-1 through the
-        runner's prefill: h [max_batch, L, ...D], ids [max_batch, L] (the tokens at those
-        positions) -> [max_batch, L, ...D]; fills `cache` (that block's cache dict)."""
-        return self._runner.prefill_layers(("block", id(block)), [block], [cache], h, self.prefill_ctx(ids))
+        runner's prefill: h [b, L, ...D], ids [b, L] (the tokens at those positions) -> [b, L, ...D]
+        (b: a bucket's rows); fills `cache` (that block's cache dict, or views of its first b rows)."""
+        where = ("block", id(block), h.shape[0])
+        return self._runner.prefill_layers(where, [block], [cache], h, self.prefill_ctx(ids))
 
     # ------------------------------------------------------------------ runner
 
@@ -354,12 +602,14 @@ class Engine:
 
     @_engine_mode
     def warmup(self) -> dict[str, float]:
-        """Make what both steps need (compile the graphs, capture the CUDA graph, load or make the
-        packages) on dummy tokens, then reset.
+        """Make what both steps need (compile the graphs, capture the CUDA graphs, load or make the
+        packages) on dummy tokens, then reset: the batch prefill at max_batch and the decode step
+        of every bucket (each bucket compiles, captures or loads its own, so warmup's decode part
+        grows with the number of buckets).
 
         Returns the wall time spent on each step's first run (compile + one run; packages are
-        loaded without running), and on setting up the compiler ("setup": the CPU ISA probe, on
-        the first compile in a cache only).
+        loaded without running; decode: every bucket's), and on setting up the compiler ("setup":
+        the CPU ISA probe, on the first compile in a cache only).
         """
         self.compile_seconds.update(self._runner.warmup())
         return dict(self.compile_seconds)

@@ -19,8 +19,8 @@ def mtp_caches(model, max_batch: int, max_seq: int, dtype: torch.dtype, device) 
 
 
 def mtp_prefill(engine, ids: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor]:
-    """After the main prefill of ids [B, L] by `engine` (graphs.Engine; this module is below it)
-    with last residual state h: per depth k = 1..n, logits [B, L - k, V] (float32) for tokens
+    """After the main prefill of ids [b, L] (a bucket's rows) by `engine` (graphs.Engine; this
+    module is below it) with last residual state h: per depth k = 1..n, logits [b, L - k, V] (float32) for tokens
     t + k + 1 at positions t = 0..L-1-k."""
     model = engine.model
     if not len(model.mtp):
@@ -28,7 +28,9 @@ def mtp_prefill(engine, ids: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor
                          "mtp.n_layers=0, or checkpoint.mtp=false so they were not built)")
     hidden = model.final_hidden(h)  # hidden^0: what the main head reads
     out = []
+    b = ids.shape[0]  # the prefill's bucket: the MTP caches' first b rows
     for k, (layer, cache) in enumerate(zip(model.mtp, engine.mtp_caches), start=1):
+        cache = {name: t[:b] for name, t in cache.items()}
         n = ids.shape[1] - k  # positions this depth predicts from
         if n < 1:
             out.append(hidden.new_zeros(ids.shape[0], 0, model.spec.vocab_size, dtype=torch.float32))

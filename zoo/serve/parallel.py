@@ -2,14 +2,16 @@
 
 Each step of the model holds collectives that need every rank, in the same order with the same
 shapes. So the scheduler (scheduler.py) runs on rank 0 only, against a `LeaderEngine`: every call
-that runs or changes the engine's rows (prefill_row, release_row, decode_rows, reset) is first
-broadcast to the other ranks, which `follow` it on their own engines. What the scheduler reads
+that runs or changes the engine's rows (prefill_row, release_row, decode_rows, decode_active,
+move_row, extend_rows, reset) is first broadcast to the other ranks, which `follow` it on their
+own engines. What the scheduler reads
 (free_rows, row_len, max_seq, ...) stays equal on every rank because the same calls ran
 everywhere. Sampling happens on rank 0 (its logits are every rank's: the head all-gathers them);
 the sampled tokens reach the other ranks as the next decode_rows call's input.
 
 The commands go over their own gloo group (on CPU even when the model's group is NCCL), as int64
-tensors: a header [op, row, n] and n token ids; no pickles. The group's timeout is long: an idle
+tensors: a header [op, row, n] and n ids (tokens; move_row: the destination row; extend_rows:
+the rows, then their tokens, `row` giving how many rows); no pickles. The group's timeout is long: an idle
 server sends nothing, and the followers wait for its next request.
 
 After each call every rank reports over that group whether its call raised (one all-reduce of a
@@ -36,8 +38,10 @@ from ..compiler.errors import ZooError
 
 log = logging.getLogger("zoo.serve")
 
-PREFILL, RELEASE, DECODE, RESET, STOP = range(5)
-OP_NAMES = {PREFILL: "prefill_row", RELEASE: "release_row", DECODE: "decode_rows", RESET: "reset"}
+PREFILL, RELEASE, DECODE, RESET, STOP, DECODE_ACTIVE, MOVE, EXTEND, EXTEND_LAST = range(9)
+OP_NAMES = {PREFILL: "prefill_row", RELEASE: "release_row", DECODE: "decode_rows", RESET: "reset",
+            DECODE_ACTIVE: "decode_active", MOVE: "move_row", EXTEND: "extend_rows",
+            EXTEND_LAST: "extend_rows(last_only)"}
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 MESSAGE_BYTES = 1000  # of each failed rank's error text, sent to every rank
 
@@ -71,7 +75,7 @@ def _settle(group, op: int, row: int, error: Optional[BaseException]) -> None:
         return
     failed = {r: text for r, text in enumerate(outcome) if text is not None}
     ok = [r for r, text in enumerate(outcome) if text is None]
-    what = f"{OP_NAMES.get(op, op)}" + (f" (row {row})" if op in (PREFILL, RELEASE) else "")
+    what = f"{OP_NAMES.get(op, op)}" + (f" (row {row})" if op in (PREFILL, RELEASE, MOVE) else "")
     raise RankFailed(f"engine call {what} failed on rank(s) {sorted(failed)} and not on rank(s) {ok}: "
                      + "; ".join(f"rank {r}: {text}" for r, text in failed.items())
                      + ". The ranks' states now differ, so every rank stops.") from error
@@ -131,6 +135,18 @@ class LeaderEngine:
     def decode_rows(self, tok: torch.Tensor):
         return self._call(DECODE, 0, tok, lambda: self._engine.decode_rows(tok))
 
+    def decode_active(self, tok: torch.Tensor):
+        return self._call(DECODE_ACTIVE, 0, tok, lambda: self._engine.decode_active(tok))
+
+    def move_row(self, src: int, dst: int):
+        return self._call(MOVE, src, torch.tensor([dst]), lambda: self._engine.move_row(src, dst))
+
+    def extend_rows(self, rows, ids: torch.Tensor, last_only: bool = False):
+        rows = [int(r) for r in rows]
+        payload = torch.cat((torch.tensor(rows, dtype=torch.long), ids.to("cpu", torch.long).reshape(-1)))
+        return self._call(EXTEND_LAST if last_only else EXTEND, len(rows), payload,
+                          lambda: self._engine.extend_rows(rows, ids, last_only=last_only))
+
     def reset(self):
         return self._call(RESET, 0, None, lambda: self._engine.reset())
 
@@ -173,6 +189,12 @@ def follow(engine, group) -> None:
                 engine.decode_rows(ids)
             elif op == RESET:
                 engine.reset()
+            elif op == DECODE_ACTIVE:
+                engine.decode_active(ids)
+            elif op == MOVE:
+                engine.move_row(row, int(ids[0]))
+            elif op in (EXTEND, EXTEND_LAST):  # row: how many rows; ids: those rows, then their tokens
+                engine.extend_rows(ids[:row].tolist(), ids[row:].reshape(row, -1), last_only=op == EXTEND_LAST)
             else:
                 raise ValueError(f"unknown engine call {op} from rank 0")
         except Exception as e:  # noqa: BLE001 - compared with the other ranks' outcome below

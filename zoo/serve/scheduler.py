@@ -1,10 +1,25 @@
-"""Continuous batching: one thread owns the model and steps every row of the static batch.
+"""Continuous batching: one thread owns the model and steps the rows in use.
 
 Between decode steps the scheduler admits waiting sequences into free rows (Engine.prefill_row
-prefills one row without touching the others), then runs one decode step over all max_batch rows
-(Engine.decode_rows: one static graph; free rows compute garbage nobody reads) and hands each
-running sequence its next token. A sequence that ends (an end token, a stop string, max_tokens, a
-full row) or is cancelled (its client went away) frees its row at once.
+prefills one row without touching the others), then runs one decode step over its n decoding
+rows (Engine.decode_active: the smallest decode bucket holding them, one static step each) and
+hands each running sequence its next token. A sequence that ends (an end token, a stop string,
+max_tokens, a full row) or is cancelled (its client went away) frees its row at once.
+
+Rows stay compact so that a bucket is a prefix of the rows: the decoding sequences hold rows
+0..n-1. A new one takes row n (the lowest free); when one ends, the highest moves into its hole
+(Engine.move_row, one copy of that row's caches) and the row -> sequence table follows.
+
+Chunked prefill (runtime.step_tokens: a per-step token budget, null: off): a step spends at most
+step_tokens tokens, one per decoding row and the rest on prompts. A prompt that does not fit in
+what is left is prefilled in chunks, one per step, into a row above the decode bucket (row
+bucket(n), where decode steps never reach): the first chunk by prefill_row, the others by
+Engine.extend_rows, so the running rows get a token every step while it is admitted, and its
+logits equal a whole prefill's. When its last chunk is in, it moves down to row n and decodes
+with the others. One prompt is chunked at a time, and nothing is admitted behind it meanwhile
+(first come, first served; the decode bucket cannot grow into its row). A prompt is prefilled
+whole when no row above the bucket is left (n past the second-largest bucket), or when nothing
+decodes (there is nothing to keep streaming). Cancelling it mid-prompt frees its row at once.
 
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
 and request give the same text whatever else runs beside it. A sequence with a grammar
@@ -92,12 +107,32 @@ class QueueFull(Exception):
     """The waiting queue holds max_queue sequences: come back later."""
 
 
+@dataclass
+class Chunking:
+    """The prompt being prefilled in chunks: its sequence, its row (above the decode bucket) and
+    how many of its tokens are in."""
+
+    seq: Sequence
+    row: int
+    done: int
+
+
 class Scheduler:
     """Owns model.engine's rows. `start()` runs `step()` on a dedicated thread; tests may call
-    `step()` themselves instead (then no thread is started)."""
+    `step()` themselves instead (then no thread is started). step_tokens: the per-step token
+    budget of chunked prefill (None: the model's runtime.step_tokens; 0: off)."""
 
-    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None):
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, step_tokens: Optional[int] = None):
         self.engine = model.engine
+        if step_tokens is None:
+            step_tokens = getattr(getattr(model, "spec", None), "runtime", None)
+            step_tokens = getattr(step_tokens, "step_tokens", None) or 0
+        if step_tokens and step_tokens < self.engine.max_batch:
+            raise ValueError(f"step_tokens={step_tokens}: a step may hold max_batch - 1 = {self.engine.max_batch - 1} "
+                             f"decode rows besides a prompt's chunk; expected step_tokens >= max_batch="
+                             f"{self.engine.max_batch} (or 0 / null: no chunked prefill)")
+        self.step_tokens = step_tokens
+        self._chunk: Optional[Chunking] = None
         tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
         self.max_queue = max_queue
@@ -133,13 +168,18 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + (self._chunk is not None)
 
     def warmup(self) -> None:
-        """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving."""
-        for n in (min(2, self.engine.max_seq), 1):
-            self.engine.prefill_row(0, torch.zeros(n, dtype=torch.long))
-            self.engine.release_row(0)
+        """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving, and
+        with chunked prefill the extend graph (a runner that cannot extend fails here, at start)."""
+        e = self.engine
+        for n in (min(2, e.max_seq), 1):
+            e.prefill_row(0, torch.zeros(n, dtype=torch.long))
+            if self.step_tokens and n == 2 and e.max_seq >= 5:
+                for k in (2, 1):  # two lengths: the extend graph is dynamic in L from the second
+                    e.extend_rows([0], torch.zeros(1, k, dtype=torch.long), last_only=True)
+            e.release_row(0)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="zoo-scheduler", daemon=True)
@@ -157,7 +197,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and not self._rows:
+                while not self._stopping and not self._waiting and not self._rows and self._chunk is None:
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -167,20 +207,52 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for row in list(self._rows):
                     self._finish(row, "error", error=f"{type(e).__name__}: {e}")
+                if self._chunk is not None:
+                    self._drop_chunk("error", error=f"{type(e).__name__}: {e}")
         for row in list(self._rows):
             self._finish(row, "cancelled")
+        if self._chunk is not None:
+            self._drop_chunk("cancelled")
         with self._cv:
             while self._waiting:
                 self._waiting.popleft().sink(Event("done", finish_reason="cancelled"))
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Admit waiting sequences into free rows, then one decode step. False when idle."""
+        """Prompt work (a chunk of the prompt being chunked, or admissions of waiting sequences),
+        then one decode step of the decoding rows. False when idle."""
         e = self.engine
         for row, s in list(self._rows.items()):  # rows of cancelled sequences first: admissions reuse them
             if s.cancelled:
                 self._finish(row, "cancelled")
+        if self._chunk is not None and self._chunk.seq.cancelled:
+            self._drop_chunk("cancelled")
+        self._compact()
+        # the budget left for prompts: one token per decoding row is spent below (None: no limit)
+        left = self.step_tokens - len(self._rows) if self.step_tokens else None
+        worked = False
+        if self._chunk is not None:
+            worked = self._next_chunk(left)
+        else:
+            worked = self._admit(left)
+        self._compact()
+        n = len(self._rows)
+        if not n:
+            self._gauges()
+            return worked
+        logits = e.decode_active(self._tok[:n])
+        for row in range(n):
+            self._advance(row, logits[row])
+        self._gauges()
+        return True
+
+    def _admit(self, left: Optional[int]) -> bool:
+        """Admit waiting sequences first come, first served, into the lowest free rows: whole
+        while their prompts fit in `left` tokens (None: always), then the next one's first chunk
+        (module docstring). True when any was taken off the queue."""
+        e = self.engine
         admitted = []
+        chunk = None
         with self._cv:
             kept = collections.deque(s for s in self._waiting if not s.cancelled)
             for s in self._waiting:
@@ -189,9 +261,23 @@ class Scheduler:
             self._waiting = kept
             free = e.free_rows()
             while self._waiting and free:
-                s = self._waiting.popleft()
+                s = self._waiting[0]
+                if left is not None and len(s.prompt) > left:
+                    n = len(self._rows) + len(admitted)
+                    row = e.bucket(n) if n else None  # the lowest row no decode step of n rows reaches
+                    if row is not None and row < e.max_batch and left > 0:
+                        self._waiting.popleft()
+                        chunk = Chunking(s, row, 0)
+                        s.row = row
+                        break
+                    if admitted:
+                        break  # its turn comes next step, with the whole budget
+                    # no row above the bucket, or nothing decoding: the whole prompt now
+                self._waiting.popleft()
                 s.row = free.pop(0)
                 admitted.append(s)
+                if left is not None:
+                    left -= len(s.prompt)
             self._gauges()
         for s in admitted:
             try:
@@ -202,14 +288,59 @@ class Scheduler:
                 continue
             self._rows[s.row] = s
             self._advance(s.row, logits)
-        if not self._rows:
-            self._gauges()
-            return bool(admitted)
-        logits = e.decode_rows(self._tok)
-        for row in list(self._rows):
-            self._advance(row, logits[row])
-        self._gauges()
+        if chunk is not None:
+            self._chunk = chunk
+            self._next_chunk(left)
+        return bool(admitted) or chunk is not None
+
+    def _next_chunk(self, left: int) -> bool:
+        """Prefill the next `left` tokens (at least one) of the prompt being chunked; after its
+        last one it joins the decoding rows (row n)."""
+        e, c = self.engine, self._chunk
+        s = c.seq
+        k = min(max(left, 1), len(s.prompt) - c.done)
+        ids = torch.tensor(s.prompt[c.done:c.done + k], dtype=torch.long)
+        try:
+            if c.done == 0:
+                logits = e.prefill_row(c.row, ids)
+            else:
+                logits = e.extend_rows([c.row], ids[None], last_only=True)[0]
+        except Exception as err:
+            self._drop_chunk("error", error=str(err))
+            return True
+        c.done += k
+        if c.done < len(s.prompt):
+            return True
+        self._chunk = None
+        row = len(self._rows)  # compact: the decoding rows are 0..row-1
+        if row != c.row:
+            e.move_row(c.row, row)
+        s.row = row
+        self._rows[row] = s
+        self._advance(row, logits)
         return True
+
+    def _drop_chunk(self, reason: str, error: Optional[str] = None) -> None:
+        """End the prompt being chunked (cancelled, or its chunk failed): its row is freed."""
+        c, self._chunk = self._chunk, None
+        if self.engine.row_len[c.row] is not None:
+            self.engine.release_row(c.row)
+        c.seq.finish_reason = reason
+        if self.metrics is not None:
+            self.metrics.finished(reason)
+        c.seq.sink(Event("done", finish_reason=reason, error=error))
+
+    def _compact(self) -> None:
+        """Move the highest decoding rows into the holes below them, until they hold 0..n-1."""
+        n = len(self._rows)
+        holes = [r for r in range(n) if r not in self._rows]
+        high = sorted((r for r in self._rows if r >= n), reverse=True)
+        for dst, src in zip(holes, high):
+            self.engine.move_row(src, dst)
+            s = self._rows.pop(src)
+            s.row = dst
+            self._rows[dst] = s
+            self._tok[dst] = self._tok[src]
 
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""

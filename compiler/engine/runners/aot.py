@@ -2,13 +2,16 @@
 runner (runtime.aot; the packages themselves, their keys and cache are ../aot.py).
 
 Loaded (made on a miss) at each step's first call, per cache layout (`where`): the batch, a row's
-views, an MTP block. Nothing of dynamo or inductor is imported unless a package has to be made.
+views, an MTP block, each decode bucket (its rows' views: one package per layer structure and
+bucket). Nothing of dynamo or inductor is imported unless a package has to be made.
 """
 from __future__ import annotations
 
 import time
 
 import torch
+
+from ...errors import ConfigError
 from torch.utils import _pytree as pytree
 
 from ..aot import StepPackages, context_tensors
@@ -46,8 +49,13 @@ class AOTRunner(Runner):
         return self._steps("prefill", where, layers, caches, h, ctx).run(h, context_tensors(ctx))
 
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        engine = self.engine
-        return self._steps("decode", "batch", engine.model.layers, engine.caches, h, ctx).run(h, context_tensors(ctx))
+        engine, b = self.engine, h.shape[0]
+        steps = self._steps("decode", ("bucket", b), engine.model.layers, engine.decode_caches(b), h, ctx)
+        return steps.run(h, context_tensors(ctx))
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        raise ConfigError("runtime.aot: extend_rows (chunked prefill, prefix reuse, speculative "
+                                  "decoding) has no AOTInductor packages; build with compile=true and aot=false")
 
     def warmup(self) -> dict[str, float]:
         """Load the packages (made on a miss) without running them."""
@@ -60,14 +68,16 @@ class AOTRunner(Runner):
             self._steps("prefill", "batch", model.layers, engine.caches, engine.embed(ids), engine.prefill_ctx(ids))
         seconds["prefill"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        tok = engine.token_buffer[:, None]
-        self._steps("decode", "batch", model.layers, engine.caches, engine.embed(tok), engine.decode_ctx())
+        for b in engine.buckets:
+            tok = engine.token_buffer[:b, None]
+            self._steps("decode", ("bucket", b), model.layers, engine.decode_caches(b), engine.embed(tok),
+                        engine.decode_ctx(b))
         seconds["decode"] = time.perf_counter() - t0
         return seconds
 
     def graph_counts(self) -> dict[str, int]:
         """The packages in use ("prefill_packages", "decode_packages": one per layer structure and
-        layout of the inputs)."""
+        layout of the inputs, so one per decode bucket)."""
         counts = {"prefill_packages": set(), "decode_packages": set()}
         for (step, _), steps in self._packages.items():
             counts[f"{step}_packages"] |= steps.keys

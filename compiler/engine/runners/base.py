@@ -4,12 +4,16 @@ A runner decides how a step executes; the engine core (core.py) owns everything 
 rope tables, per-row state, the checks) and calls it for:
 
     prefill_layers(where, layers, caches, h, ctx) -> h    layers' prefill in order over h [B, L, ...D]
-    decode_layers(h, ctx) -> h                            every layer's decode over h [max_batch, 1, ...D]
-    decode() -> logits [max_batch, V]                     one whole decode step (core.decode_step)
+    decode_layers(h, ctx) -> h                            every layer's decode over h [b, 1, ...D]
+    extend_layers(where, layers, caches, h, ctx) -> h     layers' extend in order over h [n, L, ...D]
+    decode(b) -> logits [b, V]                            one whole decode step of bucket b (core.decode_step)
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
-`where` names the caches a prefill writes ("batch": the engine's own; ("rows", start, stop): views
-of some rows; ("block", id): an MTP block's), for runners that keep something per cache layout.
+`where` names the caches a prefill or an extend writes ("batch": the engine's own; ("rows", start,
+stop): views of some rows; ("block", id, b): an MTP block's first b rows; an extend: ("extend", n)),
+for runners that keep something per cache layout. A decode step's bucket b (core.py, buckets.py) is h's batch size; its caches are
+`engine.decode_caches(b)`. Each bucket is its own static step: a runner keeps what it makes per
+bucket (graphs, packages, captures), and warmup makes every bucket's.
 The runners register here with a priority; the Engine takes the highest one whose `wants` accepts
 its options, so adding a runner is one new file in this folder.
 """
@@ -20,6 +24,8 @@ import time
 from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
+
+from ...errors import ConfigError
 
 
 
@@ -34,12 +40,14 @@ class EngineCore(Protocol):
     max_seq: int
     caches: list[dict]  # one dict of tensors per layer
     token_buffer: torch.Tensor  # [max_batch] the decode step's tokens
+    buckets: tuple[int, ...]  # the decode batch sizes, increasing, the last max_batch
 
     def reset(self) -> None: ...
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
     def prefill_ctx(self, ids: torch.Tensor) -> dict: ...
-    def decode_ctx(self) -> dict: ...
-    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor: ...
+    def decode_caches(self, b: int) -> list[dict]: ...
+    def decode_ctx(self, b: int) -> dict: ...
+    def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor], b: int) -> torch.Tensor: ...
     def warm_prefill(self) -> None: ...
 
 
@@ -83,21 +91,28 @@ class Runner:
         raise NotImplementedError
 
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """Every layer's decode over h [max_batch, 1, ...D] and the engine's caches."""
+        """Every layer's decode over h [b, 1, ...D] and bucket b's caches (engine.decode_caches(b))."""
         raise NotImplementedError
 
-    def decode(self) -> torch.Tensor:
-        """One decode step of the engine's token buffer -> logits [max_batch, V]; advances every
-        row's position by one."""
-        return self.engine.decode_step(self.decode_layers)
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """layers' extend in order over h [n, L, ...D] (rows that already hold tokens, ctx
+        "start"); appends to their caches. Default: refused, naming the runner."""
+        raise ConfigError(f"the {self.name} runner cannot extend rows (extend_rows: chunked prefill, "
+                                  f"prefix reuse, speculative decoding); build without it")
 
-    def warm_decode(self) -> None:
-        """What warmup does for the decode step: run it once (its graphs compile)."""
-        self.decode()
+    def decode(self, b: int) -> torch.Tensor:
+        """One decode step of rows 0..b-1 of the engine's token buffer (bucket b) -> logits [b, V];
+        advances those rows' positions by one."""
+        return self.engine.decode_step(self.decode_layers, b)
+
+    def warm_decode(self, b: int) -> None:
+        """What warmup does for bucket b's decode step: run it once (its graphs compile)."""
+        self.decode(b)
 
     def warmup(self) -> dict[str, float]:
-        """Wall seconds of each step's first run (compile + one run) on dummy tokens; the engine
-        resets its state after each."""
+        """Wall seconds of each step's first run (compile + one run) on dummy tokens, the decode
+        step's summed over every bucket (largest first: a CUDA graph's smaller captures reuse its
+        memory); the engine resets its state after each."""
         engine, seconds = self.engine, {}
         if engine.max_seq >= 2:
             t0 = time.perf_counter()
@@ -105,9 +120,10 @@ class Runner:
             seconds["prefill"] = time.perf_counter() - t0
         engine.reset()
         t0 = time.perf_counter()
-        self.warm_decode()
+        for b in sorted(engine.buckets, reverse=True):
+            self.warm_decode(b)
+            engine.reset()
         seconds["decode"] = time.perf_counter() - t0
-        engine.reset()
         return seconds
 
     def graph_counts(self) -> dict[str, int]:

@@ -5,8 +5,10 @@ every layer of that kind (parameters are graph inputs, so layers share one graph
 final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
 
     prefill: L is a dynamic dimension (one graph for every prompt length 2..max_seq).
-    decode:  static shapes: one graph per layer structure; after the first step, CPU steps skip
-             dynamo's guard checks where that is proven safe (see decode_layers).
+    extend:  L dynamic too, and the rows' positions are data: one graph per (rows n, layer kind).
+    decode:  static shapes: one graph per layer structure and decode bucket (each bucket's
+             functions have code objects of their own); after a bucket's first step, its CPU
+             steps skip dynamo's guard checks where that is proven safe (see decode_layers).
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from .base import Runner, RunnerOptions, register
 
 def _block_prefill(block, h, cache, ctx):
     return block.prefill(h, cache, ctx)
+
+
+def _block_extend(block, h, cache, ctx):
+    return block.extend(h, cache, ctx)
 
 
 def _block_decode(block, h, cache, ctx):
@@ -54,20 +60,34 @@ class CompiledRunner(Runner):
         apply_compile_settings()
         patches = cpu_compile_patches() if engine.device.type == "cpu" else {}
         key = f"zoo-max_seq={engine.max_seq}"
-        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
+        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode", "extend")}
         self._prefill = torch.compile(_block_prefill, fullgraph=True, dynamic=False, backend=self.counters["prefill"])
-        # one decode function per distinct layer structure, each with a code object of its own
-        # (so one compiled entry each: see decode_layers)
-        n, kinds = next(_ENGINES), {}
-        structures = [structure(block, cache) for block, cache in zip(model.layers, engine.caches)]
-        for st in structures:
-            kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{n}_{len(kinds)}"))
-        self._decode_kinds = list(kinds.values())
-        compiled = {st: torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
-                    for st, f in kinds.items()}
-        self._decode: list[Callable] = [compiled[st] for st in structures]
-        self.trusted: bool | None = None  # decode may skip guards (None: not decided, see decode_layers)
+        self._extend = torch.compile(_block_extend, fullgraph=True, dynamic=False, backend=self.counters["extend"])
+        # one decode function per distinct layer structure and bucket, each with a code object of
+        # its own (so one compiled entry each: see decode_layers); a bucket's caches are views of
+        # its rows, so the structure (shapes) tells the buckets apart
+        n = next(_ENGINES)
+        self._decode: dict[int, list[Callable]] = {}  # bucket -> each layer's compiled decode
+        self._decode_kinds: dict[int, list[Callable]] = {}  # bucket -> its distinct functions
+        for b in engine.buckets:
+            kinds = {}
+            structures = [structure(block, cache) for block, cache in zip(model.layers, engine.decode_caches(b))]
+            for st in structures:
+                kinds.setdefault(st, _own_copy(_block_decode, f"_block_decode_{n}_b{b}_{len(kinds)}"))
+            self._decode_kinds[b] = list(kinds.values())
+            compiled = {st: torch.compile(f, fullgraph=True, dynamic=False, backend=self.counters["decode"])
+                        for st, f in kinds.items()}
+            self._decode[b] = [compiled[st] for st in structures]
+        # per bucket, whether its decode steps may skip guards (None: not decided, see decode_layers)
+        self._trust: dict[int, bool | None] = {b: None for b in engine.buckets}
         self._state = None  # the global state (grad mode, autocast, ...) the trusted entries were checked in
+
+    @property
+    def trusted(self) -> bool | None:
+        """Whether the decode steps skip dynamo's guards: None before any bucket decided, False
+        once any bucket keeps its guards, else True."""
+        decided = [t for t in self._trust.values() if t is not None]
+        return None if not decided else all(decided)
 
     def prefill_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
         if h.shape[1] >= 2:
@@ -84,8 +104,21 @@ class CompiledRunner(Runner):
                 h = self._prefill(block, h, cache, ctx)
         return h
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # as prefill: L dynamic (1-token extends, speculative verification of k+1 tokens and long
+        # chunks share the graph once a second length has been seen)
+        torch._dynamo.maybe_mark_dynamic(h, 1)
+        torch._dynamo.maybe_mark_dynamic(ctx["ids"], 1)
+        for cos, sin in ctx["rope"].values():
+            torch._dynamo.maybe_mark_dynamic(cos, 1)
+            torch._dynamo.maybe_mark_dynamic(sin, 1)
+        with dynamo_settings():
+            for block, cache in zip(layers, caches):
+                h = self._extend(block, h, cache, ctx)
+        return h
+
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        engine = self.engine
+        engine, b = self.engine, h.shape[0]
         # Once the first step has compiled each layer structure's function exactly once (every
         # layer of a structure passed its one entry's guards), CPU steps skip dynamo's guard
         # checks (torch's skip_guard_eval_unsafe: 50-80 us per layer call at batch 1, a tenth of
@@ -95,17 +128,19 @@ class CompiledRunner(Runner):
         # choice to get wrong. The global state dynamo guards on (grad mode, autocast, ...) is
         # still compared with the first step's, cheaply: a step in another state runs with the
         # full guards (and may compile another entry, which ends the trust). Any structure with
-        # more entries keeps the full guards.
-        skip = bool(self.trusted) and self._state.check()
+        # more entries keeps the full guards. Each bucket decides for its own functions.
+        trust = self._trust[b]
+        skip = bool(trust) and self._state.check()
         with dynamo_settings(), (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip
                                  else contextlib.nullcontext()):
-            for run, block, cache in zip(self._decode, engine.model.layers, engine.caches):
+            for run, block, cache in zip(self._decode[b], engine.model.layers, engine.decode_caches(b)):
                 h = run(block, h, cache, ctx)
-        if self.trusted is None:
+        if self._state is None:
             self._state = torch._C._dynamo.guards.GlobalStateGuard()
-        if self.trusted is None or (self.trusted and not skip):
-            self.trusted = engine.device.type == "cpu" and all(_entries(f) == 1 for f in self._decode_kinds)
+        if trust is None or (trust and not skip):
+            self._trust[b] = engine.device.type == "cpu" and all(_entries(f) == 1 for f in self._decode_kinds[b])
         return h
 
     def graph_counts(self) -> dict[str, int]:
-        return {name: c.graphs for name, c in self.counters.items()}
+        """prefill and decode; extend once an extend has compiled (most engines never extend)."""
+        return {name: c.graphs for name, c in self.counters.items() if name != "extend" or c.graphs}

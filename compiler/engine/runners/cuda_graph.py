@@ -1,7 +1,9 @@
 """CUDA-graph replay: the whole decode step (embedding, every layer, head, position update) is
-captured once over the engine's static buffers and replayed. The layers inside the capture, and
-every prefill, run through the runner the options would get without a CUDA graph (compiled
-regions or eager)."""
+captured once per decode bucket over the engine's static buffers (a bucket's rows are views of
+them) and replayed. The layers inside the captures, and every prefill, run through the runner the
+options would get without a CUDA graph (compiled regions or eager). The captures share one memory
+pool, the largest bucket captured first: they are replayed one at a time on one stream, and each
+keeps its own output tensor alive, so only what a step frees inside is shared."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,12 +22,18 @@ class CUDAGraphRunner(Runner):
     def __init__(self, engine, options: RunnerOptions):
         super().__init__(engine, options)
         self.inner = choose(engine, dataclasses.replace(options, cuda_graph=False))
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self._logits: torch.Tensor | None = None  # the captured step's output [max_batch, V]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its captured step
+        self._logits: dict[int, torch.Tensor] = {}  # bucket b -> its captured step's output [b, V]
+        self._pool = None  # the captures' shared memory pool (the first capture's)
 
     @property
     def name(self) -> str:
         return f"{self.kind}+{self.inner.name}"
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The largest bucket's capture (None before warmup)."""
+        return self.graphs.get(self.engine.max_batch)
 
     @property
     def trusted(self) -> bool | None:
@@ -38,26 +46,31 @@ class CUDAGraphRunner(Runner):
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self.inner.decode_layers(h, ctx)
 
-    def decode(self) -> torch.Tensor:
-        if self.graph is None:
-            raise RuntimeError("CUDA graph not captured; call warmup() after building")
-        self.graph.replay()
-        return self._logits.clone()
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return self.inner.extend_layers(where, layers, caches, h, ctx)
 
-    def warm_decode(self) -> None:
-        """Capture the step (after two runs outside the capture: compile, settle allocations)."""
+    def decode(self, b: int) -> torch.Tensor:
+        graph = self.graphs.get(b)
+        if graph is None:
+            raise RuntimeError(f"CUDA graph of decode bucket {b} not captured; call warmup() after building")
+        graph.replay()
+        return self._logits[b].clone()
+
+    def warm_decode(self, b: int) -> None:
+        """Capture bucket b's step (after two runs outside the capture: compile, settle allocations)."""
         engine = self.engine
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                engine.decode_step(self.decode_layers)
+                engine.decode_step(self.decode_layers, b)
         torch.cuda.current_stream().wait_stream(stream)
         engine.reset()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = engine.decode_step(self.decode_layers)
-        self.graph = graph
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._logits[b] = engine.decode_step(self.decode_layers, b)
+        self._pool = self._pool if self._pool is not None else graph.pool()
+        self.graphs[b] = graph
 
     def graph_counts(self) -> dict[str, int]:
         return self.inner.graph_counts()

@@ -17,7 +17,12 @@ class EagerRunner(Runner):
             h = block.prefill(h, cache, ctx)
         return h
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        for block, cache in zip(layers, caches):
+            h = block.extend(h, cache, ctx)
+        return h
+
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        for block, cache in zip(self.engine.model.layers, self.engine.caches):
+        for block, cache in zip(self.engine.model.layers, self.engine.decode_caches(h.shape[0])):
             h = block.decode(h, cache, ctx)
         return h
