@@ -252,7 +252,8 @@ class DSA(MLA):
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """MLA's latent kv [B, 1, S, C + R] and the indexer keys index_k [B, S, Di]."""
         return {**super().cache_fields(max_batch, max_seq, dtype),
-                "index_k": CacheField((max_batch, max_seq, self.spec.index_head_dim), dtype, grows=True)}
+                "index_k": CacheField((max_batch, max_seq, self.spec.index_head_dim), dtype, grows=True,
+                                          token_axis=1)}
 
     def attention_flops(self, context):
         """Per token at `context` cached tokens: the indexer over the whole context, MLA's

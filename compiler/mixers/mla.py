@@ -176,7 +176,7 @@ class MLA(Mixer, FloatLinears):
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """One field, [normalized latent C | roped k_rope R] per token: [B, 1, S, C + R] (a
         single KV head, so attention reads it in place)."""
-        return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True)}
+        return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True, token_axis=2)}
 
     def expanded_cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """What a per-head K/V cache of the expanded form would hold (for reports, never allocated):

@@ -67,6 +67,7 @@ class Runner:
     # decided, or nothing compiled)
     graph: "torch.cuda.CUDAGraph | None" = None
     trusted: bool | None = None
+    extends: bool = True  # whether extend_layers runs (False: it refuses, see extend_layers)
 
     def __init__(self, engine: EngineCore, options: RunnerOptions):
         self.engine = engine
