@@ -11,8 +11,8 @@ built model twice: cold (prefix_cache_bytes=0) and warm (the default store). In 
 (the shared prefix + question A) runs to its first token first; then request B (the shared
 prefix + question B) is submitted and timed from submission to its first token. Cold, B
 prefills prefix + question; warm, B copies A's cached prefix into its row and extends only its
-question. Reported: the median over rounds of each TTFT, their ratio, and whether B's first
-token is the same both ways (greedy).
+question. Reported: the median over rounds of each TTFT, their ratio, whether B's first token is
+the same both ways (greedy), and the tokens the warm store reused in each round (the prefix).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def scenario(model, prefix: int, question: int, rounds: int, seed: int = 0) -> d
     warm; the function the README's number comes from."""
     gen = torch.Generator().manual_seed(seed)
     V = model.spec.vocab_size
-    cold, warm, same = [], [], True
+    cold, warm, same, reused = [], [], True, []
     for r in range(rounds):
         shared = torch.randint(0, V, (prefix,), generator=gen).tolist()
         a = shared + torch.randint(0, V, (question,), generator=gen).tolist()
@@ -63,10 +63,12 @@ def scenario(model, prefix: int, question: int, rounds: int, seed: int = 0) -> d
             first_token_seconds(sched, a)
             seconds, tokens[name] = first_token_seconds(sched, b)
             out.append(seconds)
+            if sched.prefix is not None:
+                reused.append(sched.prefix.tokens_reused)
         same = same and tokens["cold"] == tokens["warm"]
     c, w = statistics.median(cold), statistics.median(warm)
     return {"prefix": prefix, "question": question, "rounds": rounds, "ttft_cold_s": c, "ttft_warm_s": w,
-            "speedup": c / w, "same_first_token": same}
+            "speedup": c / w, "same_first_token": same, "warm_tokens_reused": reused}
 
 
 def main(argv=None) -> int:
