@@ -22,6 +22,7 @@ KINDS = {
     "qwen3_next": "gated_deltanet + gated gqa",
     "kimi_linear": "kda + mla",
 }
+MORE = {"gpt2era/gpt2": "learned absolute positions (Block.extend)", "gpt2era/bloom": "gqa with ALiBi"}
 SPLITS = ([11, 9, 6], [1, 1, 1, 4, 19], [5, 1, 20], [2, 24])  # first chunk by prefill_row, the rest extended
 
 
@@ -41,7 +42,7 @@ def whole(model, seq: torch.Tensor) -> torch.Tensor:
     return model.engine.prefill(seq).clone()
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", [*KINDS, *MORE])
 def test_chunked_prefill_equals_whole(families, name):
     """Chunks of every size (1-token chunks too) == one prefill, and the decode steps after."""
     model, rtol = families.eager(name), max(families.family(name).rtol, 1e-5)
