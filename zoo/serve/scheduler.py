@@ -21,6 +21,12 @@ with the others. One prompt is chunked at a time, and nothing is admitted behind
 whole when no row above the bucket is left (n past the second-largest bucket), or when nothing
 decodes (there is nothing to keep streaming). Cancelling it mid-prompt frees its row at once.
 
+Admission starts a row through the prefix cache (compiler/engine/prefix.py) when the engine can
+extend rows: the longest cached prefix the prompt shares with earlier prompts and conversations
+is copied into the row and only the rest is prefilled; each prompt, and each conversation when
+its row is released, is kept in the cache (host memory, bounded by `prefix_cache_bytes`, least
+recently used evicted). Its sizes and hits are in /metrics (zoo_prefix_cache_*).
+
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
@@ -37,6 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..compiler.engine.prefix import PrefixCache
 from ..constrain import Grammar
 from ..sampling import sample
 from .text import StopText
@@ -103,6 +110,9 @@ class Sequence:
         self.constraint = self.params.grammar.constraint() if self.params.grammar is not None else None
 
 
+PREFIX_CACHE_BYTES = 1 << 30  # host memory for cached prompts (compiler/engine/prefix.py)
+
+
 class QueueFull(Exception):
     """The waiting queue holds max_queue sequences: come back later."""
 
@@ -122,7 +132,8 @@ class Scheduler:
     `step()` themselves instead (then no thread is started). step_tokens: the per-step token
     budget of chunked prefill (None: the model's runtime.step_tokens; 0: off)."""
 
-    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, step_tokens: Optional[int] = None):
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, step_tokens: Optional[int] = None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         self.engine = model.engine
         if step_tokens is None:
             step_tokens = getattr(getattr(model, "spec", None), "runtime", None)
@@ -144,6 +155,9 @@ class Scheduler:
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
         self.engine.reset()
+        # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
+        self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
+            if prefix_cache_bytes > 0 and self.engine.can_extend else None
 
     # ------------------------------------------------------------------ from any thread
 
@@ -172,11 +186,12 @@ class Scheduler:
 
     def warmup(self) -> None:
         """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving, and
-        with chunked prefill the extend graph (a runner that cannot extend fails here, at start)."""
+        with chunked prefill or the prefix cache the extend graph (a runner that cannot extend
+        fails here, at start, under chunked prefill)."""
         e = self.engine
         for n in (min(2, e.max_seq), 1):
             e.prefill_row(0, torch.zeros(n, dtype=torch.long))
-            if self.step_tokens and n == 2 and e.max_seq >= 5:
+            if (self.step_tokens or self.prefix is not None) and n == 2 and e.max_seq >= 5:
                 for k in (2, 1):  # two lengths: the extend graph is dynamic in L from the second
                     e.extend_rows([0], torch.zeros(1, k, dtype=torch.long), last_only=True)
             e.release_row(0)
@@ -281,7 +296,7 @@ class Scheduler:
             self._gauges()
         for s in admitted:
             try:
-                logits = e.prefill_row(s.row, torch.tensor(s.prompt, dtype=torch.long))
+                logits = self._start(s)
             except Exception as err:
                 e.release_row(s.row) if e.row_len[s.row] is not None else None
                 s.sink(Event("done", finish_reason="error", error=str(err)))
@@ -298,9 +313,14 @@ class Scheduler:
         last one it joins the decoding rows (row n)."""
         e, c = self.engine, self._chunk
         s = c.seq
-        k = min(max(left, 1), len(s.prompt) - c.done)
-        ids = torch.tensor(s.prompt[c.done:c.done + k], dtype=torch.long)
         try:
+            if c.done == 0 and self.prefix is not None:  # the longest stored prefix, copied in
+                before = self._prefix_counts()
+                c.done = self.prefix.begin(c.row, torch.tensor(s.prompt, dtype=torch.long))
+                if self.metrics is not None:
+                    self.metrics.prefix_cache(self.prefix, before)
+            k = min(max(left, 1), len(s.prompt) - c.done)
+            ids = torch.tensor(s.prompt[c.done:c.done + k], dtype=torch.long)
             if c.done == 0:
                 logits = e.prefill_row(c.row, ids)
             else:
@@ -311,6 +331,8 @@ class Scheduler:
         c.done += k
         if c.done < len(s.prompt):
             return True
+        if self.prefix is not None:
+            self.prefix.store(c.row, s.prompt, logits)
         self._chunk = None
         row = len(self._rows)  # compact: the decoding rows are 0..row-1
         if row != c.row:
@@ -341,6 +363,21 @@ class Scheduler:
             s.row = dst
             self._rows[dst] = s
             self._tok[dst] = self._tok[src]
+
+    def _start(self, s: Sequence) -> torch.Tensor:
+        """Prefill a sequence's row (through the prefix cache, when there is one) -> logits [V]."""
+        ids = torch.tensor(s.prompt, dtype=torch.long)
+        if self.prefix is None:
+            return self.engine.prefill_row(s.row, ids)
+        before = self._prefix_counts()
+        logits = self.prefix.start(s.row, ids)
+        if self.metrics is not None:
+            self.metrics.prefix_cache(self.prefix, before)
+        return logits
+
+    def _prefix_counts(self) -> dict:
+        p = self.prefix
+        return {"lookups": p.lookups, "hits": p.hits, "tokens_reused": p.tokens_reused, "evictions": p.evictions}
 
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""
@@ -380,6 +417,12 @@ class Scheduler:
 
     def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
         s = self._rows.pop(row)
+        if self.prefix is not None and reason in ("stop", "length"):  # the conversation, for its next turn
+            held = self.engine.row_len[row]
+            before = self._prefix_counts()
+            self.prefix.store(row, (s.prompt + s.tokens)[:held])
+            if self.metrics is not None:
+                self.metrics.prefix_cache(self.prefix, before)
         self.engine.release_row(row)
         s.finish_reason = reason
         rest = s.text.finish() if reason in ("stop", "length") else ""

@@ -10,7 +10,7 @@ rope tables, per-row state, the checks) and calls it for:
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
 `where` names the caches a prefill or an extend writes ("batch": the engine's own; ("rows", start,
-stop): views of some rows; ("block", id, b): an MTP block's first b rows; an extend: ("extend", n)),
+stop): views of some rows; ("block", id, b): an MTP block's first b rows; an extend: ("extend", n), n rows' views or copies),
 for runners that keep something per cache layout. A decode step's bucket b (core.py, buckets.py) is h's batch size; its caches are
 `engine.decode_caches(b)`. Each bucket is its own static step: a runner keeps what it makes per
 bucket (graphs, packages, captures), and warmup makes every bucket's.
@@ -72,6 +72,7 @@ class Runner:
     # decided, or nothing compiled)
     graph: "torch.cuda.CUDAGraph | None" = None
     trusted: bool | None = None
+    extends: bool = True  # whether extend_layers runs (False: it refuses, see extend_layers)
 
     def __init__(self, engine: EngineCore, options: RunnerOptions):
         self.engine = engine

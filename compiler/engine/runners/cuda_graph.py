@@ -36,6 +36,10 @@ class CUDAGraphRunner(Runner):
         return self.graphs.get(self.engine.max_batch)
 
     @property
+    def extends(self) -> bool:
+        return self.inner.extends
+
+    @property
     def trusted(self) -> bool | None:
         """The inner runner's (outside the captured step, e.g. in warm-up)."""
         return self.inner.trusted
