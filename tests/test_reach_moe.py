@@ -49,6 +49,13 @@ FAMILIES = {
     "exaone_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=72, moe_intermediate_size=20,
                        num_experts=8, num_experts_per_tok=3, num_shared_experts=1, n_group=2, topk_group=1,
                        sliding_window=5, sliding_window_pattern=2, first_k_dense_replace=1),
+    # MLA (q LoRA, interleaved RoPE) + DeepSeek-V3 routing, the first layer dense
+    "glm4_moe_lite": dict(COMMON, num_key_value_heads=4, intermediate_size=72, moe_intermediate_size=20,
+                          n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1,
+                          q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=14,
+                          routed_scaling_factor=1.8),
+    # q/k norms after RoPE, an always-on SwiGLU beside the experts
+    "hunyuan_v1_moe": dict(COMMON, head_dim=12, intermediate_size=20, num_experts=8, moe_topk=3),
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -95,6 +102,8 @@ FLAGSHIPS = {
     "flex_olmo_7x7b": ("flex_olmo", dict()),
     "solar_open_100b": ("solar_open", dict()),
     "k_exaone_236b": ("exaone_moe", dict()),
+    "glm4_7_flash": ("glm4_moe_lite", dict()),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict()),
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
