@@ -103,7 +103,7 @@ FLAGSHIPS = {
     "solar_open_100b": ("solar_open", dict()),
     "k_exaone_236b": ("exaone_moe", dict()),
     "glm4_7_flash": ("glm4_moe_lite", dict()),
-    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict()),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(head_dim=128)),  # the class default null does not build
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
