@@ -56,6 +56,10 @@ FAMILIES = {
                           routed_scaling_factor=1.8),
     # q/k norms after RoPE, an always-on SwiGLU beside the experts
     "hunyuan_v1_moe": dict(COMMON, head_dim=12, intermediate_size=20, num_experts=8, moe_topk=3),
+    # per-head q/k norms, a sliding layer from max_window_layers on, dense first layer, 2 shared experts
+    "dots1": dict(COMMON, intermediate_size=72, moe_intermediate_size=20, n_routed_experts=8, num_experts_per_tok=3,
+                  n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                  routed_scaling_factor=2.5, sliding_window=5, max_window_layers=2),
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
