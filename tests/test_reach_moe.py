@@ -144,3 +144,19 @@ def test_what_cannot_be_expressed_is_refused(name, change, words):
     with pytest.raises(zoo.ConfigError) as e:
         import_config(config, "config.json")
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_deepseek_v4_loads_what_transformers_saves(tmp_path):
+    """A DeepSeek-V4 checkpoint written by transformers' save_pretrained (its own names: a
+    `model.` prefix, model.hc_head.*, attn.norm) loads through the rename stage
+    deepseek_v4_names.yaml like the Hub layout, and matches transformers: the prefill of 20
+    tokens (compressed entries of both kinds) and 8 greedy decode steps, batch 2."""
+    from tests import test_deepseek_v4 as v4
+    from tests.helpers import check_parity
+
+    ref = v4.make_reference(seed=1)
+    ref.save_pretrained(tmp_path)
+    m = zoo.from_pretrained(str(tmp_path), compile=False, max_batch=2, max_seq=v4.MAX_SEQ)
+    ids = torch.randint(0, v4.VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        check_parity(ref, m, ids, steps=8, rtol=1e-4)
