@@ -60,6 +60,12 @@ FAMILIES = {
     "dots1": dict(COMMON, intermediate_size=72, moe_intermediate_size=20, n_routed_experts=8, num_experts_per_tok=3,
                   n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
                   routed_scaling_factor=2.5, sliding_window=5, max_window_layers=2),
+    # Qwen3.5's Gated DeltaNet + gated attention layers with a MoE and a gated shared expert
+    "qwen3_5_moe_text": dict(COMMON, num_hidden_layers=4, head_dim=16, moe_intermediate_size=20,
+                             shared_expert_intermediate_size=28, num_experts=8, num_experts_per_tok=3,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+                             linear_value_head_dim=10,
+                             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -108,6 +114,7 @@ FLAGSHIPS = {
     "k_exaone_236b": ("exaone_moe", dict()),
     "glm4_7_flash": ("glm4_moe_lite", dict()),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(head_dim=128)),  # the class default null does not build
+    "qwen3_5_35b_a3b": ("qwen3_5_moe_text", dict()),
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
