@@ -66,6 +66,9 @@ FAMILIES = {
                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
                              linear_value_head_dim=10,
                              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # MLA with a dense SwiGLU on every layer, tied
+    "youtu": dict(COMMON, num_key_value_heads=4, intermediate_size=72, q_lora_rank=24, kv_lora_rank=16,
+                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=14, tie_word_embeddings=True),
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -115,6 +118,7 @@ FLAGSHIPS = {
     "glm4_7_flash": ("glm4_moe_lite", dict()),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(head_dim=128)),  # the class default null does not build
     "qwen3_5_35b_a3b": ("qwen3_5_moe_text", dict()),
+    "youtu_llm": ("youtu", dict()),
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
