@@ -69,6 +69,10 @@ FAMILIES = {
     # MLA with a dense SwiGLU on every layer, tied
     "youtu": dict(COMMON, num_key_value_heads=4, intermediate_size=72, q_lora_rank=24, kv_lora_rank=16,
                   qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=14, tie_word_embeddings=True),
+    # MLA with RoPE on halves, embeddings / residual branches / logits scaled (sqrt in the import map)
+    "minicpm3": dict(COMMON, num_key_value_heads=4, intermediate_size=72, q_lora_rank=24, kv_lora_rank=16,
+                     qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=14, scale_emb=2.5, scale_depth=1.4,
+                     dim_model_base=16),
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -119,6 +123,7 @@ FLAGSHIPS = {
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(head_dim=128)),  # the class default null does not build
     "qwen3_5_35b_a3b": ("qwen3_5_moe_text", dict()),
     "youtu_llm": ("youtu", dict()),
+    "minicpm3_4b": ("minicpm3", dict()),  # MiniCPM3Config's defaults are openbmb/MiniCPM3-4B's
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
