@@ -14,7 +14,7 @@ is ever handed to `eval`, and no attribute, subscript or call outside this list 
     defaults     `key ?? v`: v when config.json lacks key or gives null
                  `default(key, v)`: v when config.json lacks key (an explicit null stays null)
                  `has(key)`: whether config.json has key (null included)
-    functions    min, max, abs, len, int, float, round
+    functions    min, max, abs, len, int, float, round, sqrt
 
 A key config.json lacks is an error naming it (unless read through ??, default or has): the
 config class's default is a choice the import map states, never one the language guesses.
@@ -22,6 +22,7 @@ config class's default is a choice the import map states, never one the language
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
             ast.NotIn: lambda a, b: a not in b}
-_FUNCTIONS = {"min": min, "max": max, "abs": abs, "len": len, "int": int, "float": float, "round": round}
+_FUNCTIONS = {"min": min, "max": max, "abs": abs, "len": len, "int": int, "float": float, "round": round,
+              "sqrt": math.sqrt}  # sqrt: MiniCPM3's residual scale_depth / sqrt(num_hidden_layers)
 _KEY_FUNCTIONS = ("default", "has")  # their first argument is a key, read without requiring it
 ALLOWED = ("config keys, numbers, strings, lists, + - * / // %, comparisons, and/or/not, "
            "`x if c else y`, `is None`, `key ?? v`, default(key, v), has(key), "

@@ -29,6 +29,7 @@ from tests import test_moe_families as moe
 from tests import test_qwen3_5 as qwen3_5
 from tests import test_qwen3_next as qwen3_next
 from tests import test_reach_dense as reach_dense
+from tests import test_reach_moe as reach_moe
 from tests.family_harness import (DecodeEqualsPrefill as DEP, Family, Parity as P, randomize_norms, run_checks,
                                   tiny_reference)
 from tests.helpers import populate_hub_cache
@@ -168,6 +169,16 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
     FAMILIES[f"reach_dense/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
         eager=(P(11, 6), DEP(25, 9)))
+
+# ------------------------------------------- MoE families through data, eager only (test_reach_moe.py)
+
+REACH_MOE_COMPILED = {"granitemoe_swa": 2}  # one compiled sample: sinks + window + MoE (local, global graphs)
+for _i, _name in enumerate(reach_moe.FAMILIES):
+    FAMILIES[f"reach_moe/{_name}"] = Family(
+        (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,
+        eager=(P(11, 6), DEP(25, 9)),
+        compiled=(P(11, 4), P(17, 2), DEP(20, 7)) if _name in REACH_MOE_COMPILED else (),
+        graphs=REACH_MOE_COMPILED.get(_name))
 
 
 # ----------------------------------------------------------------------------- the tests
