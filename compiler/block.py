@@ -56,8 +56,12 @@ class Block(nn.Module):
         self.mixer_norm = make_norm(spec.norm, spec.dim) if pre else nn.Identity()
         self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
         shared = self.parallel == "shared_norm"
-        self.ffn_norm = make_norm(spec.norm, spec.dim) if pre and not shared else nn.Identity()
-        self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
+        ffn_cls = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")
+        # an absent FFN (ffn kind `none`: Mamba layers) has no norm, post norm or residual either
+        self.ffn_absent = getattr(ffn_cls, "absent", False)
+        has_ffn_norm = pre and not shared and not self.ffn_absent
+        self.ffn_norm = make_norm(spec.norm, spec.dim) if has_ffn_norm else nn.Identity()
+        self.ffn = ffn_cls(layer.ffn, ctx)
         self.mixer_residual = res.connection(spec.residual, ctx)
         self.ffn_residual = res.connection(spec.residual, ctx)
         # under tensor/expert parallelism a sharded sub-layer's output is a partial sum; the
@@ -65,7 +69,7 @@ class Block(nn.Module):
         self.mixer_reduce: nn.Module | None = None
         self.ffn_reduce: nn.Module | None = None
         self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post else None
-        self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post else None
+        self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post and not self.ffn_absent else None
         self.__dict__["positions"] = None  # set on the first block by the model (not a child module)
 
     @staticmethod
@@ -91,11 +95,13 @@ class Block(nn.Module):
         x, aux = self.mixer_residual.enter(h)
         xn = self.mixer_norm(x)
         y = self._out(mixer(xn), self.mixer_reduce, self.mixer_post_norm)
-        if self.parallel is not None:
+        if self.parallel is not None and not self.ffn_absent:
             xf = xn if self.parallel == "shared_norm" else self.ffn_norm(x)
             y = y + self._out(ffn(xf), self.ffn_reduce, self.ffn_post_norm)
             return self.mixer_residual.exit(h, y, aux)
         h = self.mixer_residual.exit(h, y, aux)
+        if self.ffn_absent:
+            return h
         x, aux = self.ffn_residual.enter(h)
         y = self._out(ffn(self.ffn_norm(x)), self.ffn_reduce, self.ffn_post_norm)
         return self.ffn_residual.exit(h, y, aux)
