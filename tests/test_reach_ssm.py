@@ -1,0 +1,100 @@
+"""State-space and convolution families (Mamba, Falcon-Mamba, Mamba2, LFM2, ...) from
+configuration alone: tiny random transformers checkpoints with odd sizes (their prefill / decode
+parity, eager, plus one compiled sample per new mixer kind: tests/test_family_parity.py's
+reach_ssm/* entries), exact parameter counts of the flagship presets against transformers on the
+meta device, and what the import or `zoo patterns` refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zoo
+from tests.helpers import check_flagship_count
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 301
+NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name: (transformers config class prefix, the tiny config.json values); odd sizes throughout
+FAMILIES = {
+    "mamba": ("Mamba", dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, state_size=6,
+                            intermediate_size=72, time_step_rank=5, tie_word_embeddings=True)),
+    "falcon_mamba": ("FalconMamba", dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, state_size=6,
+                                         intermediate_size=72, time_step_rank=5, tie_word_embeddings=False,
+                                         conv_kernel=3)),
+    # 6 heads of 12 over 3 B/C groups, chunks of 7 tokens (prompts span several)
+    "mamba2": ("Mamba2", dict(vocab_size=VOCAB, hidden_size=36, num_hidden_layers=2, num_heads=6, head_dim=12,
+                              expand=2, n_groups=3, state_size=5, chunk_size=7)),
+    # conv, attention, conv; the FFN width auto-adjusted (2/3 of 150, times 1.0, rounded up to 16)
+    "lfm2": ("Lfm2", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=150, block_multiple_of=16,
+                          max_position_embeddings=64, layer_types=["conv", "full_attention", "conv"],
+                          full_attn_idxs=[1])),
+}
+# one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
+COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
+
+
+def make_config(family: str, **kw):
+    prefix, values = FAMILIES[family]
+    return getattr(transformers, f"{prefix}Config")(**{**values, **NO_TOKENS, **kw})
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module) -> None:
+    """Every constant-initialised vector (norm weights and D at 1, biases at 0) made random, so that
+    a misplaced or missing one shows; A_log spread so decays range from slow to fast."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(-1.0, 1.5)
+        elif p.dim() == 1 and torch.all(p == p.flatten()[0]):
+            p.uniform_(0.5, 1.5) if p.flatten()[0] == 1 else p.normal_(0.0, 0.2)
+
+
+def reference(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(make_config(family)).eval()
+    randomize(ref)
+    return ref
+
+
+# Flagship config.json values (the published configs of the checkpoints each preset names)
+FLAGSHIPS = {
+    "mamba_2_8b": ("Mamba", dict(vocab_size=50280, hidden_size=2560, num_hidden_layers=64, state_size=16,
+                                 intermediate_size=5120, time_step_rank=160)),  # state-spaces/mamba-2.8b-hf
+    "falcon_mamba_7b": ("FalconMamba", dict(vocab_size=65024, hidden_size=4096, num_hidden_layers=64, state_size=16,
+                                            intermediate_size=8192, time_step_rank=256,
+                                            tie_word_embeddings=False)),  # tiiuae/falcon-mamba-7b
+    "mamba_codestral_7b": ("Mamba2", dict()),  # Mamba2Config's defaults are mistralai/Mamba-Codestral-7B-v0.1's
+    "lfm2_1_2b": ("Lfm2", dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=12288,
+                               full_attn_idxs=[2, 5, 8, 10, 12, 14], layer_types=None)),  # LiquidAI/LFM2-1.2B
+}
+
+
+@pytest.mark.parametrize("preset", list(FLAGSHIPS))
+def test_flagship_parameter_count(preset):
+    """The preset's exact parameter count equals transformers' for the published config (meta
+    device), and importing that config gives the preset's layers (helpers.check_flagship_count)."""
+    prefix, values = FLAGSHIPS[preset]
+    check_flagship_count(preset, getattr(transformers, f"{prefix}Config")(**values))
+
+
+@pytest.mark.parametrize("family, change, words", [
+    ("mamba", {"hidden_act": "gelu"}, ["hidden_act='gelu'", "conf/hf/mamba.yaml"]),
+    ("mamba2", {"expand": 3}, ["hidden_size * expand == num_heads * head_dim", "conf/hf/mamba2.yaml"]),
+])
+def test_what_cannot_be_expressed_is_refused(family, change, words):
+    from zoo.compiler.hf_import import import_config
+
+    config = {**make_config(family).to_dict(), **change}
+    with pytest.raises(zoo.ConfigError) as e:
+        import_config(config, "config.json")
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_mamba_layers_have_no_ffn_norm():
+    """A mixer-only layer (ffn kind none) carries exactly one norm: no ffn_norm to load."""
+    m = zoo.build("mamba_2_8b_tiny", dry=True)
+    names = [n for n, _ in m.module.named_parameters() if n.startswith("layers.0.")]
+    assert "layers.0.mixer_norm.weight" in names and not any("ffn" in n for n in names), names
