@@ -31,6 +31,11 @@ FAMILIES = {
                           num_key_value_heads=2, intermediate_size=150, block_multiple_of=16,
                           max_position_embeddings=64, layer_types=["conv", "full_attention", "conv"],
                           full_attn_idxs=[1])),
+    # Mamba2 (6 heads of 16, 2 groups, chunks of 5) around one GQA layer with rotary on half its head
+    "bamba": ("Bamba", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
+                            attn_layer_indices=[1], mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,
+                            mamba_d_state=8, mamba_chunk_size=5)),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
 COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
@@ -69,6 +74,8 @@ FLAGSHIPS = {
     "mamba_codestral_7b": ("Mamba2", dict()),  # Mamba2Config's defaults are mistralai/Mamba-Codestral-7B-v0.1's
     "lfm2_1_2b": ("Lfm2", dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=12288,
                                full_attn_idxs=[2, 5, 8, 10, 12, 14], layer_types=None)),  # LiquidAI/LFM2-1.2B
+    "bamba_9b": ("Bamba", dict(vocab_size=128256, attn_layer_indices=[9, 18, 27], mamba_d_state=128,
+                               mamba_d_head=64)),  # ibm-ai-platform/Bamba-9B
 }
 
 
