@@ -36,6 +36,11 @@ FAMILIES = {
                             num_key_value_heads=2, intermediate_size=100, max_position_embeddings=64,
                             attn_layer_indices=[1], mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,
                             mamba_d_state=8, mamba_chunk_size=5)),
+    # Mamba-1 with weighted dt / B / C norms; attention (no positions) on layer 1, 5 experts on layers 1, 3
+    "jamba": ("Jamba", dict(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=72, max_position_embeddings=64,
+                            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                            num_experts=5, num_experts_per_tok=2, mamba_dt_rank=5, mamba_d_state=6)),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
 COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
@@ -76,6 +81,7 @@ FLAGSHIPS = {
                                full_attn_idxs=[2, 5, 8, 10, 12, 14], layer_types=None)),  # LiquidAI/LFM2-1.2B
     "bamba_9b": ("Bamba", dict(vocab_size=128256, attn_layer_indices=[9, 18, 27], mamba_d_state=128,
                                mamba_d_head=64)),  # ibm-ai-platform/Bamba-9B
+    "jamba_v0_1": ("Jamba", dict()),  # JambaConfig's defaults are ai21labs/Jamba-v0.1's
 }
 
 

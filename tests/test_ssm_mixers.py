@@ -19,7 +19,9 @@ DIM = 24
 MIXERS = {
     "mamba": lambda: Mamba(Mamba.Spec(d_inner=40, d_state=6, dt_rank=5, conv_kernel=4, chunk_size=4), _model()),
     "mamba/falcon": lambda: Mamba(Mamba.Spec(d_inner=40, d_state=6, dt_rank=5, conv_kernel=3, chunk_size=5,
-                                             bcdt_norm=True, bias=True), _model()),
+                                             bcdt_norm="weightless", bias=True), _model()),
+    "mamba/jamba": lambda: Mamba(Mamba.Spec(d_inner=40, d_state=6, dt_rank=5, chunk_size=6, bcdt_norm="weighted"),
+                                 _model()),
     "mamba2": lambda: Mamba2(Mamba2.Spec(n_heads=6, head_dim=5, d_state=7, n_groups=2, chunk_size=4), _model()),
     "mamba2/limit": lambda: Mamba2(Mamba2.Spec(n_heads=3, head_dim=8, d_state=4, n_groups=1, chunk_size=3,
                                                conv_bias=False, time_step_limit=[0.05, 0.5]), _model()),
@@ -117,6 +119,7 @@ def test_the_scans_with_a_start_state_equal_their_loops():
 @pytest.mark.parametrize("spec, words", [
     (lambda: Mamba.Spec(d_inner=8, dt_rank=2, conv_kernel=1), ["conv_kernel=1", ">= 2"]),
     (lambda: Mamba.Spec(d_inner=0, dt_rank=2), ["d_inner=0", "positive"]),
+    (lambda: Mamba.Spec(d_inner=8, dt_rank=2, bcdt_norm="yes"), ["bcdt_norm='yes'", "weightless", "weighted"]),
     (lambda: Mamba2.Spec(n_heads=6, n_groups=4), ["n_heads=6", "n_groups=4", "multiple"]),
     (lambda: Mamba2.Spec(n_heads=4, time_step_limit=[1.0, 0.5]), ["time_step_limit=[1.0, 0.5]", "min <= max"]),
     (lambda: ShortConv.Spec(conv_kernel=0), ["conv_kernel=0", ">= 2"]),

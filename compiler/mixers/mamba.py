@@ -3,7 +3,8 @@ SSM layers).
 
     x [B, L, D] -> in_proj -> x', z [B, L, Ci]
     x' -> causal depthwise conv (width W, bias) -> SiLU -> u [B, L, Ci]
-    u -> x_proj -> dt' [B, L, Rt], b, c [B, L, Ns]     (Falcon-Mamba: each RMS-normalised, no weight)
+    u -> x_proj -> dt' [B, L, Rt], b, c [B, L, Ns]     (`bcdt_norm`: each RMS-normalised, without a
+                                                       weight (Falcon-Mamba) or with one (Jamba))
     dt = softplus(dt_proj(dt'))  [B, L, Ci]   (dt_proj has a bias)
     per channel i and state entry n, A = -exp(A_log) [Ci, Ns]:
         h_t = exp(dt_t A) * h_{t-1} + dt_t b_t u_t          h [B, Ci, Ns]
@@ -28,7 +29,8 @@ Cache per layer, constant per sequence (grows=False):
 
 Parameters: in_proj [2 Ci, D] (rows x' | z; bias with `bias`), conv_weight [Ci, 1, W], conv_bias
 [Ci] (with `conv_bias`), x_proj [Rt + 2 Ns, Ci] (rows dt' | b | c), dt_proj [Ci, Rt] + bias [Ci],
-A_log [Ci, Ns], D [Ci], out_proj [D, Ci] (bias with `bias`).
+A_log [Ci, Ns], D [Ci], out_proj [D, Ci] (bias with `bias`); with bcdt_norm=weighted also
+dt_norm [Rt], b_norm [Ns], c_norm [Ns].
 """
 from __future__ import annotations
 
@@ -103,12 +105,16 @@ def selective_scan_reference(u, dt, A, b, c, initial_state):
 
 
 def weightless_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in float32, cast back (Falcon-Mamba's b / c / dt norms)."""
+    """x / rms(x) over the last dim, in float32, cast back (Falcon-Mamba's b / c / dt norms; Jamba's
+    then times a weight)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------- the mixer
+
+BCDT_NORMS = ("none", "weightless", "weighted")
+
 
 @register("mixer", "mamba")
 class Mamba(Mixer):
@@ -124,10 +130,12 @@ class Mamba(Mixer):
         conv_bias: bool = True
         bias: bool = False  # in_proj / out_proj biases
         chunk_size: int = 64  # Lc: tokens per chunk of the chunked prefill scan
-        bcdt_norm: bool = False  # Falcon-Mamba: weightless RMSNorm on dt', b, c
+        bcdt_norm: str = "none"  # RMSNorm on dt', b, c: none | weightless (Falcon-Mamba) | weighted (Jamba)
         norm_eps: float = 1e-6  # eps of those norms
 
         def check(self, model: dict) -> Optional[str]:
+            if self.bcdt_norm not in BCDT_NORMS:
+                return f"bcdt_norm={self.bcdt_norm!r}: expected one of {list(BCDT_NORMS)}"
             for key in ("d_inner", "d_state", "dt_rank", "chunk_size"):
                 if getattr(self, key) <= 0:
                     return f"{key}={getattr(self, key)} must be positive"
@@ -146,9 +154,16 @@ class Mamba(Mixer):
         self.A_log = nn.Parameter(torch.empty(Ci, Ns))
         self.D = nn.Parameter(torch.empty(Ci))
         self.out_proj = nn.Linear(Ci, model.dim, bias=s.bias)
+        if s.bcdt_norm == "weighted":
+            self.dt_norm = nn.Parameter(torch.empty(Rt))
+            self.b_norm = nn.Parameter(torch.empty(Ns))
+            self.c_norm = nn.Parameter(torch.empty(Ns))
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Random-build values: a unit-sum conv, S4D-real A (1..Ns), D = 1, dt near 0.01."""
+        """Random-build values: a unit-sum conv, S4D-real A (1..Ns), D = 1, dt near 0.01, norms 1."""
+        if self.spec.bcdt_norm == "weighted":
+            for w in (self.dt_norm, self.b_norm, self.c_norm):
+                nn.init.ones_(w)
         nn.init.constant_(self.conv_weight, 1.0 / self.kernel)
         if self.conv_bias is not None:
             nn.init.zeros_(self.conv_bias)
@@ -173,9 +188,11 @@ class Mamba(Mixer):
     def _ssm_inputs(self, u: torch.Tensor):
         """Conv output u [B, L, Ci] -> dt [B, L, Ci] (after softplus, float32), b, c [B, L, Ns]."""
         dtr, b, c = self.x_proj(u).split([self.Rt, self.Ns, self.Ns], dim=-1)
-        if self.spec.bcdt_norm:
+        if self.spec.bcdt_norm != "none":
             eps = self.spec.norm_eps
             dtr, b, c = weightless_rmsnorm(dtr, eps), weightless_rmsnorm(b, eps), weightless_rmsnorm(c, eps)
+            if self.spec.bcdt_norm == "weighted":
+                dtr, b, c = self.dt_norm * dtr, self.b_norm * b, self.c_norm * c
         dt = F.softplus(self.dt_proj(dtr).float())
         return dt, b, c
 
