@@ -6,6 +6,12 @@ prefills one row without touching the others), then runs one decode step over al
 running sequence its next token. A sequence that ends (an end token, a stop string, max_tokens, a
 full row) or is cancelled (its client went away) frees its row at once.
 
+Admission starts a row through the prefix cache (compiler/engine/prefix.py) when the engine can
+extend rows: the longest cached prefix the prompt shares with earlier prompts and conversations
+is copied into the row and only the rest is prefilled; each prompt, and each conversation when
+its row is released, is kept in the cache (host memory, bounded by `prefix_cache_bytes`, least
+recently used evicted). Its sizes and hits are in /metrics (zoo_prefix_cache_*).
+
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
@@ -22,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..compiler.engine.prefix import PrefixCache
 from ..constrain import Grammar
 from ..sampling import sample
 from .text import StopText
@@ -88,6 +95,9 @@ class Sequence:
         self.constraint = self.params.grammar.constraint() if self.params.grammar is not None else None
 
 
+PREFIX_CACHE_BYTES = 1 << 30  # host memory for cached prompts (compiler/engine/prefix.py)
+
+
 class QueueFull(Exception):
     """The waiting queue holds max_queue sequences: come back later."""
 
@@ -96,7 +106,8 @@ class Scheduler:
     """Owns model.engine's rows. `start()` runs `step()` on a dedicated thread; tests may call
     `step()` themselves instead (then no thread is started)."""
 
-    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None):
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         self.engine = model.engine
         tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
@@ -109,6 +120,9 @@ class Scheduler:
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
         self.engine.reset()
+        # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
+        self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
+            if prefix_cache_bytes > 0 and self.engine.can_extend else None
 
     # ------------------------------------------------------------------ from any thread
 
@@ -139,6 +153,8 @@ class Scheduler:
         """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving."""
         for n in (min(2, self.engine.max_seq), 1):
             self.engine.prefill_row(0, torch.zeros(n, dtype=torch.long))
+            if self.prefix is not None and self.engine.max_seq >= 4:  # the extend graphs: 2 tokens and 1
+                self.engine.extend_rows([0], torch.zeros(1, n, dtype=torch.long))
             self.engine.release_row(0)
 
     def start(self) -> None:
@@ -195,7 +211,7 @@ class Scheduler:
             self._gauges()
         for s in admitted:
             try:
-                logits = e.prefill_row(s.row, torch.tensor(s.prompt, dtype=torch.long))
+                logits = self._start(s)
             except Exception as err:
                 e.release_row(s.row) if e.row_len[s.row] is not None else None
                 s.sink(Event("done", finish_reason="error", error=str(err)))
@@ -210,6 +226,21 @@ class Scheduler:
             self._advance(row, logits[row])
         self._gauges()
         return True
+
+    def _start(self, s: Sequence) -> torch.Tensor:
+        """Prefill a sequence's row (through the prefix cache, when there is one) -> logits [V]."""
+        ids = torch.tensor(s.prompt, dtype=torch.long)
+        if self.prefix is None:
+            return self.engine.prefill_row(s.row, ids)
+        before = self._prefix_counts()
+        logits = self.prefix.start(s.row, ids)
+        if self.metrics is not None:
+            self.metrics.prefix_cache(self.prefix, before)
+        return logits
+
+    def _prefix_counts(self) -> dict:
+        p = self.prefix
+        return {"lookups": p.lookups, "hits": p.hits, "tokens_reused": p.tokens_reused, "evictions": p.evictions}
 
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""
@@ -249,6 +280,12 @@ class Scheduler:
 
     def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
         s = self._rows.pop(row)
+        if self.prefix is not None and reason in ("stop", "length"):  # the conversation, for its next turn
+            held = self.engine.row_len[row]
+            before = self._prefix_counts()
+            self.prefix.store(row, (s.prompt + s.tokens)[:held])
+            if self.metrics is not None:
+                self.metrics.prefix_cache(self.prefix, before)
         self.engine.release_row(row)
         s.finish_reason = reason
         rest = s.text.finish() if reason in ("stop", "length") else ""

@@ -28,6 +28,10 @@ class CUDAGraphRunner(Runner):
         return f"{self.kind}+{self.inner.name}"
 
     @property
+    def extends(self) -> bool:
+        return self.inner.extends
+
+    @property
     def trusted(self) -> bool | None:
         """The inner runner's (outside the captured step, e.g. in warm-up)."""
         return self.inner.trusted
@@ -37,6 +41,9 @@ class CUDAGraphRunner(Runner):
 
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self.inner.decode_layers(h, ctx)
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return self.inner.extend_layers(where, layers, caches, h, ctx)
 
     def decode(self) -> torch.Tensor:
         if self.graph is None:
