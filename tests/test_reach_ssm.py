@@ -111,3 +111,15 @@ def test_mamba_layers_have_no_ffn_norm():
     m = zoo.build("mamba_2_8b_tiny", dry=True)
     names = [n for n, _ in m.module.named_parameters() if n.startswith("layers.0.")]
     assert "layers.0.mixer_norm.weight" in names and not any("ffn" in n for n in names), names
+
+
+@pytest.mark.parametrize("name", ["reach_ssm/mamba", "reach_ssm/mamba2", "reach_ssm/lfm2", "reach_ssm/bamba"])
+def test_extend_from_the_cached_state(families, name):
+    """Mixer.extend of the three kinds (the chunked form from the cached conv inputs and state):
+    a prompt prefilled in chunks, 1-token chunks included, == one prefill and the decode steps
+    after; rolled back with save_state / restore_state == never extended (tests/test_extend.py's
+    checks, on these twins)."""
+    from tests import test_extend
+
+    test_extend.test_chunked_prefill_equals_whole(families, name)
+    test_extend.test_rollback_equals_never_extended(families, name)

@@ -243,6 +243,11 @@ class Mamba2(Mixer):
         """x [B, L, D] (new sequences: zero conv history and state) -> [B, L, D]."""
         return self.prefill_from(x, torch.zeros_like(cache["conv"]), torch.zeros_like(cache["state"]), cache)
 
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] after the rows' cached tokens -> [B, L, D]: the chunked form from the cached
+        conv inputs and state, leaving both updated (chunked prefill, prefix reuse, verification)."""
+        return self.prefill_from(x, cache["conv"].clone(), cache["state"], cache)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The naive token-loop form from zero history and state: x [B, L, D] -> [B, L, D]."""
         scratch = self._scratch(x)

@@ -116,6 +116,11 @@ class ShortConv(Mixer):
         """x [B, L, D] (new sequences: a zero history) -> [B, L, D]."""
         return self.prefill_from(x, torch.zeros_like(cache["conv"]), cache)
 
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] after the rows' cached tokens -> [B, L, D]: the conv over L tokens after the
+        cached inputs, leaving the last W-1 in the cache."""
+        return self.prefill_from(x, cache["conv"].clone(), cache)
+
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one conv step from the cached inputs."""
         u, c = self._gates(x)
