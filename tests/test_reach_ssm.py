@@ -123,3 +123,26 @@ def test_extend_from_the_cached_state(families, name):
 
     test_extend.test_chunked_prefill_equals_whole(families, name)
     test_extend.test_rollback_equals_never_extended(families, name)
+
+
+@pytest.mark.parametrize("conf, stats", [
+    ("lfm2_1_2b_tiny", {"input_gate", "output_gate", "output_norm"}),
+    ("mamba_codestral_7b_tiny", {"decay", "write", "state_norm", "output_norm"}),
+])
+def test_patterns_reports_statistics_where_there_are_no_attention_weights(capsys, conf, stats):
+    """`zoo patterns`: the SSM and short-conv layers have no attention weights, so their score rows
+    are null and they report their statistics instead; the text report runs through (a prompt of
+    2^k + 1 tokens included)."""
+    import json
+
+    from zoo.cli import main as zoo_main
+
+    assert zoo_main(["patterns", f"conf={conf}", "repeat=8", "output=json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for kind, row, got in zip(out["kinds"], out["induction"], out["recurrent"]):
+        if kind == "gqa":
+            assert row is not None and got is None
+        else:
+            assert row is None and set(got) == stats, kind
+    assert zoo_main(["patterns", f"conf={conf}", "repeat=8"]) == 0
+    assert "per layer" in capsys.readouterr().out

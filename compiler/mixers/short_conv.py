@@ -4,8 +4,8 @@ a cached history that the SSM mixers (mamba.py, mamba2.py) share.
     x [B, L, D] -> in_proj -> b, c, x' [B, L, D] each
     u = b * x' -> causal depthwise conv over L (width W, no activation) -> c * conv -> out_proj
 
-No attention weights, no recurrent state: `zoo patterns` has nothing to draw for it (it implements
-neither contracts.AttentionProbe nor MixerStatistics, and patterns says so).
+No attention weights and no recurrent state: `zoo patterns` has no map to draw for it; it reports
+the gates instead (`mixer_statistics`, the whole layer as one head).
 
 Forms: prefill runs the conv over the whole prompt at once (F.conv1d, after the cached history:
 `prefill_from` takes that history, zeros for new sequences); decode runs one step from the last
@@ -126,6 +126,17 @@ class ShortConv(Mixer):
         u, c = self._gates(x)
         y = conv_step(u[:, :, 0], self.conv_weight, self.conv_bias, cache["conv"])
         return self.out_proj(c * y[:, None, :])
+
+    def mixer_statistics(self, x: torch.Tensor, ctx: dict) -> dict[str, torch.Tensor]:
+        """The gates over a prompt, the layer as one head [B, 1] (contracts.MixerStatistics):
+        input_gate, the mean |b|; output_gate, the mean |c|; output_norm, the mean |c * conv| per token."""
+        u, c = self._gates(x)
+        history = torch.zeros(x.shape[0], u.shape[1], self.kernel - 1, dtype=u.dtype, device=x.device)
+        y, _ = conv_from_history(u, self.conv_weight, self.conv_bias, history)
+        b = self.in_proj(x).chunk(3, dim=-1)[0]
+        out = (c * y.transpose(1, 2)).float()
+        return {"input_gate": b.float().abs().mean((1, 2))[:, None], "output_gate": c.float().abs().mean((1, 2))[:, None],
+                "output_norm": out.norm(dim=-1).mean(-1)[:, None]}
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The naive form, token by token from a zero history: x [B, L, D] -> [B, L, D]."""
