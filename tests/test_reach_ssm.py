@@ -146,3 +146,14 @@ def test_patterns_reports_statistics_where_there_are_no_attention_weights(capsys
             assert row is None and set(got) == stats, kind
     assert zoo_main(["patterns", f"conf={conf}", "repeat=8"]) == 0
     assert "per layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("conf, kind", [("mamba_2_8b_tiny", "mamba"), ("mamba_codestral_7b_tiny", "mamba2"),
+                                        ("lfm2_1_2b_tiny", "short_conv")])
+def test_tensor_parallelism_is_refused_naming_the_kind(conf, kind):
+    """The three kinds declare no sharding plan (contracts.no_sharding_plan): tp=2 is a clear error."""
+    from tests.test_parallel import _mesh, _meta
+    from zoo.compiler.parallel.plan import shard_model
+
+    with pytest.raises(zoo.ConfigError, match=f"kind '{kind}' declares no sharding plan"):
+        shard_model(_meta(conf), _mesh(2, 0, 2, 1))
