@@ -41,6 +41,11 @@ FAMILIES = {
                             num_key_value_heads=2, intermediate_size=72, max_position_embeddings=64,
                             attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                             num_experts=5, num_experts_per_tok=2, mamba_dt_rank=5, mamba_d_state=6)),
+    # conv + MLP, attention + MoE, conv + MoE: 5 experts, top-2 of sigmoid scores chosen with a bias
+    "lfm2_moe": ("Lfm2Moe", dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=100, moe_intermediate_size=36,
+                                 num_experts=5, num_experts_per_tok=2, num_dense_layers=1,
+                                 max_position_embeddings=64, layer_types=["conv", "full_attention", "conv"])),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
 COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
@@ -55,6 +60,9 @@ def make_config(family: str, **kw):
 def randomize(model: torch.nn.Module) -> None:
     """Every constant-initialised vector (norm weights and D at 1, biases at 0) made random, so that
     a misplaced or missing one shows; A_log spread so decays range from slow to fast."""
+    for name, p in model.named_buffers():
+        if name.endswith("expert_bias"):  # LFM2-MoE's selection bias, a buffer saved with the weights
+            p.normal_(0.0, 0.2)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             p.uniform_(-1.0, 1.5)
