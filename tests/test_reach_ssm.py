@@ -46,6 +46,13 @@ FAMILIES = {
                                  num_key_value_heads=2, intermediate_size=100, moe_intermediate_size=36,
                                  num_experts=5, num_experts_per_tok=2, num_dense_layers=1,
                                  max_position_embeddings=64, layer_types=["conv", "full_attention", "conv"])),
+    # Mamba2 around NoPE attention, MoE (4 experts) + shared MLP on every layer, Granite's multipliers
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(
+        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=40, shared_intermediate_size=60, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=6, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=5, embedding_multiplier=1.5, residual_multiplier=0.7,
+        attention_multiplier=0.2, logits_scaling=3.0)),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
 COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
