@@ -8,6 +8,8 @@ Where the norms sit is the model's `sublayer_norms`:
     post      sub-layer -> norm                     (mixer_post_norm, ffn_post_norm only; OLMo 2:
               mixer_norm and ffn_norm are identities)
 The post norms act on the sub-layer output before the residual folds it in; absent (None) under pre.
+A layer whose FFN kind is `none` (compiler/ffn/none.py: Mamba's mixer-only layers) stops after the
+mixer's residual and has no ffn_norm / ffn_post_norm.
 
 A parallel residual (residual kind's `parallel`, prenorm.py) feeds both sub-layers the block input:
 
