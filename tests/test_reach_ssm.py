@@ -53,6 +53,12 @@ FAMILIES = {
         max_position_embeddings=64, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=6, mamba_d_head=16,
         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=5, embedding_multiplier=1.5, residual_multiplier=0.7,
         attention_multiplier=0.2, logits_scaling=3.0)),
+    # one sub-layer per layer: Mamba2, NoPE attention, squared-ReLU MLP (a mixer-less layer), Mamba2
+    "nemotron_h": ("NemotronH", dict(vocab_size=VOCAB, hidden_size=48, layers_block_type=["mamba", "attention",
+                                                                                         "mlp", "mamba"],
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                     intermediate_size=100, max_position_embeddings=64, mamba_num_heads=6,
+                                     mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=5)),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
 COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
@@ -111,6 +117,8 @@ def test_flagship_parameter_count(preset):
 @pytest.mark.parametrize("family, change, words", [
     ("mamba", {"hidden_act": "gelu"}, ["hidden_act='gelu'", "conf/hf/mamba.yaml"]),
     ("mamba2", {"expand": 3}, ["hidden_size * expand == num_heads * head_dim", "conf/hf/mamba2.yaml"]),
+    ("nemotron_h", {"layers_block_type": ["mamba", "moe", "attention", "mlp"]},
+     ["moe", "not yet supported", "SwiGLU"]),
 ])
 def test_what_cannot_be_expressed_is_refused(family, change, words):
     from zoo.compiler.hf_import import import_config
