@@ -8,6 +8,10 @@ Where the norms sit is the model's `sublayer_norms`:
     post      sub-layer -> norm                     (mixer_post_norm, ffn_post_norm only; OLMo 2:
               mixer_norm and ffn_norm are identities)
 The post norms act on the sub-layer output before the residual folds it in; absent (None) under pre.
+A layer whose FFN kind is `none` (compiler/ffn/none.py: Mamba's mixer-only layers) stops after the
+mixer's residual and has no ffn_norm / ffn_post_norm; one whose mixer kind is `none`
+(compiler/mixers/none.py: NemotronH's MLP layers) runs only norm -> FFN -> residual, its one norm
+kept at mixer_norm.
 
 A parallel residual (residual kind's `parallel`, prenorm.py) feeds both sub-layers the block input:
 
@@ -56,17 +60,24 @@ class Block(nn.Module):
         self.parallel = res.parallel(spec.residual)
         self.mixer_norm = make_norm(spec.norm, spec.dim) if pre else nn.Identity()
         self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
+        # an absent mixer (mixer kind `none`: NemotronH's MLP layers) runs the FFN alone, after the
+        # layer's one norm, mixer_norm
+        self.mixer_absent = getattr(self.mixer, "absent", False)
         shared = self.parallel == "shared_norm"
-        self.ffn_norm = make_norm(spec.norm, spec.dim) if pre and not shared else nn.Identity()
-        self.ffn = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")(layer.ffn, ctx)
+        ffn_cls = lookup("ffn", layer.ffn.kind, f"ffns.{layer.ffn_name}")
+        # an absent FFN (ffn kind `none`: Mamba layers) has no norm, post norm or residual either
+        self.ffn_absent = getattr(ffn_cls, "absent", False)
+        has_ffn_norm = pre and not shared and not self.ffn_absent and not self.mixer_absent
+        self.ffn_norm = make_norm(spec.norm, spec.dim) if has_ffn_norm else nn.Identity()
+        self.ffn = ffn_cls(layer.ffn, ctx)
         self.mixer_residual = res.connection(spec.residual, ctx)
         self.ffn_residual = res.connection(spec.residual, ctx)
         # under tensor/expert parallelism a sharded sub-layer's output is a partial sum; the
         # sharding driver (parallel/plan.py) sets an all-reduce here, one per such sub-layer
         self.mixer_reduce: nn.Module | None = None
         self.ffn_reduce: nn.Module | None = None
-        self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post else None
-        self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post else None
+        self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post and not self.mixer_absent else None
+        self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post and not self.ffn_absent else None
         self.__dict__["positions"] = None  # set on the first block by the model (not a child module)
 
     @staticmethod
@@ -95,14 +106,20 @@ class Block(nn.Module):
         return self._run(h, lambda x: self.mixer.extend(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def _run(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:
+        if self.mixer_absent:  # an FFN-only layer: its one norm is mixer_norm
+            x, aux = self.ffn_residual.enter(h)
+            y = self._out(ffn(self.mixer_norm(x)), self.ffn_reduce, self.ffn_post_norm)
+            return self.ffn_residual.exit(h, y, aux)
         x, aux = self.mixer_residual.enter(h)
         xn = self.mixer_norm(x)
         y = self._out(mixer(xn), self.mixer_reduce, self.mixer_post_norm)
-        if self.parallel is not None:
+        if self.parallel is not None and not self.ffn_absent:
             xf = xn if self.parallel == "shared_norm" else self.ffn_norm(x)
             y = y + self._out(ffn(xf), self.ffn_reduce, self.ffn_post_norm)
             return self.mixer_residual.exit(h, y, aux)
         h = self.mixer_residual.exit(h, y, aux)
+        if self.ffn_absent:
+            return h
         x, aux = self.ffn_residual.enter(h)
         y = self._out(ffn(self.ffn_norm(x)), self.ffn_reduce, self.ffn_post_norm)
         return self.ffn_residual.exit(h, y, aux)

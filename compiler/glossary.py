@@ -37,6 +37,12 @@ Config fields and shape letters mean the same thing everywhere:
     Dc  (compressor out_dim)  width of one compressed entry (the attention head width it is read at)
     Wc  (compressor width)    channels a compressor projects per token: Dc, or 2 Dc with overlap
     Ne  (entries)             compressed-entry slots per sequence: max_seq // m (at least one)
+    Ci  d_inner               channels of a Mamba / Mamba2 mixer's inner stream (expand * D)
+    Ns  d_state               state entries per channel (Mamba) or per head (Mamba2) of an SSM
+    Rt  dt_rank               width of Mamba's low-rank time-step projection
+    Hs  n_heads (SSM)         Mamba2 heads (Ci = Hs * Ps), one scalar decay each
+    Ps  head_dim (SSM)        channels of one Mamba2 head
+    Gs  n_groups              Mamba2 B/C groups (each serves Hs / Gs heads)
     P   (ranks)               processes of a tensor/expert-parallel run (runtime.parallel: tp is 1
                               or P, ep divides P; see compiler/parallel/)
 
@@ -89,5 +95,11 @@ DIMENSIONS = {
     "Dc": "compressed entry width",
     "Wc": "compressor width",
     "Ne": "compressed entries",
+    "Ci": "d_inner",
+    "Ns": "d_state",
+    "Rt": "dt_rank",
+    "Hs": "ssm n_heads",
+    "Ps": "ssm head_dim",
+    "Gs": "n_groups",
     "P": "ranks",
 }

@@ -639,8 +639,21 @@ def _rope_view(config: dict, rule: dict, where: str, file: str) -> dict:
     return config
 
 
+def _json_floats(value):
+    """transformers writes non-finite floats into config.json as {"__float__": "Infinity"} (Mamba2's
+    time_step_limit): those back to floats, everywhere in the config."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].replace("Infinity", "inf"))
+        return {k: _json_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_floats(v) for v in value]
+    return value
+
+
 def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> DictConfig:
     """A composed zoo config (DictConfig) reproducing config.json's architecture."""
+    config = _json_floats(config)
     specs = import_specs()
     model_type = config.get("model_type")
     if model_type not in specs:

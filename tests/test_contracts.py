@@ -65,11 +65,13 @@ def test_mixer_hooks(built):
         assert mixer.rope_slot in model.rope_impls, kind
         assert all(r > 0 and r % 2 == 0 for r in mixer.rope_dims()), kind
         fields = mixer.cache_fields(2, 64, torch.bfloat16)
-        assert fields and all(isinstance(f, CacheField) and f.shape[0] == 2 for f in fields.values()), kind
+        absent = getattr(mixer, "absent", False)  # the mixer kind `none` (an FFN-only layer) caches nothing
+        assert (absent and fields == {}) or (not absent and fields), kind
+        assert all(isinstance(f, CacheField) and f.shape[0] == 2 for f in fields.values()), kind
         flops = np.asarray(mixer.attention_flops(np.array([1, 64, 4096])))
         assert flops.shape == (3,) and (flops >= 0).all() and np.all(np.diff(flops) >= 0), kind
         assert np.asarray(mixer.prefill_attention_flops(np.array([1, 64]))).shape == (2,), kind
-        assert mixer.decode_cache_bytes(64, torch.bfloat16) > 0, kind
+        assert mixer.decode_cache_bytes(64, torch.bfloat16) > 0 or absent, kind
         extra = mixer.decode_context(torch.device("meta"))  # the engine's fixed decode-context entries
         assert isinstance(extra, dict) and not set(extra) & {"ids", "pos", "rope"}, kind
 

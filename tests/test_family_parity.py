@@ -30,6 +30,7 @@ from tests import test_qwen3_5 as qwen3_5
 from tests import test_qwen3_next as qwen3_next
 from tests import test_reach_dense as reach_dense
 from tests import test_reach_moe as reach_moe
+from tests import test_reach_ssm as reach_ssm
 from tests.family_harness import (DecodeEqualsPrefill as DEP, Family, Parity as P, randomize_norms, run_checks,
                                   tiny_reference)
 from tests.helpers import populate_hub_cache
@@ -179,6 +180,15 @@ for _i, _name in enumerate(reach_moe.FAMILIES):
         eager=(P(11, 6), DEP(25, 9)),
         compiled=(P(11, 4), P(17, 2), DEP(20, 7)) if _name in REACH_MOE_COMPILED else (),
         graphs=REACH_MOE_COMPILED.get(_name))
+
+# ----------------------------------------- state-space and convolution families (test_reach_ssm.py)
+
+for _i, _name in enumerate(reach_ssm.FAMILIES):
+    FAMILIES[f"reach_ssm/{_name}"] = Family(
+        (lambda n=_name, i=_i: reach_ssm.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
+        eager=(P(11, 6), DEP(25, 9)),
+        compiled=(P(11, 4), P(17, 2), DEP(25, 7)) if _name in reach_ssm.COMPILED else (),
+        graphs=reach_ssm.COMPILED.get(_name))
 
 
 # ----------------------------------------------------------------------------- the tests

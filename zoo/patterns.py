@@ -97,8 +97,8 @@ def print_patterns(p: Patterns, labels: list[str]) -> None:
     print("\ndistance profile (mean scaled q.k at |t - s| = 0, 1, 2, 4, 8, ...; mean over heads)")
     marks = [d for d in [0] + [2 ** k for k in range(12)] if d < L]
     for i, prof in enumerate(p.distance):
-        if prof is not None:
-            print(f"  {i:5d} " + " ".join(f"{_fmt(prof[d])}" for d in marks))
+        if prof is not None:  # a profile has L - 1 distances (the sink's column is left out)
+            print(f"  {i:5d} " + " ".join(f"{_fmt(prof[d])}" for d in marks if d < len(prof)))
 
 
 # ---------------------------------------------------------------------------- pictures
