@@ -71,21 +71,33 @@ def grammars(ckpt):
     return tok, Grammars(tok, tok.vocab_size, tok.eos_ids)
 
 
-def test_the_grammar_starts_after_the_reasoning(grammars):
-    tok, g = grammars
+@pytest.fixture(scope="module")
+def text_markers(tmp_path_factory):
+    """A tokenizer without <think> tokens: the markers are spelled in text."""
+    from zoo.constrain import Grammars
+    from zoo.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(write_tiny_llama(tmp_path_factory.mktemp("plain") / "ckpt", chat_template=THINKING))
+    return tok, Grammars(tok, tok.vocab_size, tok.eos_ids)
+
+
+@pytest.mark.parametrize("which", ["grammars", "text_markers"])
+def test_the_grammar_starts_after_the_reasoning(which, request):
+    tok, g = request.getfixturevalue(which)
     ids = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    end, start = ids("</think>"), ids("<think>")
-    assert len(end) == len(start) == 1
+    assert (len(ids("</think>")) == 1) == (which == "grammars")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    for opened, lead in [(True, []), (False, start)]:
+    for opened, lead in [(True, ""), (False, "<think>")]:
         plan = ChatPlan(reasoning=THINK)
         _, prefix = plan.constraint(g.literal, "<think>\n" if opened else "")
         c = g.get("json_schema", schema, "response_format", prefix=prefix).constraint()
-        for t in lead + ids("Not JSON at all: {x"):  # free text in the block
+        for t in ids(lead + "Not JSON at all: {x </thin k>"):  # free text in the block
             assert bool(c.allowed()[t]), tok.decode([t])
             assert c.accept(t)
-        assert bool(c.allowed()[end[0]])
-        assert c.accept(end[0])
+        allowed = c.allowed()
+        assert bool(allowed[ids("Not")[0]]) and bool(allowed[ids("{")[0]])
+        for t in ids("</think>"):
+            assert c.accept(t), c.error
         allowed = c.allowed()
         assert not bool(allowed[ids("Not")[0]]) and bool(allowed[ids("{")[0]])  # now the JSON
         for t in ids('\n\n{"a": 12}'):

@@ -23,6 +23,11 @@ from ..tools.base import Parsed
 RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
+def _regex_literal(text: str) -> str:
+    """`text` inside a Lark /regex/ (llguidance's regex syntax: metacharacters and / escaped)."""
+    return "".join("\\" + ch if ch in "\\.+*?()|[]{}^$/&~#-" else ch for ch in text)
+
+
 def _clean_tool_calls(calls, i: int) -> list[dict]:
     """An assistant message's tool_calls as templates read them: arguments as an object (the
     API sends a JSON string; templates write `arguments | tojson` or test for a mapping)."""
@@ -119,9 +124,14 @@ class ChatPlan:
         opened = self.reasoning_opened(prompt)
         prefix = None
         if opened is not None:
-            think = f"/(?s:.*)/ {lit(self.reasoning.end)} /[ \\t\\r\\n]*/"
-            prefix = ("think", f"think: {think}") if opened else \
-                ("think?", f"think: {lit(self.reasoning.start)} {think}")
+            end = lit(self.reasoning.end)
+            if end.startswith("<["):  # a token: free text, then it
+                body = f"thought: /(?s:.*)/ {end}"
+            else:  # text: the shortest text that ends with it (a greedy .* would swallow it)
+                body = f"thought[lazy]: /(?s:.*){_regex_literal(self.reasoning.end)}/"
+            ws = "/[ \\t\\r\\n]*/"
+            prefix = (f"thought {ws}", body) if opened else \
+                ("think?", f"think: {lit(self.reasoning.start)} thought {ws}\n{body}")
         return tool and (*tool, prefix), prefix
 
     def output(self, prompt: str) -> ChatOutput:
