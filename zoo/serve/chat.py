@@ -17,20 +17,30 @@ from typing import Optional
 
 from ..reasoning import Reasoning, detect as detect_reasoning
 from ..tools import ToolError, ToolFormat, by_name, check_choice, check_tools, detect as detect_format
-from ..tools.base import Parsed
+from ..tools.base import Parsed, regex_literal
 
 # template variables a request may not set through chat_template_kwargs
 RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
-def _regex_literal(text: str) -> str:
-    """`text` inside a Lark /regex/ (llguidance's regex syntax: metacharacters and / escaped)."""
-    return "".join("\\" + ch if ch in "\\.+*?()|[]{}^$/&~#-" else ch for ch in text)
+class Arguments(dict):
+    """A call's arguments as templates take them: a mapping (`arguments | tojson`, `is mapping`:
+    Qwen, Llama 3, Mistral) that is also its JSON text where a template writes it as a string
+    (`'<｜tool▁sep｜>' + arguments`: DeepSeek V3.1, `{{ arguments }}`)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other):
+        return str(self) + other
+
+    def __radd__(self, other):
+        return other + str(self)
 
 
 def _clean_tool_calls(calls, i: int) -> list[dict]:
-    """An assistant message's tool_calls as templates read them: arguments as an object (the
-    API sends a JSON string; templates write `arguments | tojson` or test for a mapping)."""
+    """An assistant message's tool_calls as templates read them: arguments as Arguments (the API
+    sends a JSON string)."""
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise ToolError(where, f"must be a list, got {json.dumps(calls)[:80]}")
@@ -46,7 +56,9 @@ def _clean_tool_calls(calls, i: int) -> list[dict]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 raise ToolError(f"{where}[{k}].function.arguments", f"must be a JSON object, got {args[:80]!r}")
-        out.append({**c, "type": "function", "function": {**fn, "arguments": args}})
+        if not isinstance(args, dict):
+            raise ToolError(f"{where}[{k}].function.arguments", f"must be a JSON object, got {json.dumps(args)[:80]}")
+        out.append({**c, "type": "function", "function": {**fn, "arguments": Arguments(args)}})
     return out
 
 
@@ -128,14 +140,14 @@ class ChatPlan:
             if end.startswith("<["):  # a token: free text, then it
                 body = f"thought: /(?s:.*)/ {end}"
             else:  # text: the shortest text that ends with it (a greedy .* would swallow it)
-                body = f"thought[lazy]: /(?s:.*){_regex_literal(self.reasoning.end)}/"
+                body = f"thought[lazy]: /(?s:.*){regex_literal(self.reasoning.end)}/"
             ws = "/[ \\t\\r\\n]*/"
             prefix = (f"thought {ws}", body) if opened else \
                 ("think?", f"think: {lit(self.reasoning.start)} thought {ws}\n{body}")
         return tool and (*tool, prefix), prefix
 
     def output(self, prompt: str) -> ChatOutput:
-        return ChatOutput(self.fmt, self.reasoning, bool(self.reasoning_opened(prompt)),
+        return ChatOutput(self.fmt and self.fmt.bind(self.tools), self.reasoning, bool(self.reasoning_opened(prompt)),
                           self.reasoning is not None and self.reasoning_opened(prompt) is not None)
 
 

@@ -17,14 +17,15 @@ from typing import Optional
 
 from .base import Call, Parsed, ToolFormat
 from .deepseek import DeepSeekV3, DeepSeekV31
+from .glm import GLM
 from .harmony import Harmony
 from .hermes import Hermes
 from .llama3 import Llama3Json
 from .mistral import Mistral, MistralArgs
 
 # the most specific first: a template may contain the markers of a later format too
-FORMATS: tuple[ToolFormat, ...] = (Harmony(), DeepSeekV3(), DeepSeekV31(), MistralArgs(), Mistral(), Hermes(),
-                                   Llama3Json())
+FORMATS: tuple[ToolFormat, ...] = (Harmony(), DeepSeekV3(), DeepSeekV31(), MistralArgs(), Mistral(), GLM(),
+                                   Hermes(), Llama3Json())
 
 
 class ToolError(ValueError):

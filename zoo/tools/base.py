@@ -138,6 +138,11 @@ class ToolFormat:
         """The calls written in `region` (the output from the first call marker on)."""
         raise NotImplementedError
 
+    def bind(self, tools: list[dict]) -> ToolFormat:
+        """This format for a request's tools (a format whose parse needs their schemas copies
+        itself with them)."""
+        return self
+
     def answer_prefix(self, lit):
         """For a format on channels: the (head, rules) prefix before the answer a response_format
         constrains (zoo.constrain._after)."""
@@ -161,6 +166,11 @@ def json_rule(schema: dict) -> str:
     from ..constrain import JSON_DEFAULTS
 
     return "%json " + json.dumps({"x-guidance": JSON_DEFAULTS, **schema}, ensure_ascii=False)
+
+
+def regex_literal(text: str) -> str:
+    """`text` inside a Lark /regex/ (llguidance's regex syntax: metacharacters and / escaped)."""
+    return "".join("\\" + ch if ch in "\\.+*?()|[]{}^$/&~#-" else ch for ch in text)
 
 
 def alternatives(rules: list[str]) -> str:

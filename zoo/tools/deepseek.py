@@ -40,7 +40,7 @@ class DeepSeekV31(ToolFormat):
 
 class DeepSeekV3(DeepSeekV31):
     name = "deepseek_v3"
-    markers = (CALLS_BEGIN, "function" + SEP)
+    markers = (CALLS_BEGIN, "```json")  # V3.1's template writes the bare arguments
 
     def calls(self, region: str, final: bool) -> list[Call]:
         out = []
