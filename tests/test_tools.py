@@ -339,9 +339,9 @@ def test_a_constrained_output_cut_by_max_tokens_ends_with_length(client):
                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     ch = r.choices[0]
     assert ch.finish_reason == "length" and r.usage.completion_tokens == 4
-    r = c.chat.completions.create(model=NAME, messages=ASK, max_tokens=3, temperature=0,
-                                  response_format={"type": "json_object"})
-    assert r.choices[0].finish_reason == "length"
+    r = c.chat.completions.create(model=NAME, messages=ASK, max_tokens=3, temperature=0,  # > 3 tokens to complete
+                                  response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -367,3 +367,39 @@ def test_bad_tool_requests_are_400_naming_the_field(client, extra, param):
     ok = httpx.post(base + "/v1/chat/completions", json={"model": NAME, "messages": ASK, "max_tokens": 2},
                     headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+# ---------------------------------------------------------------------------------------- SmolLM2
+
+def test_smollm2_forced_calls_validate(smollm2_gguf):
+    """Real weights (the shipped GGUF; its template knows no tools, so the Hermes format is named
+    as `zoo serve tool_format=hermes` would): a named and a required call, greedy, in one batch,
+    each parses and its arguments validate."""
+    import zoo
+    from zoo.constrain import Grammars
+    from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
+
+    m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=2, max_seq=256)
+    g = Grammars(m.tokenizer, m.engine.vocab_size, Scheduler(m).eos)
+    plans = [ChatPlan(fmt=by_name("hermes"), tools=check_tools(TOOLS), choice=choice, parallel=False)
+             for choice in ({"name": "get_weather"}, "required")]
+    prompt = m.tokenizer.apply_chat_template([{"role": "user", "content": "What is the weather in Paris "
+                                                                          "for the next 3 days?"}], tools=TOOLS)
+    seqs, out = [], [[], []]
+    for i, plan in enumerate(plans):
+        (kind, value, field, prefix), _ = plan.constraint(g.literal, prompt)
+        params = SamplingParams(max_tokens=80, temperature=0, keep_special=True,
+                                grammar=g.get(kind, value, field, prefix=prefix))
+        seqs.append(Sequence(m.tokenizer.encode(prompt, add_special_tokens=False), params, out[i].append,
+                             tokenizer=m.tokenizer))
+    sched = Scheduler(m)
+    sched.submit(seqs)
+    while sched.step():
+        pass
+    for plan, evs in zip(plans, out):
+        text = "".join(ev.text for ev in evs)
+        msg, reason = _message(plan, text)
+        assert evs[-1].finish_reason == "stop" and reason == "tool_calls", text
+        (call,) = msg["tool_calls"]
+        assert plan.choice == "required" or call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])

@@ -66,7 +66,8 @@ def _clean_tool_calls(calls, i: int) -> list[dict]:
 class ChatPlan:
     """How one chat request's reply is shaped (None fields: not in play)."""
 
-    fmt: Optional[ToolFormat] = None  # set when the request has tools (and tool_choice is not "none")
+    # the reply's tool-call format: with tools (tool_choice not "none"), and always for one on channels
+    fmt: Optional[ToolFormat] = None
     tools: list[dict] = field(default_factory=list)  # checked: [{"name", "description", "parameters"}]
     raw_tools: Optional[list] = None  # as sent: what the template is given
     choice: object = "none"  # "auto" | "none" | "required" | {"name": ...}
