@@ -106,6 +106,8 @@ def test_each_format_parses_whole_and_streamed(name, step):
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
     assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})], msg
     assert msg["content"] == CONTENT.get(name), msg
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in msg["tool_calls"]) if name.startswith("mistral") \
+        else all(c["id"].startswith("call_") for c in msg["tool_calls"])
     got = reassemble(deltas)
     assert got["content"] == (msg["content"] or "")
     assert [tuple(c) for c in got["tool_calls"]] == [(c["function"]["name"], c["function"]["arguments"])

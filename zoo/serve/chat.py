@@ -11,7 +11,6 @@ content, reasoning_content and tool_calls, whole or as streamed deltas).
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -204,7 +203,7 @@ class ChatOutput:
         for k, call in enumerate(p.calls):
             args = call.arguments.strip()
             if k == len(self._sent_calls):
-                cid = "call_" + uuid.uuid4().hex[:24]
+                cid = self.fmt.new_id()
                 self._sent_calls.append((cid, ""))
                 out.append({"tool_calls": [{"index": k, "id": cid, "type": "function",
                                             "function": {"name": call.name, "arguments": ""}}]})

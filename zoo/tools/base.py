@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -137,6 +138,10 @@ class ToolFormat:
     def calls(self, region: str, final: bool) -> list[Call]:
         """The calls written in `region` (the output from the first call marker on)."""
         raise NotImplementedError
+
+    def new_id(self) -> str:
+        """A fresh tool-call id (templates that render ids back may require a shape)."""
+        return "call_" + uuid.uuid4().hex[:24]
 
     def bind(self, tools: list[dict]) -> ToolFormat:
         """This format for a request's tools (a format whose parse needs their schemas copies

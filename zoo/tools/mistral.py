@@ -6,6 +6,8 @@ JSON list, v11+ (Mistral Small 3.1 and later) each call as NAME[ARGS]{arguments}
 """
 from __future__ import annotations
 
+import uuid
+
 from .base import Call, ToolFormat, alternatives, call_schema, json_call, json_rule, json_value, until
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -15,6 +17,10 @@ class Mistral(ToolFormat):
     name = "mistral"
     markers = (TOOL_CALLS,)
     start = (TOOL_CALLS,)
+
+    def new_id(self) -> str:
+        # Mistral's templates refuse any id but 9 letters or digits
+        return uuid.uuid4().hex[:9]
 
     def calls(self, region: str, final: bool) -> list[Call]:
         out = []
