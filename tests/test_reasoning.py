@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.serve_fixtures import running_server, write_tiny_llama
 from tests.test_tools import HERMES, MARKERS, TOOLS, _stream, _walk, reassemble

@@ -69,7 +69,8 @@ class Model:
             raise InputError("generate(response_format=/grammar=) needs the model's tokenizer, and this "
                              "checkpoint has none")
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.engine.vocab_size, set(self.eos_ids) | self.tokenizer.eos_ids)
+            self._grammars = Grammars(self.tokenizer, self.engine.vocab_size,
+                                      set(self.eos_ids) | self.tokenizer.eos_ids)
         if grammar is not None:
             return self._grammars.get("grammar", grammar, "grammar")
         schema = response_format

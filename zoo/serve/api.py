@@ -230,7 +230,8 @@ class Server:
         ignore_eos = _field(body, "ignore_eos", bool, False)
         grammar = self.grammar(body, plan, prompt_text)
         keep = plan is not None and plan.active
-        params = [SamplingParams(grammar=grammar, keep_special=keep, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        params = [SamplingParams(grammar=grammar, keep_special=keep, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p,
                                  top_k=top_k if top_k > 0 else None,
                                  seed=None if seed is None else seed + i, stop=tuple(stop), logprobs=logprobs,
                                  ignore_eos=ignore_eos) for i in range(n)]

@@ -186,7 +186,8 @@ class ChatOutput:
         if self.reasoning is not None or (self.fmt is not None and self.fmt.channels):
             msg["reasoning_content"] = p.reasoning.strip() or None
         if p.calls:
-            msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments.strip()}}
+            msg["tool_calls"] = [{"id": cid, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments.strip()}}
                                  for (cid, _), c in zip(self._sent_calls, p.calls)]
         return msg, reason
 

@@ -40,7 +40,8 @@ def by_name(name: str) -> ToolFormat:
     for f in FORMATS:
         if f.name == name:
             return f
-    raise ToolError("tool_format", f"unknown tool format {name!r}; expected one of {', '.join(f.name for f in FORMATS)}")
+    raise ToolError("tool_format", f"unknown tool format {name!r}; expected one of "
+                                   f"{', '.join(f.name for f in FORMATS)}")
 
 
 def detect(template: Optional[str]) -> Optional[ToolFormat]:
@@ -75,7 +76,8 @@ def check_tools(tools) -> list[dict]:
         seen.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise ToolError(f"{where}.function.parameters", f"must be a JSON schema object, got {json.dumps(params)[:80]}")
+            raise ToolError(f"{where}.function.parameters",
+                            f"must be a JSON schema object, got {json.dumps(params)[:80]}")
         try:
             jsonschema.validators.validator_for(params).check_schema(params)
         except jsonschema.SchemaError as e:

@@ -50,6 +50,6 @@ class Harmony(ToolFormat):
 
     def grammar(self, tools, lit, parallel: bool) -> str:
         # a call may follow an analysis message (the reasoning stays free text)
-        one = alternatives([f'{lit(CHANNEL + "commentary to=functions." + t["name"] + " " + CONSTRAIN + "json" + MESSAGE)} '
-                            f'{json_rule(t["parameters"])}' for t in tools])
+        head = lambda t: lit(f'{CHANNEL}commentary to=functions.{t["name"]} {CONSTRAIN}json{MESSAGE}')  # noqa: E731
+        one = alternatives([f'{head(t)} {json_rule(t["parameters"])}' for t in tools])
         return f"start: think? {one}\n{self._think(lit)}"
