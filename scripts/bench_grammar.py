@@ -1,6 +1,10 @@
 """Pick the grammar engine for constrained decoding: llguidance vs xgrammar on SmolLM2's tokenizer
 (the shipped GGUF) for one JSON schema. Measures the tokenizer setup, the grammar compile and the
-per-token mask fill while a greedy walk of forced-valid tokens runs through the schema.
+per-token mask fill while a greedy walk of forced-valid tokens runs through the schema. Then what
+zoo pays per constrained token on top (zoo.constrain.Constraint: the mask filled, unpacked and
+applied to a [V] float32 logits row, the token accepted), and the compile time of the grammars
+zoo builds itself: a forced tool call (Hermes wrapper around the tool's schema) and a schema after
+a free reasoning block.
 
     python scripts/bench_grammar.py  [writes scripts/results/grammar_engine.json]
 """
@@ -78,6 +82,40 @@ def bench_xgrammar(tok, ids):
     return setup, compile_s, times
 
 
+def bench_zoo(tok, ids):
+    """Per-token cost of zoo's constrained sampling step, and zoo's own grammars' compile times."""
+    import torch
+
+    from zoo.constrain import Grammars
+    from zoo.reasoning import REASONING
+    from zoo.serve.chat import ChatPlan
+    from zoo.tools import by_name, check_tools
+
+    grammars = Grammars(tok, tok.vocab_size, tok.eos_ids)
+    g = grammars.get("json_schema", SCHEMA, "bench")
+    c = g.constraint()
+    logits = torch.randn(tok.vocab_size)
+    times = []
+    for t in ids:
+        t0 = time.perf_counter()
+        masked = c.apply(logits)
+        assert masked[t] > float("-inf"), f"token {t} masked"
+        assert c.accept(t), c.error
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    out = {"apply_accept_ms_median": times[len(times) // 2] * 1e3, "apply_accept_ms_max": times[-1] * 1e3,
+           "apply_accept_ms_mean": sum(times) / len(times) * 1e3}
+    tools = check_tools([{"type": "function", "function": {"name": "person", "parameters": SCHEMA}}])
+    for name, plan in (("tool_call_compile_ms", ChatPlan(fmt=by_name("hermes"), tools=tools, choice="required")),
+                       ("schema_after_reasoning_compile_ms", ChatPlan(reasoning=REASONING[0]))):
+        tool, prefix = plan.constraint(grammars.literal, "")
+        kind, value, field = tool[:3] if tool else ("json_schema", dict(SCHEMA, title=name), "bench")
+        t0 = time.perf_counter()
+        grammars.get(kind, value, field, prefix=tool[3] if tool else prefix)
+        out[name] = (time.perf_counter() - t0) * 1e3
+    return out
+
+
 def main():
 
     tok = tokenizer()
@@ -93,6 +131,10 @@ def main():
         out["engines"][name] = {"tokenizer_setup_ms": setup * 1e3, "grammar_compile_ms": compile_s * 1e3,
                                 "mask_ms_median": times[len(times) // 2] * 1e3, "mask_ms_max": times[-1] * 1e3,
                                 "mask_ms_mean": sum(times) / len(times) * 1e3}
+    try:
+        out["zoo"] = bench_zoo(tok, ids)
+    except Exception as e:
+        out["zoo"] = {"error": f"{type(e).__name__}: {e}"}
     out["choice"] = CHOICE
     print(json.dumps(out, indent=1))
     Path(__file__).parent.joinpath("results", "grammar_engine.json").write_text(json.dumps(out, indent=1) + "\n")

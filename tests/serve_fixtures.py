@@ -20,20 +20,26 @@ CORPUS = ["The capital of France is Paris. The capital of Italy is Rome.",
           "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8 9 10 one two three four five"] * 20
 
 
-def write_tiny_llama(path: Path, vocab_size: int = 384) -> Path:
+def write_tiny_llama(path: Path, vocab_size: int = 384, chat_template: str = CHATML, added: tuple[str, ...] = ()) -> Path:
     """A save_pretrained directory: config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json, generation_config.json. The model's vocabulary is the tokenizer's."""
+    tokenizer_config.json, generation_config.json. The model's vocabulary is the tokenizer's.
+    added: more added tokens that are not special (as Qwen's <tool_call>, <think>)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL + list(added),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
+    if added:  # the trainer adds them as special: mark them plain, as Qwen's tokenizer.json does
+        spec = json.loads((path / "tokenizer.json").read_text())
+        for t in spec["added_tokens"]:
+            t["special"] = t["content"] in SPECIAL
+        (path / "tokenizer.json").write_text(json.dumps(spec))
     eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
@@ -42,7 +48,7 @@ def write_tiny_llama(path: Path, vocab_size: int = 384) -> Path:
                                    pad_token_id=None, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML, "add_bos_token": False}))
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": chat_template, "add_bos_token": False}))
     # the list only generation_config.json has (as Llama 3's <|eot_id|>)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, im_end]}))
     return path

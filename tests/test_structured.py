@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
+import torch
 
 import zoo
 from tests.serve_fixtures import running_server, write_tiny_llama
@@ -115,6 +116,43 @@ def test_constrained_rows_beside_unconstrained_rows(model, grammars):
                                                        grammar=grammars.get("regex", r"[0-9]{3}-[a-c]{2}", "regex")))
                                   for s in range(4)])
     assert reasons == ["stop"] * 4 and all(re.fullmatch(r"[0-9]{3}-[a-c]{2}", t) for t in texts), texts
+
+
+def test_model_generate_with_response_format_and_grammar(model):
+    """The Python API: Model.generate(response_format=) / (grammar=), each row its own state; a
+    complete row ends with an end token, a row cut by max_new_tokens has none."""
+    pydantic = pytest.importorskip("pydantic")
+    tok = model.tokenizer
+    ids = [tok.encode("hello there", add_special_tokens=False)[:3], tok.encode("the capital", add_special_tokens=False)[:3]]
+    ends = set(model.eos_ids) | tok.eos_ids
+
+    def rows(out):
+        texts = []
+        for row in out[:, 3:].tolist():
+            assert any(t in ends for t in row), tok.decode(row)  # it ended
+            texts.append(tok.decode(row[:next(i for i, t in enumerate(row) if t in ends)]))
+        return texts
+
+    gen = torch.Generator().manual_seed(0)
+    out = model.generate(torch.tensor(ids), 200, temperature=1.0, generator=gen, response_format=POINT)
+    for text in rows(out):
+        jsonschema.validate(json.loads(text), POINT)
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        legs: int = pydantic.Field(ge=0, le=4)
+
+    for text in rows(model.generate(torch.tensor(ids), 200, response_format=Pet)):
+        Pet.model_validate_json(text)
+    gbnf = 'root ::= "(" [1-9] " " ("+" | "*") " " [1-9] ")"'
+    for text in rows(model.generate(torch.tensor(ids), 40, temperature=0.9, generator=gen, grammar=gbnf)):
+        assert re.fullmatch(r"\([1-9] [+*] [1-9]\)", text), text
+    cut = model.generate(torch.tensor(ids), 3, response_format=POINT)[:, 3:].tolist()
+    assert all(len(r) == 3 and not ends & set(r) for r in cut)  # max_new_tokens first: cut, incomplete
+    with pytest.raises(GrammarError, match="response_format: invalid JSON schema"):
+        model.generate(torch.tensor(ids), 3, response_format={"type": "objekt"})
+    with pytest.raises(GrammarError, match="not both"):
+        model.generate(torch.tensor(ids), 3, response_format=POINT, grammar=gbnf)
 
 
 # ---------------------------------------------------------------------------------------- HTTP

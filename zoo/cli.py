@@ -11,6 +11,7 @@
     zoo serve (conf=NAME | weights=...) [host=127.0.0.1] [port=8000] [max_batch=8] [max_seq=...]
               [api_key=KEY] [max_queue=64] [model_name=NAME] [step_tokens=N]
                                                                    (OpenAI-compatible HTTP server)
+              [tool_format=hermes|llama3_json|mistral|...]      (else the chat template's, zoo/tools)
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
     zoo cache [clear]                                  (where compiled graphs persist; clear them)
@@ -44,7 +45,7 @@ COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "import": {"revision", "name", "out"},
     "check": {"conf", "weights", "revision"},
     "patterns": _LOAD_KEYS | {"text", "repeat", "output", "plot"},
-    "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level"},
+    "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level", "tool_format"},
     "configs": set(),
     "families": {"markdown"},
     "cache": set(),
@@ -185,7 +186,8 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
     name = opts.get("model_name") or opts.get("conf") or Path(opts["weights"].rstrip("/")).name
     api_key = opts.get("api_key") or None
     serve(model, model_name=name, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 8000)),
-          api_key=api_key, max_queue=int(opts.get("max_queue", 64)), log_level=opts.get("log_level", "info"))
+          api_key=api_key, max_queue=int(opts.get("max_queue", 64)), log_level=opts.get("log_level", "info"),
+          tool_format=opts.get("tool_format") or None)
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-KINDS = ("json_schema", "regex", "grammar", "choice")
+KINDS = ("json_schema", "regex", "grammar", "choice", "lark")  # lark: zoo's own grammars (tool calls)
 # compact JSON with the separators models are trained on; flexible whitespace lets a weak model
 # emit whitespace until max_tokens. A schema's own "x-guidance" options win over these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -64,7 +64,18 @@ def _lark(kind: str, value: Any, field: str) -> str:
             raise GrammarError(field, f"a choice must be a non-empty list of non-empty strings, got "
                                       f"{json.dumps(value)[:80]}")
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    if kind == "lark":
+        return LLMatcher.grammar_from_lark(value)
     raise GrammarError(field, f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def _after(prefix: tuple[str, str], inner: str) -> str:
+    """The grammar `prefix` then `inner`: prefix = (what `start` begins with, its rules), e.g.
+    a reasoning block the constraint leaves free ("think?", "think: <[id]> /(?s:.*)/ <[id]>")."""
+    grammar = json.loads(inner)["grammars"][0] if inner.lstrip().startswith("{") else {"lark_grammar": inner}
+    head, rules = prefix
+    return json.dumps({"grammars": [{"name": "outer", "lark_grammar": f"start: {head} @inner\n{rules}"},
+                                    {**grammar, "name": "inner"}]})
 
 
 class Grammar:
@@ -129,27 +140,50 @@ class Grammars:
         self._tok = llguidance.LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size,
                                            eos_token=sorted(eos_ids))
         self.vocab = vocab_size
+        # llguidance reads every added token as a special token: a grammar names them by id
+        self._added = {t.content: i for i, t in tokenizer._backend.get_added_tokens_decoder().items()}
         self._cache: collections.OrderedDict[tuple, Grammar] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, kind: str, value: Any, field: str) -> Grammar:
-        """The compiled grammar of `value` (kind: one of KINDS); GrammarError naming `field`."""
-        key = (kind, json.dumps(value, sort_keys=True))
+    def get(self, kind: str, value: Any, field: str, prefix: Optional[tuple[str, str]] = None) -> Grammar:
+        """The compiled grammar of `value` (kind: one of KINDS), after `prefix` (Lark: what the
+        output starts with before it, see _after) if given; GrammarError naming `field`."""
+        key = (kind, json.dumps(value, sort_keys=True), prefix)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        grammar = self._compile(kind, value, field)
+        grammar = self._compile(kind, value, field, prefix)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _compile(self, kind: str, value: Any, field: str) -> Grammar:
+    def literal(self, text: str) -> str:
+        """Lark for the fixed string `text`: its added tokens (<tool_call>, [TOOL_CALLS], ...)
+        as token references <[id]>, the rest as string literals."""
+        out, plain, i = [], "", 0
+        names = sorted(self._added, key=len, reverse=True)
+        while i < len(text):
+            hit = next((n for n in names if n and text.startswith(n, i)), None)
+            if hit is None:
+                plain, i = plain + text[i], i + 1
+                continue
+            if plain:
+                out.append(json.dumps(plain, ensure_ascii=False))
+            out.append(f"<[{self._added[hit]}]>")
+            plain, i = "", i + len(hit)
+        if plain or not out:
+            out.append(json.dumps(plain, ensure_ascii=False))
+        return " ".join(out)
+
+    def _compile(self, kind: str, value: Any, field: str, prefix=None) -> Grammar:
         from llguidance import LLMatcher
 
         text = _lark(kind, value, field)
+        if prefix is not None:
+            text = _after(prefix, text)
         try:
             m = LLMatcher(self._tok, text, log_level=0)
         except Exception as e:  # the constructor raises on some invalid grammars, flags others

@@ -32,6 +32,7 @@ class Model:
         self.info: BuildReport = report_from(records)
         self.eos_ids = sorted(set(eos_ids))
         self.tokenizer = tokenizer
+        self._grammars = None  # zoo.constrain.Grammars, made on the first constrained generate
 
     @property
     def config(self) -> DictConfig:
@@ -53,28 +54,81 @@ class Model:
         """Clear every cache for a new batch."""
         self.engine.reset()
 
+    def grammar(self, response_format=None, grammar: Optional[str] = None):
+        """The compiled output constraint of generate(response_format=, grammar=) (zoo.constrain),
+        or None. response_format: a JSON schema (dict), a pydantic model class, or the OpenAI
+        shapes {"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema": ...}};
+        grammar: Lark or GBNF text. GrammarError naming the argument when it cannot be used."""
+        from .constrain import GrammarError, Grammars
+
+        if response_format is not None and grammar is not None:
+            raise GrammarError("grammar", "give response_format or grammar, not both")
+        if response_format is None and grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise InputError("generate(response_format=/grammar=) needs the model's tokenizer, and this "
+                             "checkpoint has none")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.engine.vocab_size,
+                                      set(self.eos_ids) | self.tokenizer.eos_ids)
+        if grammar is not None:
+            return self._grammars.get("grammar", grammar, "grammar")
+        schema = response_format
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model
+            schema = _strict(schema.model_json_schema())
+        elif isinstance(schema, dict) and schema.get("type") == "json_object":
+            schema = {"type": "object"}
+        elif isinstance(schema, dict) and schema.get("type") == "json_schema":
+            schema = (schema.get("json_schema") or {}).get("schema")
+        return self._grammars.get("json_schema", schema, "response_format")
+
     @torch.no_grad()
     def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
                  stream: Optional[Callable[[torch.Tensor], None]] = None,
-                 eos_ids: Optional[Sequence[int]] = None) -> torch.Tensor:
+                 eos_ids: Optional[Sequence[int]] = None, response_format=None,
+                 grammar: Optional[str] = None) -> torch.Tensor:
         """ids [B, L] -> [B, L + n] with n <= max_new_tokens new tokens per row.
 
         A row stops at an end token (kept, then padded with it); generation ends when every row
         has stopped, after max_new_tokens, or when the cache is full. `stream` gets each step's
         tokens [B] as they are chosen.
+
+        response_format / grammar (see `grammar()`): every row's new tokens follow it (each row
+        its own state); a row whose output is complete ends with an end token. A row that runs
+        out of max_new_tokens first is cut there, incomplete.
         """
         ids = torch.as_tensor(ids)
         if ids.dim() == 1:
             ids = ids[None]
+        compiled = self.grammar(response_format, grammar)
+        rows = [compiled.constraint() for _ in range(ids.shape[0])] if compiled is not None else None
         eos = torch.tensor(self.eos_ids if eos_ids is None else sorted(set(eos_ids)), dtype=torch.long,
                            device=self.engine.device)
+        if rows is not None:
+            if not eos.numel():
+                raise InputError("generate(response_format=/grammar=) needs an end token to end a complete "
+                                 "output: the checkpoint names none (pass eos_ids=)")
+            # where the grammar may end it admits the tokenizer's end tokens too: they end the row
+            eos = torch.cat((eos, torch.tensor(sorted(self.tokenizer.eos_ids), dtype=torch.long, device=eos.device)))
         logits = self.engine.prefill(ids, last_only=True)[:, -1]
         steps = min(max_new_tokens, self.engine.max_seq - ids.shape[1] + 1)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.engine.device)
         out = []
         for step in range(steps):
+            if rows is not None:
+                # a complete row takes only an end token (the end of generate's eos_ids)
+                logits = torch.stack([
+                    logits[b] if done[b] else
+                    torch.full_like(logits[b], float("-inf")).index_fill(0, eos[:1], 0.0) if c.done else
+                    c.apply(logits[b]) for b, c in enumerate(rows)])
             tok = sample(logits, temperature, top_k, top_p, generator)
+            if rows is not None:
+                ends = set(eos.tolist())
+                for b, c in enumerate(rows):
+                    t = int(tok[b])
+                    if not done[b] and not c.done and t not in ends and not c.accept(t):
+                        raise InputError(f"row {b}: the grammar rejected token {t}: {c.error}")
             if out:
                 tok = torch.where(done, out[-1], tok)
             out.append(tok)
@@ -86,6 +140,18 @@ class Model:
             logits = self.engine.decode(tok)
         new = torch.stack(out, dim=1) if out else ids.new_zeros((ids.shape[0], 0))
         return torch.cat((ids.to(new.device), new), dim=1)
+
+
+def _strict(schema):
+    """A pydantic model's JSON schema made strict as OpenAI's structured outputs make it: an
+    object takes no properties its model does not declare (pydantic's default admits any)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_strict(v) for v in schema]
+    return schema
 
 
 # --------------------------------------------------------------------------- building

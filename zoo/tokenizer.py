@@ -297,14 +297,22 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template.
+
+        tools: the request's tools as the OpenAI API writes them ([{"type": "function",
+        "function": {...}}]), passed to the template as `tools` (templates that know tools render
+        them; None leaves `tools` undefined, as transformers does). kwargs: further template
+        variables (chat_template_kwargs: enable_thinking, ...)."""
         if self.chat_template is None:
             raise ZooError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(
+                **kwargs,
+                **({"tools": tools} if tools is not None else {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

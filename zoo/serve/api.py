@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..compiler.errors import ZooError
 from ..constrain import Grammar, GrammarError, Grammars
+from ..tools import ToolError, by_name
+from .chat import ChatOutput, ChatPlan
 from .metrics import Metrics
 from .scheduler import Event, QueueFull, SamplingParams, Scheduler, Sequence
 
@@ -76,8 +78,10 @@ def _range(key: str, value, ok: bool, expected: str):
 class Server:
     """What the endpoints share: the model, its scheduler and metrics, the served name."""
 
-    def __init__(self, model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64):
+    def __init__(self, model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64,
+                 tool_format: Optional[str] = None):
         self.model, self.name, self.api_key = model, model_name, api_key
+        self.tool_format = by_name(tool_format).name if tool_format else None  # else the template's (zoo.tools)
         self.tokenizer = model.tokenizer
         self.max_seq, self.vocab = model.engine.max_seq, model.engine.vocab_size
         self.max_batch = model.engine.max_batch
@@ -115,7 +119,16 @@ class Server:
                                 f"/v1/completions", code="no_tokenizer")
         return self.tokenizer
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def chat_plan(self, body: dict) -> ChatPlan:
+        """tools / tool_choice / reasoning of a chat request (serve/chat.py); 400 naming the field."""
+        try:
+            return ChatPlan.of(self.tokenizer, body, self.tool_format)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_value") from e
+
+    def chat_prompt(self, body: dict, plan: Optional[ChatPlan] = None) -> tuple[list[int], str]:
+        """-> the prompt's token ids and its text."""
+        plan = plan or ChatPlan()
         messages = _field(body, "messages", list)
         if not messages:
             raise APIError(400, "'messages' must not be empty", param="messages", code="invalid_value")
@@ -137,10 +150,14 @@ class Server:
             clean.append({**m, "content": content or ""})
         tok = self.need_tokenizer("/v1/chat/completions")
         try:
-            text = tok.apply_chat_template(clean, add_generation_prompt=True)
+            clean = plan.messages(clean)
+            text = tok.apply_chat_template(clean, add_generation_prompt=True, tools=plan.raw_tools,
+                                           **plan.template_args)
+        except ToolError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from e
         except ZooError as e:
             raise APIError(400, str(e), param="messages") from e
-        return tok.encode(text, add_special_tokens=False)  # the template writes its own BOS
+        return tok.encode(text, add_special_tokens=False), text  # the template writes its own BOS
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
         prompt = body.get("prompt")
@@ -169,7 +186,8 @@ class Server:
             out.append(list(p))
         return out
 
-    def sampling(self, body: dict, prompt_len: int, chat: bool) -> tuple[list[SamplingParams], int]:
+    def sampling(self, body: dict, prompt_len: int, chat: bool, plan: Optional[ChatPlan] = None,
+                 prompt_text: str = "") -> tuple[list[SamplingParams], int]:
         """-> one SamplingParams per choice (n of them), and n."""
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
@@ -210,17 +228,28 @@ class Server:
             if _field(body, "echo", bool, False):
                 raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
         ignore_eos = _field(body, "ignore_eos", bool, False)
-        grammar = self.grammar(body)
-        params = [SamplingParams(grammar=grammar, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        grammar = self.grammar(body, plan, prompt_text)
+        keep = plan is not None and plan.active
+        params = [SamplingParams(grammar=grammar, keep_special=keep, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p,
                                  top_k=top_k if top_k > 0 else None,
                                  seed=None if seed is None else seed + i, stop=tuple(stop), logprobs=logprobs,
                                  ignore_eos=ignore_eos) for i in range(n)]
         return params, n
 
-    def grammar(self, body: dict) -> Optional[Grammar]:
+    def grammar(self, body: dict, plan: Optional[ChatPlan] = None, prompt_text: str = "") -> Optional[Grammar]:
         """The request's output constraint, compiled: response_format json_object / json_schema,
-        or (extra_body) one of regex, grammar (Lark or GBNF), choice (a list of strings)."""
-        found = []
+        or (extra_body) one of regex, grammar (Lark or GBNF), choice (a list of strings), or the
+        call tool_choice required / a named function forces (its format's grammar). For a model
+        that reasons, the constraint starts after the reasoning (serve/chat.py)."""
+        found, prefix = [], None
+        if plan is not None and plan.active:
+            if self.grammars is None and plan.forces_call:
+                raise APIError(400, f"'tool_choice': the grammar engine cannot read this model's tokenizer "
+                                    f"({self.grammars_error})", param="tool_choice", code="unsupported")
+            if self.grammars is not None:
+                tool, prefix = plan.constraint(self.grammars.literal, prompt_text)
+                found += [tool] if tool is not None else []
         fmt = _field(body, "response_format", dict, None)
         if fmt is not None:
             kind = fmt.get("type")
@@ -237,18 +266,19 @@ class Server:
                 raise APIError(400, f"'response_format.type' must be text, json_object or json_schema, got "
                                     f"{json.dumps(kind)}", param="response_format.type", code="invalid_value")
         found += [(k, body[k], k) for k in ("regex", "grammar", "choice") if body.get(k) is not None]
+        found = [(*f, prefix) if len(f) == 3 else f for f in found]
         if len(found) > 1:
-            raise APIError(400, f"at most one output constraint per request, got {', '.join(f for *_, f in found)}",
+            raise APIError(400, f"at most one output constraint per request, got {', '.join(f[2] for f in found)}",
                            param=found[1][2], code="invalid_value")
         if not found:
             return None
-        kind, value, where = found[0]
+        kind, value, where, prefix = found[0]
         self.need_tokenizer(f"'{where}'")
         if self.grammars is None:
             raise APIError(400, f"'{where}': the grammar engine cannot read this model's tokenizer "
                                 f"({self.grammars_error})", param=where, code="unsupported")
         try:
-            return self.grammars.get(kind, value, where)
+            return self.grammars.get(kind, value, where, prefix=prefix)
         except GrammarError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_grammar") from e
 
@@ -362,8 +392,9 @@ def _sse(obj) -> str:
 
 # ---------------------------------------------------------------------------- the app
 
-def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64) -> FastAPI:
-    server = Server(model, model_name, api_key=api_key, max_queue=max_queue)
+def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64,
+               tool_format: Optional[str] = None) -> FastAPI:
+    server = Server(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format)
     server.scheduler.warmup()
 
     @asynccontextmanager
@@ -433,9 +464,11 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        prompt = server.chat_prompt(body)
-        params, _ = server.sampling(body, len(prompt), chat=True)
-        return await respond(request, body, [prompt], params, chat=True)
+        plan = server.chat_plan(body)
+        prompt, text = server.chat_prompt(body, plan)
+        params, _ = server.sampling(body, len(prompt), chat=True, plan=plan, prompt_text=text)
+        outputs = [plan.output(text) for _ in params] if plan.active else None
+        return await respond(request, body, [prompt], params, chat=True, outputs=outputs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -447,7 +480,9 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
                 raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         return await respond(request, body, prompts, params, chat=False)
 
-    async def respond(request: Request, body: dict, prompts, params, chat: bool):
+    async def respond(request: Request, body: dict, prompts, params, chat: bool,
+                      outputs: Optional[list[ChatOutput]] = None):
+        """outputs: per choice, the parser of a chat reply with tools or reasoning (serve/chat.py)."""
         stream = _field(body, "stream", bool, False)
         opts = _field(body, "stream_options", dict, {})
         include_usage = bool(opts.get("include_usage", False)) and stream
@@ -461,7 +496,13 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
             choices = await _collect(server, run, request)
             out = []
             for i, c in enumerate(choices):
-                if chat:
+                if chat and outputs is not None:
+                    outputs[i].feed(c.text)
+                    message, finish = outputs[i].message(c.finish)
+                    item = {"index": i, "message": message,
+                            "logprobs": {"content": [_chat_logprob(server, ev) for ev in c.lps]} if c.lps else None,
+                            "finish_reason": finish}
+                elif chat:
                     item = {"index": i, "message": {"role": "assistant", "content": c.text},
                             "logprobs": {"content": [_chat_logprob(server, ev) for ev in c.lps]} if c.lps else None,
                             "finish_reason": c.finish}
@@ -476,9 +517,11 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(i: int, text: Optional[str], ev: Optional[Event] = None, finish=None, role=False) -> str:
+        def chunk(i: int, text: Optional[str], ev: Optional[Event] = None, finish=None, role=False,
+                  delta: Optional[dict] = None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 choice = {"index": i, "delta": delta,
                           "logprobs": {"content": [_chat_logprob(server, ev)]} if ev is not None and
                           ev.logprob is not None else None, "finish_reason": finish}
@@ -499,7 +542,20 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
                     for i in range(len(run.seqs)):
                         yield chunk(i, None, role=True)
                 async for i, ev in run.events(request):
-                    if ev.kind == "token":
+                    if outputs is not None:  # the reply parsed: content / reasoning / tool-call deltas
+                        deltas = outputs[i].feed(ev.text)
+                        finish = None
+                        if ev.kind == "done":
+                            more, finish = outputs[i].finish(ev.finish_reason)
+                            deltas += more
+                        tok_ev = ev if ev.kind == "token" else None
+                        if tok_ev is not None and not deltas and (ev.logprob is not None or want_ids):
+                            deltas = [{}]
+                        for k, d in enumerate(deltas):
+                            yield chunk(i, None, tok_ev if k == 0 else None, delta=d)
+                        if ev.kind == "done":
+                            yield chunk(i, None, finish=finish)
+                    elif ev.kind == "token":
                         if ev.text or ev.logprob is not None or want_ids:
                             yield chunk(i, ev.text, ev)
                     else:
@@ -522,7 +578,7 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
 
 
 def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-          max_queue: int = 64, log_level: str = "info") -> None:
+          max_queue: int = 64, log_level: str = "info", tool_format: Optional[str] = None) -> None:
     """Build the app and run it with uvicorn until interrupted (SIGINT/SIGTERM). Under torchrun
     (runtime.parallel) rank 0 serves and the other ranks follow its engine calls (parallel.py)."""
     import uvicorn
@@ -538,7 +594,7 @@ def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
         leader = model.engine = LeaderEngine(model.engine, group,
                                              on_failure=lambda e: signal.raise_signal(signal.SIGINT))
     try:
-        app = create_app(model, model_name, api_key=api_key, max_queue=max_queue)
+        app = create_app(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         if leader is not None:

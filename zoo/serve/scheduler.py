@@ -64,6 +64,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: off; k >= 0: the chosen token's logprob and the top k
     ignore_eos: bool = False
     grammar: Optional[Grammar] = None  # constrained decoding (zoo.constrain): each choice gets its own state
+    keep_special: bool = False  # text with special tokens (tool-call and channel markers are some)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Sequence:
     last_token: Optional[float] = None
 
     def __post_init__(self):
-        self.text = StopText(self.tokenizer, self.params.stop)
+        self.text = StopText(self.tokenizer, self.params.stop, keep_special=self.params.keep_special)
         self.generator = torch.Generator()
         if self.params.seed is not None:
             self.generator.manual_seed(self.params.seed)

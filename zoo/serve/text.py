@@ -11,8 +11,9 @@ from typing import Sequence
 class StopText:
     """feed(token id) -> (text safe to emit now, stopped); finish() -> the held-back rest."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._stream = tokenizer.stream() if tokenizer is not None else None
+    def __init__(self, tokenizer, stop: Sequence[str] = (), keep_special: bool = False):
+        self._stream = None if tokenizer is None else \
+            tokenizer.stream(skip_special_tokens=False) if keep_special else tokenizer.stream()
         self._stop = [s for s in stop if s]
         self._held = ""
         self.text = ""  # everything emitted so far
