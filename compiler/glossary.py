@@ -37,6 +37,7 @@ Config fields and shape letters mean the same thing everywhere:
     Dc  (compressor out_dim)  width of one compressed entry (the attention head width it is read at)
     Wc  (compressor width)    channels a compressor projects per token: Dc, or 2 Dc with overlap
     Ne  (entries)             compressed-entry slots per sequence: max_seq // m (at least one)
+    Kd  draft_tokens          tokens a drafter proposes per speculative step (runtime.speculative)
     P   (ranks)               processes of a tensor/expert-parallel run (runtime.parallel: tp is 1
                               or P, ep divides P; see compiler/parallel/)
 
@@ -89,5 +90,6 @@ DIMENSIONS = {
     "Dc": "compressed entry width",
     "Wc": "compressor width",
     "Ne": "compressed entries",
+    "Kd": "draft_tokens",
     "P": "ranks",
 }
