@@ -17,8 +17,9 @@ The first block of a model with learned absolute positions adds them to h on ent
 (`positions`, model.py's LearnedPositions, owned by the model and only referenced here): the
 engine hands blocks the positions, not the embedding.
 
-Two entry points, `prefill` and `decode`, call the same-named entry points of the mixer and FFN:
-the entry point decides the algorithm, never the sequence length.
+Three entry points, `prefill`, `decode` and `extend`, call the same-named entry points of the
+mixer (the FFN, per position, runs its `prefill` under extend): the entry point decides the
+algorithm, never the sequence length.
 """
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ class Block(nn.Module):
         if self.positions is not None:
             h = h + self.positions(ctx["pos"])[:, None]
         return self._run(h, lambda x: self.mixer.decode(x, cache, ctx), lambda x: self.ffn.decode(x, ctx))
+
+    def extend(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """h: residual state [B, L, ...D] at positions ctx["start"][b] + 0..L-1 -> same shape."""
+        if self.positions is not None:
+            h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device))
+        return self._run(h, lambda x: self.mixer.extend(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def _run(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:
         x, aux = self.mixer_residual.enter(h)

@@ -6,7 +6,8 @@ so a kind that lacks a hook fails when its file is imported, naming the hook, no
 wrong count. Shape letters are the glossary's (glossary.py).
 
     slot      contract    built as                       entry points
-    mixer     Mixer       cls(spec, ctx: BuildContext)   prefill(x, cache, ctx), decode(x, cache, ctx)
+    mixer     Mixer       cls(spec, ctx: BuildContext)   prefill(x, cache, ctx), decode(x, cache, ctx),
+                                                         extend(x, cache, ctx)
     ffn       FFN         cls(spec, ctx: BuildContext)   prefill(x, ctx), decode(x, ctx)
     norm      Norm        cls(spec, dim)                 forward(x)
     rope      Rope        cls(spec)                      table(rot_dim, max_seq, device)
@@ -48,9 +49,14 @@ class KindSpec:
 class Mixer(nn.Module, ABC):
     """Mixes information across positions: attention, MLA, DSA, DeltaNet, ...
 
-    ctx (prefill and decode): the step context (contracts.StepContext: ids, rope, and in decode
-    pos and the entries the engine's mixers asked for through `decode_context`). The cache is
-    this layer's dict of tensors allocated from `cache_fields`.
+    ctx (prefill, decode, extend): the step context (contracts.StepContext: ids, rope, in decode
+    pos, in extend start, and in decode and extend the entries the engine's mixers asked for
+    through `decode_context`). The cache is this layer's dict of tensors allocated from
+    `cache_fields`.
+
+    Three entry points: `prefill` starts sequences at position 0 (caches zeroed: the fast path
+    of a new prompt), `decode` appends one token per row, `extend` appends L tokens to rows that
+    already hold some (chunked prefill, prefix reuse, speculative verification).
     """
 
     Spec: type
@@ -72,6 +78,21 @@ class Mixer(nn.Module, ABC):
     @abstractmethod
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx["pos"] [B] -> [B, 1, D]; updates one position per row."""
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions start..start+L-1 of each row (ctx["start"] [B] long: the rows'
+        caches hold positions 0..start-1; ctx["rope"] rows [B, L, R/2] gathered at those
+        positions) -> [B, L, D]; appends the L positions to the cache.
+
+        Default: L decode steps, one position at a time (exact wherever decode is; a kind with a
+        parallel form over the L tokens overrides it)."""
+        start, outs = ctx["start"], []
+        for i in range(x.shape[1]):
+            step = {**ctx, "ids": ctx["ids"][:, i:i + 1], "pos": start + i,
+                    "rope": {key: (cos[:, i], sin[:, i]) for key, (cos, sin) in ctx["rope"].items()}}
+            step.pop("start")
+            outs.append(self.decode(x[:, i:i + 1], cache, step))
+        return torch.cat(outs, dim=1)
 
     @abstractmethod
     def attention_flops(self, context):

@@ -10,8 +10,25 @@ mask that sends free rows back to position 0 after each step).
     prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission)
     decode_rows(tok [max_batch]) -> logits [max_batch, V]   one step of every row (free: garbage)
     release_row(row)                                   free a row
+    extend_rows(rows, ids [n, L]) -> logits [n, L, V]  append L tokens to rows in use, each at its
+                                                       own position ([n, V] with last_only)
+    truncate_row(row, length)                          roll a row back to `length` tokens (caches
+                                                       whose every field grows with tokens)
+    save_state(rows) -> handle, restore_state(rows, handle)   copy the constant-state fields
+                                                       (recurrent, conv, ring) and lengths of rows
+                                                       out and back: the rollback of any family
     prefill(ids [B, L]) -> logits [B, L, V]            reset, then rows 0..B-1 (padded to max_batch)
     decode(tok [B]) -> logits [B, V]                   one step of those rows
+
+Rollback: a row's grow-with-token fields (KV caches) need no copy to roll back: positions past
+the row's length are never visible (masks compare slots with positions) and the next write
+overwrites them, so truncate_row only moves the length. Constant-state fields (a recurrent
+state, a conv window, a sliding-window ring, a compressor's partial block) hold no per-position
+history, so a family with any refuses truncate_row (naming the kinds): save_state before the
+tokens that may be rolled back, restore_state after (it also restores the lengths), then
+extend_rows the tokens kept. Rings keep exactly Sw = min(window, max_seq) slots: extend reads
+the ring before writing it (any chunk length is exact), and rollback goes through the saved
+state rather than through spare ring slots (which every decode step would have to read).
 
 A 1-token batch prompt runs the decode step at position 0. Batches are padded to max_batch rows,
 so shapes never depend on the batch size: a batch prefill is one graph for every prompt length
@@ -185,6 +202,13 @@ class Engine:
         return {"ids": self.token_buffer[:, None], "pos": pos,
                 "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
 
+    def extend_ctx(self, ids: torch.Tensor, start: torch.Tensor) -> dict:
+        """The block context of an extend: ids [n, L] at positions start[b]..start[b]+L-1 of each
+        row (start [n] long, on the device)."""
+        pos = start[:, None] + torch.arange(ids.shape[1], device=start.device)  # [n, L]
+        return {"ids": ids.contiguous(), "start": start,
+                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+
     def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor]) -> torch.Tensor:
         """One decode step of the token buffer around `layers(h, ctx) -> h` (a runner's) ->
         logits [max_batch, V]; advances every row's position by one."""
@@ -264,6 +288,132 @@ class Engine:
         h = self._prefill_rows(rows, ids)
         self._mark_rows(range(rows.start, rows.stop), ids.shape[1])
         return h
+
+    def _rows_in_use(self, what: str, rows) -> list[int]:
+        rows = [int(r) for r in rows]
+        if not rows:
+            raise InputError(f"{what}: expected at least one row, got none")
+        if len(set(rows)) != len(rows):
+            raise InputError(f"{what}: rows {rows} name a row twice")
+        for r in rows:
+            if not 0 <= r < self.max_batch:
+                raise InputError(f"{what}: row {r} must be in 0..{self.max_batch - 1} (max_batch={self.max_batch})")
+            if self.row_len[r] is None:
+                raise InputError(f"{what}: row {r} is free; start a sequence there first (prefill_row)")
+        return rows
+
+    def _row_caches(self, rows: list[int]):
+        """(caches of `rows`, write-back) for a step over some rows: views of a contiguous run
+        of rows (nothing to write back), else gathered copies written back by the returned
+        function."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            sl = slice(rows[0], rows[0] + len(rows))
+            return [{name: t[sl] for name, t in layer.items()} for layer in self.caches], lambda: None
+        idx = torch.tensor(rows, device=self.device)
+        caches = [{name: t.index_select(0, idx) for name, t in layer.items()} for layer in self.caches]
+
+        def write_back():
+            for layer, part in zip(self.caches, caches):
+                for name, t in layer.items():
+                    t.index_copy_(0, idx, part[name])
+
+        return caches, write_back
+
+    @_engine_mode
+    def extend_rows(self, rows, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append ids [n, L] to rows in use (n of them, in that order), each at its own next
+        position -> logits [n, L, V] float32 ([n, V], the last position only, with last_only).
+
+        Whatever a row already holds (a prompt prefilled whole or in chunks, decoded tokens, a
+        reused prefix) is what the new tokens see: a prompt extended in chunks equals its whole
+        prefill. Compiled: one graph per (n, layer kind) for every L and position."""
+        rows = self._rows_in_use("extend_rows", rows)
+        if ids.dim() != 2 or ids.shape[0] != len(rows) or ids.shape[1] < 1:
+            raise InputError(f"extend_rows: expected ids of shape [{len(rows)}, L] (one row of tokens per row "
+                             f"in {rows}, L >= 1), got {tuple(ids.shape)}")
+        L = ids.shape[1]
+        over = [r for r in rows if self.row_len[r] + L > self.max_seq]
+        if over:
+            raise InputError(f"extend_rows: row {over[0]} holds {self.row_len[over[0]]} tokens; {L} more exceed "
+                             f"max_seq={self.max_seq} (release it, or rebuild with a larger runtime.max_seq)")
+        self._check_ids(ids, "extend_rows")
+        ids = ids.to(self.device, torch.long).clone(memory_format=torch.contiguous_format)
+        start = torch.tensor([self.row_len[r] for r in rows], dtype=torch.long, device=self.device)
+        caches, write_back = self._row_caches(rows)
+        h = self.embed(ids)
+        h = self._runner.extend_layers(("extend", len(rows)), self.model.layers, caches, h,
+                                       self.extend_ctx(ids, start))
+        write_back()
+        idx = torch.tensor(rows, device=self.device)
+        self.pos.index_add_(0, idx, torch.full_like(idx, L))
+        for r in rows:
+            self.row_len[r] += L
+        return self.model.logits(h[:, -1] if last_only else h)
+
+    def constant_state_kinds(self) -> list[str]:
+        """"layers.i (kind): fields" of every layer whose cache has constant-state fields
+        (grows=False): what truncate_row cannot roll back."""
+        out = []
+        for i, (block, layer) in enumerate(zip(self.model.layers, self.plan.layers)):
+            names = [name for name, f in layer.items() if not f.grows]
+            if names:
+                out.append(f"layers.{i} ({block.mixer.kind}): {', '.join(names)}")
+        return out
+
+    @_engine_mode
+    def truncate_row(self, row: int, length: int) -> None:
+        """Roll a row in use back to its first `length` tokens (the next token goes to position
+        `length`). Only the length moves: slots past it are invisible and overwritten (see the
+        module docstring); a family with constant-state fields is refused, naming them."""
+        (row,) = self._rows_in_use("truncate_row", [row])
+        if not 0 <= length <= self.row_len[row]:
+            raise InputError(f"truncate_row: row {row} holds {self.row_len[row]} tokens; length {length} must be "
+                             f"in 0..{self.row_len[row]}")
+        if length == self.row_len[row]:
+            return
+        state = self.constant_state_kinds()
+        if state:
+            raise InputError(f"truncate_row: this model keeps constant-state cache fields, which hold no "
+                             f"per-position history to roll back ({'; '.join(state)}); save_state(rows) before "
+                             f"the tokens to drop, restore_state(rows, handle) after, then extend_rows the kept ones")
+        self.row_len[row] = length
+        self.pos[row] = length
+
+    def _state_fields(self):
+        """(caches, name) of every constant-state field, main layers and MTP blocks."""
+        for layer, fields in zip(self.caches, self.plan.layers):
+            for name, f in fields.items():
+                if not f.grows:
+                    yield layer, name
+        for layer, block in zip(self.mtp_caches, self.model.mtp):
+            fields = block.mixer.cache_fields(self.max_batch, self.max_seq, torch.float32)
+            for name, f in fields.items():
+                if not f.grows:
+                    yield layer, name
+
+    @_engine_mode
+    def save_state(self, rows) -> dict:
+        """A copy (on the device) of rows' constant-state fields and lengths, for restore_state."""
+        rows = self._rows_in_use("save_state", rows)
+        idx = torch.tensor(rows, device=self.device)
+        return {"rows": rows, "lengths": [self.row_len[r] for r in rows],
+                "fields": [layer[name].index_select(0, idx) for layer, name in self._state_fields()]}
+
+    @_engine_mode
+    def restore_state(self, rows, handle: dict) -> None:
+        """Put rows back as save_state found them: their constant-state fields and lengths (KV
+        slots written since are past the restored length, so invisible). rows: the saved rows or
+        as many others in use (the state then moves with them)."""
+        rows = self._rows_in_use("restore_state", rows)
+        if len(rows) != len(handle["rows"]):
+            raise InputError(f"restore_state: the handle holds {len(handle['rows'])} rows {handle['rows']}, "
+                             f"got {len(rows)} rows {rows}")
+        idx = torch.tensor(rows, device=self.device)
+        for (layer, name), saved in zip(self._state_fields(), handle["fields"]):
+            layer[name].index_copy_(0, idx, saved)
+        for r, n in zip(rows, handle["lengths"]):
+            self.row_len[r] = n
+            self.pos[r] = n
 
     @_engine_mode
     def release_row(self, row: int) -> None:

@@ -50,7 +50,8 @@ from torch import nn
 from ..contracts import AttentionMaps, CacheField, KindSpec, Mixer, span
 from ..errors import ConfigError
 from . import one_query
-from .kv_cache import decode_mask, write_decode, write_prefill, write_ring
+from .kv_cache import (decode_mask, extend_positions, ring_positions, write_decode, write_extend, write_prefill,
+                       write_ring, write_ring_extend)
 from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm
@@ -371,6 +372,35 @@ class Attention(Mixer):
             o = one_query.decode_attention(q[:, :, 0], kc, vc, pos + 1, self.scale)[:, :, None]
         else:
             o = self.attend(q, kc, vc, decode_mask(pos, S))
+        return self._out(o, gate)
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions start..start+L-1 (ctx["start"] [B]) -> [B, L, D]. Full cache:
+        the chunk's keys go to their slots, then query t attends over slots <= t. Ring: the
+        queries attend over the ring as it was (the last Sw positions before start) and the chunk's
+        own keys, masked by position and window; then the chunk's last Sw keys go to the ring."""
+        if self.rot_dim:
+            cos, sin = ctx["rope"][self.rope]  # [B, L, R/2]
+            cos, sin = cos[:, None], sin[:, None]
+        else:
+            cos = sin = None
+        q, k, v, gate = self._project(x, cos, sin)
+        start = ctx["start"]
+        qpos = extend_positions(start, x.shape[1])  # [B, L]
+        if self.window is None:
+            write_extend(cache["k"], k, qpos)
+            write_extend(cache["v"], v, qpos)
+            kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
+            visible = torch.arange(kc.shape[2], device=x.device) <= qpos[..., None]  # [B, L, S]
+            return self._out(self.attend(q, kc, vc, visible[:, None]), gate)
+        kpos = torch.cat((ring_positions(start, cache["k"].shape[2]), qpos), dim=1)  # [B, Sw + L]
+        keys = torch.cat((cache["k"].to(q.dtype), k), dim=2)
+        values = torch.cat((cache["v"].to(q.dtype), v), dim=2)
+        d = qpos[:, :, None] - kpos[:, None, :]  # [B, L, Sw + L]
+        visible = (d >= 0) & (d < self.window) & (kpos[:, None, :] >= 0)
+        o = self.attend(q, keys, values, visible[:, None])
+        write_ring_extend(cache["k"], k, start)
+        write_ring_extend(cache["v"], v, start)
         return self._out(o, gate)
 
     def decode_context(self, device: torch.device) -> dict:

@@ -6,6 +6,11 @@ attention): position p lives in slot p % Sw, so the cache holds the last Sw keys
 context. `write_ring` fills it after a prefill, `write_decode(cache, new, pos % Sw)` per step, and
 `decode_mask(pos, Sw)` is still the visibility mask (before the ring wraps, slots above pos are
 empty; after, every slot holds one of the last Sw positions).
+
+Extend (L tokens appended at each row's own start): `write_extend` puts them in their slots of a
+per-position cache; a ring is read first (`ring_positions`: which position each slot holds
+before the chunk) and attended together with the chunk's own keys, then `write_ring_extend`
+keeps the chunk's last Sw positions. Any chunk length is exact with Sw slots.
 """
 from __future__ import annotations
 
@@ -40,3 +45,33 @@ def write_ring(cache: torch.Tensor, new: torch.Tensor) -> None:
     valid = s < L
     p = torch.where(valid, s + Sw * torch.div(L - 1 - s, Sw, rounding_mode="floor"), 0)
     cache.copy_(torch.where(valid[:, None], new.index_select(2, p).to(cache.dtype), cache))
+
+
+def extend_positions(start: torch.Tensor, L: int) -> torch.Tensor:
+    """start [B] -> [B, L]: the positions start[b]..start[b]+L-1 of an extend chunk."""
+    return start[:, None] + torch.arange(L, device=start.device)
+
+
+def write_extend(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor) -> None:
+    """cache [B, Hc, S, X] <- new [B, Hc, L, X] at slots pos [B, L] of each row."""
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    cache[rows, :, pos] = new.transpose(1, 2).to(cache.dtype)  # indexed as [B, L, Hc, X]
+
+
+def ring_positions(start: torch.Tensor, Sw: int) -> torch.Tensor:
+    """start [B] -> [B, Sw]: the position ring slot s holds before an extend at start (the latest
+    p < start with p % Sw == s); negative where no position reached the slot."""
+    last = start[:, None] - 1
+    return last - torch.remainder(last - torch.arange(Sw, device=start.device), Sw)
+
+
+def write_ring_extend(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None:
+    """cache [B, Hc, Sw, X] <- the chunk new [B, Hc, L, X] at positions start[b]..start[b]+L-1:
+    slot s gets the chunk's latest position p with p % Sw == s; the other slots keep theirs."""
+    B, Hc, Sw, X = cache.shape
+    end = start[:, None] + new.shape[2] - 1
+    p = end - torch.remainder(end - torch.arange(Sw, device=start.device), Sw)  # [B, Sw]
+    valid = p >= start[:, None]
+    j = torch.where(valid, p - start[:, None], 0)
+    picked = new.gather(2, j[:, None, :, None].expand(B, Hc, Sw, X)).to(cache.dtype)
+    cache.copy_(torch.where(valid[:, None, :, None], picked, cache))

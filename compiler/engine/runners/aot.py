@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from ...errors import ConfigError
 from torch.utils import _pytree as pytree
 
 from ..aot import StepPackages, context_tensors
@@ -48,6 +50,10 @@ class AOTRunner(Runner):
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         engine = self.engine
         return self._steps("decode", "batch", engine.model.layers, engine.caches, h, ctx).run(h, context_tensors(ctx))
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        raise ConfigError("runtime.aot: extend_rows (chunked prefill, prefix reuse, speculative "
+                                  "decoding) has no AOTInductor packages; build with compile=true and aot=false")
 
     def warmup(self) -> dict[str, float]:
         """Load the packages (made on a miss) without running them."""

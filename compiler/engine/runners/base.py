@@ -5,10 +5,11 @@ rope tables, per-row state, the checks) and calls it for:
 
     prefill_layers(where, layers, caches, h, ctx) -> h    layers' prefill in order over h [B, L, ...D]
     decode_layers(h, ctx) -> h                            every layer's decode over h [max_batch, 1, ...D]
+    extend_layers(where, layers, caches, h, ctx) -> h     layers' extend in order over h [n, L, ...D]
     decode() -> logits [max_batch, V]                     one whole decode step (core.decode_step)
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
-`where` names the caches a prefill writes ("batch": the engine's own; ("rows", start, stop): views
+`where` names the caches a prefill writes (an extend: ("extend", n)) ("batch": the engine's own; ("rows", start, stop): views
 of some rows; ("block", id): an MTP block's), for runners that keep something per cache layout.
 The runners register here with a priority; the Engine takes the highest one whose `wants` accepts
 its options, so adding a runner is one new file in this folder.
@@ -20,6 +21,8 @@ import time
 from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
+
+from ...errors import ConfigError
 
 
 
@@ -85,6 +88,12 @@ class Runner:
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Every layer's decode over h [max_batch, 1, ...D] and the engine's caches."""
         raise NotImplementedError
+
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """layers' extend in order over h [n, L, ...D] (rows that already hold tokens, ctx
+        "start"); appends to their caches. Default: refused, naming the runner."""
+        raise ConfigError(f"the {self.name} runner cannot extend rows (extend_rows: chunked prefill, "
+                                  f"prefix reuse, speculative decoding); build without it")
 
     def decode(self) -> torch.Tensor:
         """One decode step of the engine's token buffer -> logits [max_batch, V]; advances every

@@ -5,6 +5,7 @@ every layer of that kind (parameters are graph inputs, so layers share one graph
 final norm and head run eagerly around it. Both entry points compile with fullgraph=True.
 
     prefill: L is a dynamic dimension (one graph for every prompt length 2..max_seq).
+    extend:  L dynamic too, and the rows' positions are data: one graph per (rows n, layer kind).
     decode:  static shapes: one graph per layer structure; after the first step, CPU steps skip
              dynamo's guard checks where that is proven safe (see decode_layers).
 """
@@ -23,6 +24,10 @@ from .base import Runner, RunnerOptions, register
 
 def _block_prefill(block, h, cache, ctx):
     return block.prefill(h, cache, ctx)
+
+
+def _block_extend(block, h, cache, ctx):
+    return block.extend(h, cache, ctx)
 
 
 def _block_decode(block, h, cache, ctx):
@@ -54,8 +59,9 @@ class CompiledRunner(Runner):
         apply_compile_settings()
         patches = cpu_compile_patches() if engine.device.type == "cpu" else {}
         key = f"zoo-max_seq={engine.max_seq}"
-        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode")}
+        self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode", "extend")}
         self._prefill = torch.compile(_block_prefill, fullgraph=True, dynamic=False, backend=self.counters["prefill"])
+        self._extend = torch.compile(_block_extend, fullgraph=True, dynamic=False, backend=self.counters["extend"])
         # one decode function per distinct layer structure, each with a code object of its own
         # (so one compiled entry each: see decode_layers)
         n, kinds = next(_ENGINES), {}
@@ -84,6 +90,19 @@ class CompiledRunner(Runner):
                 h = self._prefill(block, h, cache, ctx)
         return h
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        # as prefill: L dynamic (1-token extends, speculative verification of k+1 tokens and long
+        # chunks share the graph once a second length has been seen)
+        torch._dynamo.maybe_mark_dynamic(h, 1)
+        torch._dynamo.maybe_mark_dynamic(ctx["ids"], 1)
+        for cos, sin in ctx["rope"].values():
+            torch._dynamo.maybe_mark_dynamic(cos, 1)
+            torch._dynamo.maybe_mark_dynamic(sin, 1)
+        with dynamo_settings():
+            for block, cache in zip(layers, caches):
+                h = self._extend(block, h, cache, ctx)
+        return h
+
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         engine = self.engine
         # Once the first step has compiled each layer structure's function exactly once (every
@@ -108,4 +127,5 @@ class CompiledRunner(Runner):
         return h
 
     def graph_counts(self) -> dict[str, int]:
-        return {name: c.graphs for name, c in self.counters.items()}
+        """prefill and decode; extend once an extend has compiled (most engines never extend)."""
+        return {name: c.graphs for name, c in self.counters.items() if name != "extend" or c.graphs}

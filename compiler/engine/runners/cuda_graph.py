@@ -38,6 +38,9 @@ class CUDAGraphRunner(Runner):
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self.inner.decode_layers(h, ctx)
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        return self.inner.extend_layers(where, layers, caches, h, ctx)
+
     def decode(self) -> torch.Tensor:
         if self.graph is None:
             raise RuntimeError("CUDA graph not captured; call warmup() after building")

@@ -17,6 +17,11 @@ class EagerRunner(Runner):
             h = block.prefill(h, cache, ctx)
         return h
 
+    def extend_layers(self, where, layers, caches: list[dict], h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        for block, cache in zip(layers, caches):
+            h = block.extend(h, cache, ctx)
+        return h
+
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
         for block, cache in zip(self.engine.model.layers, self.engine.caches):
             h = block.decode(h, cache, ctx)
