@@ -24,7 +24,8 @@ import torch
 
 from ..errors import InputError
 from .acceptance import accept_greedy, accept_sampled
-from .drafters import Drafter, Pick
+from .drafters import Drafter, NgramDrafter, Pick
+from .mtp import MtpDrafter
 
 
 @dataclasses.dataclass
@@ -59,9 +60,37 @@ class Speculator:
         if draft_tokens < 1:
             raise InputError(f"runtime.speculative.draft_tokens={draft_tokens}: expected >= 1")
         self.engine, self.drafter, self.kd = engine, drafter, draft_tokens
-        # constant-state fields cannot be truncated: a rollback restores them and re-extends
-        self.recurrent = any(not f.grows for layer in engine.plan.layers for f in layer.values())
+        # constant-state fields (recurrent and conv states, sliding-window rings) cannot be
+        # truncated: a rollback restores them and re-extends the kept tokens
+        self.recurrent = bool(engine.constant_state_kinds())
         self.stats = SpecStats()
+
+    def prefill_row(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """Engine.prefill_row (ids [L] -> logits [V]) that also starts the drafter's row."""
+        if not self.drafter.wants_hidden:
+            logits = self.engine.prefill_row(row, ids)
+            self.drafter.prefilled([row], ids[None], None)
+            return logits
+        logits, hidden = self.engine.prefill_row(row, ids, return_hidden=True)
+        self.drafter.prefilled([row], ids[None], hidden[None])
+        return logits
+
+    def prefill_rows(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """Engine.prefill_rows (ids [n, L] into free rows start.. -> logits [n, V]) that also
+        starts the drafter's rows."""
+        rows = list(range(start, start + ids.shape[0]))
+        if not self.drafter.wants_hidden:
+            logits = self.engine.prefill_rows(start, ids)
+            self.drafter.prefilled(rows, ids, None)
+            return logits
+        logits, hidden = self.engine.prefill_rows(start, ids, return_hidden=True)
+        self.drafter.prefilled(rows, ids, hidden)
+        return logits
+
+    def release_row(self, row: int) -> None:
+        """Engine.release_row, and the drafter forgets the row."""
+        self.engine.release_row(row)
+        self.drafter.release(row)
 
     def step(self, rows: list[int], histories: Sequence[torch.Tensor], picks: Sequence[Pick]) -> list[RowResult]:
         """One round over `rows` (in use): histories[i] every token of row i so far [T_i + 1],
@@ -83,12 +112,12 @@ class Speculator:
             ids = torch.cat((last[:, None], draft.tokens.to(last.device)), dim=1)
         else:
             draft, ids = None, last[:, None]
-        state = e.save_state(rows) if self.recurrent and kd else None
+        # per row, so that rows which kept every draft are left as the verify made them
+        state = [e.save_state([r]) for r in rows] if self.recurrent and kd else None
         logits, hidden = self._extend(rows, ids)
         kept, nxt = self._accept(logits, ids, draft, picks)
         self._roll_back(rows, starts, ids, kept, state)
-        if kd:
-            self.drafter.verified(rows, starts, ids, kept, hidden)
+        self.drafter.verified(rows, starts, ids, kept, hidden)
         out = []
         for i, a in enumerate(kept):
             out.append(RowResult(ids[i, 1:a + 1].tolist() + [nxt[i]], logits[i, :a + 1]))
@@ -133,14 +162,20 @@ class Speculator:
             for i in short:
                 e.truncate_row(rows[i], starts[i] + 1 + kept[i])
             return
-        # constant state: back to before the verify, then the kept tokens again
-        e.restore_state(rows, state)
-        for i, r in enumerate(rows):
-            if i not in short:  # kept everything: the verify already left this row as it must be
-                continue
-            e.truncate_row(r, starts[i])
+        # constant state: back to before the verify (lengths too), then the kept tokens again
+        for i in short:
+            e.restore_state([rows[i]], state[i])
         by_len: dict[int, list[int]] = {}
         for i in short:
             by_len.setdefault(kept[i] + 1, []).append(i)
         for length, group in sorted(by_len.items()):
             e.extend_rows([rows[i] for i in group], ids[group, :length], last_only=True)
+
+
+def make_speculator(engine, drafter: str, draft_tokens: int, ngram_max: int = 3, ngram_min: int = 1) -> Speculator:
+    """A Speculator with the named drafter (runtime.speculative: ngram | mtp) over `engine`."""
+    if drafter == "ngram":
+        return Speculator(engine, NgramDrafter(ngram_max, ngram_min), draft_tokens)
+    if drafter == "mtp":
+        return Speculator(engine, MtpDrafter(engine), draft_tokens)
+    raise InputError(f"runtime.speculative.drafter: expected ngram or mtp, got {drafter!r}")
