@@ -6,6 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import zoo
+
 from zoo.compiler.engine.acceptance import accept_greedy, accept_sampled
 from zoo.compiler.engine.drafters import NgramDrafter
 
@@ -77,3 +79,46 @@ def test_ngram_lookup():
     assert d.lookup(torch.tensor([7]), 3) == []
     # the longest suffix wins: [8, 2] occurs once (-> 7), [2] last occurred before 5
     assert d.lookup(torch.tensor([8, 2, 7, 1, 2, 5, 3, 8, 2]), 2) == [7, 1]
+
+
+# --------------------------------------------------------------------------- generate, eager twins
+
+def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """Random prompts; each row repeats a span of its own at a different place, so n-gram lookup
+    drafts from row 1 on and rows accept different counts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    for i in range(1, batch):
+        span = 2 + 2 * i
+        ids[i, -span:] = ids[i, :span]
+    return ids
+
+
+def _record_rounds(spec):
+    """Wrap spec.step to keep each round's tokens per row (lengths = kept drafts + 1)."""
+    rounds, step = [], spec.step
+
+    def recording(rows, histories, picks):
+        out = step(rows, histories, picks)
+        rounds.append({r: len(res.tokens) for r, res in zip(rows, out)})
+        return out
+
+    spec.step = recording
+    return rounds
+
+
+def _check_greedy(model, drafter: str, prompts: torch.Tensor, new: int, kd: int, plain: torch.Tensor):
+    spec = model.speculator(drafter, kd)
+    rounds = _record_rounds(spec)
+    got = model.generate(prompts, new, speculative=drafter, draft_tokens=kd)
+    assert torch.equal(got, plain), f"{drafter}: speculative greedy output differs from plain decoding"
+    return rounds, spec.stats
+
+
+def test_greedy_ngram_equals_plain_batch_rows_accept_different_counts():
+    model = zoo.build("llama3_8b_tiny", compile=False, max_batch=3, max_seq=64)
+    prompts = _prompts(model.spec.vocab_size, 3, 16)
+    plain = model.generate(prompts, 24, speculative="off")
+    rounds, stats = _check_greedy(model, "ngram", prompts, 24, 3, plain)
+    assert stats.accepted > 0
+    assert any(len(set(r.values())) > 1 for r in rounds), "no round had rows keeping different counts"

@@ -10,10 +10,17 @@ Each sequence samples with its own settings and its own seeded torch.Generator, 
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
 samples, beside unconstrained rows in the same step, and ends when the grammar is complete.
+
+Speculative decoding (runtime.speculative, or the `speculative` argument) replaces the decode
+step: every unconstrained row drafts and verifies in one engine call (compiler/engine/
+speculative.py) and may get several tokens per step; constrained rows take one token per step
+beside them (Engine.extend_rows). A sequence that ends inside a step drops the tokens after its
+end, and frees its row and its drafter state at once, as a cancelled one does.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -22,8 +29,9 @@ from typing import Callable, Optional
 
 import torch
 
+from ..compiler.engine.drafters import Pick
 from ..constrain import Grammar
-from ..sampling import sample
+from ..sampling import probabilities, sample
 from .text import StopText
 
 log = logging.getLogger("zoo.serve")
@@ -96,8 +104,11 @@ class Scheduler:
     """Owns model.engine's rows. `start()` runs `step()` on a dedicated thread; tests may call
     `step()` themselves instead (then no thread is started)."""
 
-    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None):
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, speculative=None,
+                 draft_tokens=None):
         self.engine = model.engine
+        # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
+        self.spec = model.speculator(speculative, draft_tokens)
         tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
         self.max_queue = max_queue
@@ -195,7 +206,8 @@ class Scheduler:
             self._gauges()
         for s in admitted:
             try:
-                logits = e.prefill_row(s.row, torch.tensor(s.prompt, dtype=torch.long))
+                prompt = torch.tensor(s.prompt, dtype=torch.long)
+                logits = e.prefill_row(s.row, prompt) if self.spec is None else self.spec.prefill_row(s.row, prompt)
             except Exception as err:
                 e.release_row(s.row) if e.row_len[s.row] is not None else None
                 s.sink(Event("done", finish_reason="error", error=str(err)))
@@ -205,11 +217,39 @@ class Scheduler:
         if not self._rows:
             self._gauges()
             return bool(admitted)
+        if self.spec is not None:
+            self._speculate()
+            self._gauges()
+            return True
         logits = e.decode_rows(self._tok)
         for row in list(self._rows):
             self._advance(row, logits[row])
         self._gauges()
         return True
+
+    def _speculate(self) -> None:
+        """One speculative step (see the module docstring) in place of the decode step."""
+        rows = [r for r, s in self._rows.items() if s.constraint is None]
+        plain = [r for r, s in self._rows.items() if s.constraint is not None]
+        if rows:
+            before = dataclasses.replace(self.spec.stats)
+            seqs = [self._rows[r] for r in rows]
+            picks = [Pick(None if s.params.temperature == 0 else self._probs(s.params), s.generator) for s in seqs]
+            results = self.spec.step(rows, [torch.tensor(s.prompt + s.tokens, dtype=torch.long) for s in seqs], picks)
+            if self.metrics is not None:
+                self.metrics.speculative(before, self.spec.stats)
+            for r, res in zip(rows, results):
+                for tok, logits in zip(res.tokens, res.logits):
+                    if not self._emit(r, tok, logits):
+                        break  # the sequence ended: the rest of its tokens are dropped
+        if plain:
+            logits = self.engine.extend_rows(plain, self._tok[plain][:, None], last_only=True)
+            for r, lg in zip(plain, logits):
+                self._advance(r, lg)
+
+    @staticmethod
+    def _probs(p: SamplingParams):
+        return lambda logits: probabilities(logits, p.temperature, p.top_k, p.top_p)
 
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""
@@ -221,6 +261,13 @@ class Scheduler:
             self._finish(row, "error", error=str(err))
             return
         tok = int(sample(allowed[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
+        self._emit(row, tok, logits)
+
+    def _emit(self, row: int, tok: int, logits: torch.Tensor) -> bool:
+        """The running sequence's next token tok, chosen from logits [V] -> events, maybe its
+        end; whether it still runs."""
+        s, p = self._rows[row], self._rows[row].params
+        c = s.constraint
         lp = top = None
         if p.logprobs is not None:
             logp = logits.float().log_softmax(-1)
@@ -239,17 +286,26 @@ class Scheduler:
         end = tok in self.eos and (not p.ignore_eos or c is not None)
         if c is not None and not end and not c.accept(tok):
             self._finish(row, "error", error=f"the grammar rejected token {tok}: {c.error}")
-            return
+            return False
         text, stopped = ("", False) if end else s.text.feed(tok)
         s.sink(Event("token", text=text, token=tok, logprob=lp, top=top))
+        # under speculation tokens may run ahead of the cache: the row holds the prompt and
+        # every token but this one once it is fed back
+        held = len(s.prompt) + len(s.tokens) - 1
         if end or stopped or (c is not None and c.done):
             self._finish(row, "stop")
-        elif len(s.tokens) >= p.max_tokens or self.engine.row_len[row] >= self.engine.max_seq:
+        elif len(s.tokens) >= p.max_tokens or held >= self.engine.max_seq:
             self._finish(row, "length")
+        else:
+            return True
+        return False
 
     def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
         s = self._rows.pop(row)
-        self.engine.release_row(row)
+        if self.spec is not None:
+            self.spec.release_row(row)  # the drafter's state of the row too
+        else:
+            self.engine.release_row(row)
         s.finish_reason = reason
         rest = s.text.finish() if reason in ("stop", "length") else ""
         if self.metrics is not None:
