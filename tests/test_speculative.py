@@ -90,7 +90,7 @@ def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor
     ids = torch.randint(0, vocab, (batch, length), generator=g)
     for i in range(1, batch):
         span = 2 + 2 * i
-        ids[i, -span:] = ids[i, :span]
+        ids[i, -span:] = ids[i, :span].clone()
     return ids
 
 
@@ -122,3 +122,72 @@ def test_greedy_ngram_equals_plain_batch_rows_accept_different_counts():
     rounds, stats = _check_greedy(model, "ngram", prompts, 24, 3, plain)
     assert stats.accepted > 0
     assert any(len(set(r.values())) > 1 for r in rounds), "no round had rows keeping different counts"
+
+
+def test_sampled_rule_end_to_end_at_a_vanishing_temperature():
+    """Sampled rounds (the rejection rule, row generators) through generate: at a temperature so
+    low that the target's distribution is one-hot, they must give plain greedy's tokens."""
+    model = zoo.build("llama3_8b_tiny", compile=False, max_batch=2, max_seq=48)
+    prompts = _prompts(model.spec.vocab_size, 2, 12, seed=1)
+    plain = model.generate(prompts, 16, speculative="off")
+    got = model.generate(prompts, 16, temperature=1e-6, generator=torch.Generator().manual_seed(0),
+                         speculative="ngram", draft_tokens=3)
+    assert torch.equal(got, plain)
+    assert model.speculator("ngram", 3).stats.accepted > 0
+
+
+def _train_mtp_head(model, seqs: torch.Tensor, steps: int = 60) -> float:
+    """Fit the first MTP layer to the model's own greedy predictions over seqs [B, T]: at
+    position t it reads the target's final hidden state at t and token t + 1 and must give the
+    target's argmax after t + 1. Returns the training accuracy."""
+    e, layer, V = model.engine, model.module.mtp[0], model.spec.vocab_size
+    e.reset()
+    logits, hidden = e.prefill_rows(0, seqs, return_hidden=True)
+    e.reset()
+    full = e.prefill(seqs)  # [B, T, V]
+    e.reset()
+    B, T = seqs.shape
+    target, prev, nxt = full.argmax(-1)[:, 1:], hidden[:, :T - 1].detach(), seqs[:, 1:]
+    rope = {k: (c[:T - 1], s[:T - 1]) for k, (c, s) in e.rope.items()}
+    layer.requires_grad_(True)
+    opt = torch.optim.Adam(layer.parameters(), lr=3e-3)
+    with torch.enable_grad():
+        for _ in range(steps):
+            cache = {k: torch.zeros(f.shape, dtype=f.dtype)
+                     for k, f in layer.mixer.cache_fields(B, T, torch.float32).items()}
+            x = layer.prefill(layer.step_in(model.module, prev, nxt), cache, {"ids": nxt, "rope": rope})
+            out = layer.step_out(model.module, x)[1]
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, V), target.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    layer.requires_grad_(False)
+    return float((out.argmax(-1) == target).float().mean())
+
+
+def test_mla_deepseek_v3_mtp_and_ngram_greedy_equal_plain_and_a_trained_head_accepts():
+    """MLA + the MTP drafter: random MTP heads accept almost nothing and still leave greedy output
+    unchanged; the MTP layer trained for 60 steps on the model's own greedy outputs (its FFN is
+    the dense one: zoo's MoE kernels have no backward) accepts most drafts at Kd = 2."""
+    model = zoo.build("deepseek_v3_tiny", ["checkpoint.mtp=true", "mtp.ffn=dense"], compile=False,
+                      max_batch=3, max_seq=64)
+    prompts = _prompts(model.spec.vocab_size, 3, 10, seed=2)
+    plain = model.generate(prompts, 16, speculative="off")
+    _check_greedy(model, "ngram", prompts, 16, 3, plain)
+    _, random_head = _check_greedy(model, "mtp", prompts, 16, 2, plain)
+    assert random_head.acceptance < 0.2
+    assert _train_mtp_head(model, plain) > 0.9
+    model._speculators.clear()  # fresh counts
+    rounds, trained = _check_greedy(model, "mtp", prompts, 16, 2, plain)
+    assert trained.acceptance > 0.5, trained
+    assert any(len(set(r.values())) > 1 for r in rounds)
+
+
+def test_recurrent_qwen3_next_mtp_and_ngram_greedy_equal_plain():
+    """Gated DeltaNet + full attention + MTP: a rollback restores the recurrent and conv states
+    and re-extends the kept tokens."""
+    model = zoo.build("qwen3_next_tiny", ["checkpoint.mtp=true"], compile=False, max_batch=2, max_seq=48)
+    prompts = _prompts(model.spec.vocab_size, 2, 10, seed=3)
+    plain = model.generate(prompts, 10, speculative="off")
+    _, stats = _check_greedy(model, "ngram", prompts, 10, 3, plain)
+    _check_greedy(model, "mtp", prompts, 10, 2, plain)
