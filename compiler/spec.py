@@ -156,8 +156,10 @@ AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
 
 
 def aot_applies(rt: RuntimeSchema) -> bool:
-    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process."""
-    return rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
+    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process, and no
+    speculative decoding (its verify step extends rows, which the packages do not)."""
+    return (rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
+            and rt.speculative.drafter is None)
 
 
 def use_aot(rt: RuntimeSchema) -> bool:
@@ -294,6 +296,10 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string
     if rt.aot not in AOT_MODES:
         raise _fail(source, f"runtime.aot: expected one of {list(AOT_MODES)}, got {rt.aot!r}")
+    if rt.aot == "true" and rt.speculative.drafter is not None:
+        raise _fail(source, f"runtime.aot=true and runtime.speculative.drafter={rt.speculative.drafter}: the "
+                            f"AOTInductor packages cannot extend rows, which speculative verification does; "
+                            f"expected runtime.aot=false or auto (auto builds compiled graphs instead)")
     if rt.aot == "true" and not aot_applies(rt):
         raise _fail(source, f"runtime.aot=true needs runtime.device=cpu, runtime.compile=true and one "
                             f"process (got device={rt.device!r}, compile={rt.compile}, "

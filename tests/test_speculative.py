@@ -182,6 +182,20 @@ def test_mla_deepseek_v3_mtp_and_ngram_greedy_equal_plain_and_a_trained_head_acc
     assert trained.acceptance > 0.5, trained
     assert any(len(set(r.values())) > 1 for r in rounds)
 
+    # served: cancelled mid-speculation, the row and the drafter's state of it are freed
+    from zoo.serve.scheduler import Scheduler
+
+    sched = Scheduler(model, eos_ids=[], speculative="mtp", draft_tokens=2)
+    s = _seq(prompts[0].tolist(), max_tokens=30, temperature=0.0)
+    _serve(sched, [s], steps=3)
+    drafter = model.speculator("mtp", 2).drafter
+    assert list(drafter.filled) == [s.row] and list(drafter.pending) == [s.row]
+    assert s.tokens == plain[0, 10:10 + len(s.tokens)].tolist()
+    sched.cancel(s)
+    sched.step()
+    assert s.finish_reason == "cancelled" and sched.engine.free_rows() == [0, 1, 2]
+    assert drafter.filled == {} and drafter.pending == {}
+
 
 def test_recurrent_qwen3_next_mtp_and_ngram_greedy_equal_plain():
     """Gated DeltaNet + full attention + MTP: a rollback restores the recurrent and conv states
@@ -191,3 +205,59 @@ def test_recurrent_qwen3_next_mtp_and_ngram_greedy_equal_plain():
     plain = model.generate(prompts, 10, speculative="off")
     _, stats = _check_greedy(model, "ngram", prompts, 10, 3, plain)
     _check_greedy(model, "mtp", prompts, 10, 2, plain)
+
+
+# --------------------------------------------------------------------------- the server's scheduler
+
+def _serve(sched, seqs, steps: int = 400):
+    for s in seqs:
+        sched.submit([s])
+    for _ in range(steps):
+        if not sched.step():
+            break
+
+
+def _seq(prompt, **kw):
+    from zoo.serve.scheduler import SamplingParams, Sequence
+
+    events = []
+    s = Sequence(list(prompt), SamplingParams(**kw), sink=events.append)
+    s.events = events
+    return s
+
+
+def test_scheduler_speculative_greedy_equals_plain_and_reports_acceptance():
+    """Greedy sequences served with n-gram speculation get plain serving's tokens, ending inside a
+    step (max_tokens) where they must; a constrained-free sampled row runs beside them; /metrics
+    counts drafted and accepted tokens; a cancelled sequence frees its row."""
+    from zoo.serve.metrics import Metrics
+    from zoo.serve.scheduler import Scheduler
+
+    model = zoo.build("llama3_8b_tiny", compile=False, max_batch=3, max_seq=64)
+    prompts = _prompts(model.spec.vocab_size, 3, 14, seed=4).tolist()
+    lengths = [9, 17, 12]
+
+    def run(speculative, metrics=None):
+        sched = Scheduler(model, eos_ids=[], speculative=speculative, draft_tokens=3, metrics=metrics)
+        seqs = [_seq(p, max_tokens=n, temperature=0.0) for p, n in zip(prompts, lengths)]
+        seqs.append(_seq(prompts[0], max_tokens=6, temperature=1.0, seed=3))  # waits for a free row
+        _serve(sched, seqs)
+        assert [s.finish_reason for s in seqs] == ["length"] * 4
+        assert sched.engine.free_rows() == [0, 1, 2]
+        return [s.tokens for s in seqs]
+
+    metrics = Metrics()
+    plain, spec = run("off"), run("ngram", metrics)
+    assert spec[:3] == plain[:3] and [len(t) for t in spec] == lengths + [6]
+    text = metrics.render().decode()
+    accepted = metrics.spec_accepted._value.get()
+    assert accepted > 0 and metrics.spec_drafted._value.get() >= accepted
+    assert "zoo_spec_acceptance_rate" in text and "zoo_spec_tokens_per_step" in text
+
+    sched = Scheduler(model, eos_ids=[], speculative="ngram", draft_tokens=3)
+    long = _seq(prompts[1], max_tokens=40, temperature=0.0)
+    _serve(sched, [long], steps=3)
+    assert sched.running == 1 and long.finish_reason is None
+    sched.cancel(long)
+    sched.step()
+    assert long.finish_reason == "cancelled" and sched.engine.free_rows() == [0, 1, 2]
