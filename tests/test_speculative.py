@@ -261,3 +261,48 @@ def test_scheduler_speculative_greedy_equals_plain_and_reports_acceptance():
     sched.cancel(long)
     sched.step()
     assert long.finish_reason == "cancelled" and sched.engine.free_rows() == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- settings
+
+@pytest.mark.parametrize("overrides, match", [
+    (["runtime.speculative.drafter=eagle"], r"runtime.speculative.drafter: expected one of \['ngram', 'mtp'\] or null, "
+                                            r"got 'eagle'"),
+    (["runtime.speculative.drafter=ngram", "runtime.speculative.draft_tokens=0"],
+     r"runtime.speculative.draft_tokens: must be >= 1, got 0"),
+    (["runtime.speculative.ngram_min=3", "runtime.speculative.ngram_max=2"],
+     r"ngram_min=3, ngram_max=2; expected 1 <= ngram_min <= ngram_max"),
+    (["runtime.speculative.drafter=mtp"], r"drafter=mtp needs the model's multi-token-prediction layers: "
+                                          r"checkpoint.mtp=true and mtp.n_layers > 0 \(got checkpoint.mtp=False"),
+    (["runtime.speculative.drafter=ngram", "runtime.aot=true"], r"the AOTInductor packages cannot extend rows"),
+])
+def test_speculative_settings_are_checked(overrides, match):
+    from zoo.compiler.build import spec_stage
+    from zoo.compiler.config import compose
+    from zoo.compiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        spec_stage(compose("deepseek_v3_tiny", overrides), "conf/deepseek_v3_tiny.yaml")
+
+
+def test_speculative_aot_auto_builds_compiled_graphs():
+    from zoo.compiler.spec import use_aot
+    from zoo.compiler.build import spec_stage
+    from zoo.compiler.config import compose
+
+    rt = lambda o: spec_stage(compose("smollm2_135m", o), "conf/smollm2_135m.yaml").spec.runtime
+    assert use_aot(rt([])) and not use_aot(rt(["runtime.speculative.drafter=ngram"]))
+
+
+def test_cli_speculative_keys():
+    from zoo.cli import _speculative, parse_args
+    from zoo.compiler.errors import ZooError
+
+    opts, overrides = parse_args(["conf=x", "prompt=hi", "speculative=ngram", "draft_tokens=6"], "generate")
+    assert _speculative(opts, overrides) == ["runtime.speculative.drafter=ngram", "runtime.speculative.draft_tokens=6"]
+    opts, overrides = parse_args(["conf=x", "speculative=off"], "serve")
+    assert _speculative(opts, overrides) == ["runtime.speculative.drafter=null"]
+    with pytest.raises(ZooError, match=r"speculative='medusa': expected ngram"):
+        _speculative({"speculative": "medusa"}, [])
+    with pytest.raises(ZooError, match=r"zoo build does not use speculative='ngram'"):
+        parse_args(["conf=x", "speculative=ngram"], "build")
