@@ -125,7 +125,7 @@ class Model:
         ids = ids.to(torch.long)
         if steps <= 0:
             return ids
-        e.reset()
+        spec.reset()
         logits = spec.prefill_rows(0, ids)
         first = sample(logits, temperature, top_k, top_p, generator).cpu()
         pick = Pick(None if temperature == 0 else

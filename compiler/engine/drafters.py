@@ -63,6 +63,9 @@ class Drafter:
     def release(self, row: int) -> None:
         """The row's sequence ended."""
 
+    def reset(self) -> None:
+        """The engine was reset: every row is free."""
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup (see the module docstring): input-grounded generation (summarise, edit,

@@ -90,6 +90,10 @@ class MtpDrafter(Drafter):
         self.filled.pop(row, None)
         self.pending.pop(row, None)
 
+    def reset(self) -> None:
+        self.filled.clear()
+        self.pending.clear()
+
     def _run(self, rows: list[int], prev: torch.Tensor, ids: torch.Tensor, start: torch.Tensor):
         """The layer over prev [n, L, D] (hidden states), ids [n, L] (the tokens one ahead) at
         positions start[i].. of rows' MTP caches -> (its hidden [n, D], logits [n, V]) of the last position."""

@@ -87,6 +87,11 @@ class Speculator:
         self.drafter.prefilled(rows, ids, hidden)
         return logits
 
+    def reset(self) -> None:
+        """Engine.reset (every row free), and the drafter forgets every row."""
+        self.engine.reset()
+        self.drafter.reset()
+
     def release_row(self, row: int) -> None:
         """Engine.release_row, and the drafter forgets the row."""
         self.engine.release_row(row)

@@ -119,7 +119,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
-        self.engine.reset()
+        self.engine.reset() if self.spec is None else self.spec.reset()
 
     # ------------------------------------------------------------------ from any thread
 
