@@ -17,11 +17,12 @@ from .hooks import (ExtraTokenFlops, Float32Linear, FloatLinears, KeepFloat32, O
                     RefinesActiveParameters)
 from .parallel import Ranges, Slice, span
 from .probes import AttentionMaps, AttentionProbe, MixerStatistics, StreamMixing
-from .slots import CONTRACTS, FFN, KindSpec, Mixer, Norm, Residual, Rope, contract_problems, no_sharding_plan
+from .slots import (CONTRACTS, FFN, KindSpec, Mixer, Norm, Residual, Rope, contract_problems,
+                    extends_by_decode, no_sharding_plan)
 from .weights import Source, StoredBlocks, TensorInfo, WeightSink
 
 __all__ = ["CacheField", "CachePlan", "StepContext", "ExtraTokenFlops", "Float32Linear", "FloatLinears",
            "KeepFloat32", "OwnInit", "QuantStacks", "RefinesActiveParameters", "Ranges", "Slice", "span",
            "AttentionMaps", "AttentionProbe", "MixerStatistics", "StreamMixing", "CONTRACTS", "FFN", "KindSpec",
-           "Mixer", "Norm", "Residual", "Rope", "contract_problems", "no_sharding_plan", "Source",
-           "StoredBlocks", "TensorInfo", "WeightSink"]
+           "Mixer", "Norm", "Residual", "Rope", "contract_problems", "extends_by_decode", "no_sharding_plan",
+           "Source", "StoredBlocks", "TensorInfo", "WeightSink"]

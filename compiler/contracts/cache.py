@@ -8,6 +8,7 @@ passes the per-layer dicts to the graphs, which update them in place. Nothing is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -18,11 +19,15 @@ class CacheField:
 
     shape: full shape at (max_batch, max_seq), batch first.
     grows: True if it holds one slot per token (bytes per token), False for constant state.
+    token_axis: the axis of a growing field whose index is the position (slot p holds token p),
+        so that the first n tokens of a row are the slice [:n] there (a prefix store copies only
+        those); None: no such axis (the field is copied whole).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     grows: bool
+    token_axis: Optional[int] = None
 
     @property
     def nbytes(self) -> int:

@@ -124,6 +124,12 @@ class Mixer(nn.Module, ABC):
         return no_sharding_plan(self, plan)
 
 
+def extends_by_decode(mixer: Mixer) -> bool:
+    """Whether a mixer's extend is the contract's default, one decode step per token (a loop
+    over L: a compiled graph of it would specialise on L, so the compiled runner runs it eagerly)."""
+    return type(mixer).extend is Mixer.extend
+
+
 class FFN(nn.Module, ABC):
     """Per-position feed-forward: dense SwiGLU, mixture of experts.
 

@@ -14,6 +14,8 @@ mask that sends free rows back to position 0 after each step).
                                                        own position ([n, V] with last_only)
     truncate_row(row, length)                          roll a row back to `length` tokens (caches
                                                        whose every field grows with tokens)
+    export_row(row) -> RowCache, import_row(row, snap, n)   a row's cache out to RAM and into a
+                                                       free row at its first n tokens (prefix.py)
     save_state(rows) -> handle, restore_state(rows, handle)   copy the constant-state fields
                                                        (recurrent, conv, ring) and lengths of rows
                                                        out and back: the rollback of any family
@@ -58,6 +60,16 @@ from ..position.rope import rope_key
 from .cache import plan_caches
 from .mtp import mtp_caches, mtp_prefill
 from .runners import RunnerOptions, choose
+
+
+class RowCache:
+    """One row's cache in host memory (Engine.export_row): `length` tokens, per layer
+    {field: tensor without the batch axis}, the logits [V] of its last token (or None)."""
+
+    def __init__(self, length: int, fields: list[dict], logits: torch.Tensor | None):
+        self.length, self.fields, self.logits = length, fields, logits
+        self.nbytes = sum(t.numel() * t.element_size() for layer in fields for t in layer.values()) + \
+            (0 if logits is None else logits.numel() * 4)
 
 
 def _engine_mode(fn: Callable) -> Callable:
@@ -423,6 +435,51 @@ class Engine:
         for r, n in zip(rows, handle["lengths"]):
             self.row_len[r] = n
             self.pos[r] = n
+
+    @property
+    def can_extend(self) -> bool:
+        """Whether this engine's runner extends rows (runtime.aot does not)."""
+        return self._runner.extends
+
+    @_engine_mode
+    def export_row(self, row: int, logits: torch.Tensor | None = None) -> RowCache:
+        """A copy in host memory of what row `row` (in use) holds: of each field with a token
+        axis only its first row_len slots, of the others all (contracts.CacheField.token_axis);
+        logits [V], when given, those of its last token (an exact match needs no step)."""
+        (row,) = self._rows_in_use("export_row", [row])
+        n = self.row_len[row]
+        fields = []
+        for layer, plan in zip(self.caches, self.plan.layers):
+            out = {}
+            for name, f in plan.items():
+                t = layer[name][row]
+                if f.token_axis is not None:
+                    t = t.narrow(f.token_axis - 1, 0, n)
+                out[name] = torch.empty(t.shape, dtype=t.dtype).copy_(t)  # dense, in host memory
+            fields.append(out)
+        return RowCache(n, fields, None if logits is None else logits.detach().to("cpu", torch.float32, copy=True))
+
+    @_engine_mode
+    def import_row(self, row: int, snap: RowCache, length: int) -> None:
+        """Start a sequence in free row `row` from a RowCache at its first `length` tokens (the
+        next token goes to position `length`). Fewer tokens than the snapshot holds need every
+        field to grow with tokens (as truncate_row)."""
+        row = self._free_slice("import_row", row, 1).start
+        if not 1 <= length <= snap.length:
+            raise InputError(f"import_row: length {length} must be in 1..{snap.length} (the snapshot's tokens)")
+        if length < snap.length and self.constant_state_kinds():
+            raise InputError(f"import_row: a snapshot of {snap.length} tokens cannot be cut to {length}: this model "
+                             f"keeps constant-state cache fields ({'; '.join(self.constant_state_kinds())})")
+        for layer, plan, saved in zip(self.caches, self.plan.layers, snap.fields):
+            for name, f in plan.items():
+                t = layer[name][row]
+                src = saved[name]
+                if f.token_axis is not None:
+                    t = t.narrow(f.token_axis - 1, 0, length)
+                    src = src.narrow(f.token_axis - 1, 0, length)
+                t.copy_(src)
+        self._mark_rows([row], length)
+        self.pos[row] = length
 
     @_engine_mode
     def release_row(self, row: int) -> None:

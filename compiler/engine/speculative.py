@@ -87,6 +87,14 @@ class Speculator:
         self.drafter.prefilled(rows, ids, hidden)
         return logits
 
+    def started_row(self, row: int, ids: torch.Tensor) -> None:
+        """A row started by other means (the server's prefix reuse) with ids [L]; drafters that
+        need the prompt's hidden states start through prefill_row instead."""
+        if self.drafter.wants_hidden:
+            raise InputError(f"the {self.drafter.name} drafter starts from the prompt's hidden states: start "
+                             f"row {row} with Speculator.prefill_row")
+        self.drafter.prefilled([row], ids[None], None)
+
     def reset(self) -> None:
         """Engine.reset (every row free), and the drafter forgets every row."""
         self.engine.reset()

@@ -205,7 +205,9 @@ class Attention(Mixer):
         per-sequence state, the last Sw keys."""
         shape = (max_batch, self.n_kv_heads, self.slots(max_seq), self.head_dim)
         grows = self.window is None
-        return {"k": CacheField(shape, dtype, grows=grows), "v": CacheField(shape, dtype, grows=grows)}
+        axis = 2 if grows else None  # slot p holds position p (a ring has no such axis)
+        return {"k": CacheField(shape, dtype, grows=grows, token_axis=axis),
+                "v": CacheField(shape, dtype, grows=grows, token_axis=axis)}
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh],

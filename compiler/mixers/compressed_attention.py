@@ -31,6 +31,10 @@ Caches per layer (prefill starts at position 0; decode writes position pos):
     entries  [B, 1, Ne, Dh]        compressed entries, Ne = max_seq // m                  grows 1/m
     index_block, index_keys       the same two for the indexer (csa_mqa)                 state / grows 1/m
 A decode step that completes a block (pos % m == m - 1) pools the ring into entry pos // m.
+
+extend (L tokens after cached ones): the contract's default, one decode step per token (exact;
+the window ring, the block ring and the entries advance as in decode). swa_mqa's one-pass extend
+is not inherited: the entries and the block ring need decode's per-position updates.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from ..norm.norms import RMSNorm
 from ..registry import register
 from .scores import head_rows
 from .sink_attention import SinkAttention, rope_tail, softmax_with_sink, window_to_tokens
-from ..contracts import AttentionMaps, CacheField, KeepFloat32
+from ..contracts import AttentionMaps, CacheField, KeepFloat32, Mixer
 
 
 class PositionBias(nn.Module, KeepFloat32):
@@ -231,6 +235,8 @@ class CompressedAttention(SinkAttention):
         ce = torch.einsum("bhld,bnd->bhln", q, entries) * self.scale
         logits = torch.cat((scores, ce.masked_fill(~chosen[:, None], float("-inf"))), dim=-1)
         return keys, entries, logits, softmax_with_sink(logits, self.sink.weight.view(1, -1, 1, 1))
+
+    extend = Mixer.extend  # one decode step per token (see the module docstring), not swa_mqa's
 
     def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, L, D] (positions 0..L-1) -> [B, L, D]; fills the caches (see prefill_attention)."""

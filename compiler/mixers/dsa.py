@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import write_decode, write_prefill
+from .kv_cache import extend_positions, write_decode, write_extend, write_prefill
 from .mla import MLA, absorb_query, expand_values, expanded_attention
 from .scores import causal_mask, masked_softmax
 from ..contracts import AttentionMaps, CacheField, Float32Linear, FloatLinears
@@ -252,7 +252,8 @@ class DSA(MLA):
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """MLA's latent kv [B, 1, S, C + R] and the indexer keys index_k [B, S, Di]."""
         return {**super().cache_fields(max_batch, max_seq, dtype),
-                "index_k": CacheField((max_batch, max_seq, self.spec.index_head_dim), dtype, grows=True)}
+                "index_k": CacheField((max_batch, max_seq, self.spec.index_head_dim), dtype, grows=True,
+                                          token_axis=1)}
 
     def attention_flops(self, context):
         """Per token at `context` cached tokens: the indexer over the whole context, MLA's
@@ -325,3 +326,30 @@ class DSA(MLA):
         picked = latent.gather(2, slots[:, None, :, None].expand(-1, 1, -1, latent.shape[-1]))
         valid = (slots <= pos[:, None])[:, None, None, :]  # [B, 1, 1, Ks]: empty slots early on
         return self.wo(self.attend_absorbed(q_nope, q_rope, picked.to(q_nope.dtype), mask=valid))
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions start..start+L-1 (ctx["start"] [B]) -> [B, L, D]; the chunk
+        goes to both caches, then each query, as in decode, scores every indexer key at or before
+        it, gathers its top Ks latents [B, L, Ks, C + R] and attends over them in the absorbed form."""
+        cos, sin = ctx["rope"][self.rope]  # [B, L, R/2]
+        B, L, _ = x.shape
+        qpos = extend_positions(ctx["start"], L)
+        q_resid = self.query_residual(x)
+        q_nope, q_rope, kv = self.project(x, cos[:, None], sin[:, None], q_resid=q_resid)
+        write_extend(cache["kv"], kv, qpos)
+        index_k = cache["index_k"]
+        write_extend(index_k[:, None], self.indexer.keys(x, cos, sin)[:, None], qpos)
+        S = index_k.shape[1]
+        scores = self.indexer.scores(x, q_resid, index_k, cos, sin)  # [B, L, S]
+        scores = scores.masked_fill(torch.arange(S, device=x.device) > qpos[..., None], float("-inf"))
+        slots = scores.topk(min(self.spec.index_topk, S), dim=-1).indices  # [B, L, Ks]
+        latent = cache["kv"][:, 0]  # [B, S, C + R]
+        Ks = slots.shape[-1]
+        picked = latent.gather(1, slots.reshape(B, L * Ks, 1).expand(-1, -1, latent.shape[-1]))
+        picked = picked.view(B, L, Ks, -1).to(q_nope.dtype)
+        q = absorb_query(q_nope, q_rope, self.wkv_b.weight)  # [B, H, L, C + R]
+        logits = torch.einsum("bhlc,blkc->bhlk", q.float(), picked.float()) * self.scale
+        valid = (slots <= qpos[..., None])[:, None]  # [B, 1, L, Ks]: empty slots early on
+        probs = logits.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+        o_lat = torch.einsum("bhlk,blkc->bhlc", probs, picked[..., :self.rank].float()).to(q_nope.dtype)
+        return self.wo(expand_values(o_lat, self.wkv_b.weight, self.nope))

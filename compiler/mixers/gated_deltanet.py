@@ -164,6 +164,15 @@ def causal_conv_prefill(mixed: torch.Tensor, weight: torch.Tensor, conv_cache: t
     return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=padded.shape[1]))
 
 
+def causal_conv_extend(mixed: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> torch.Tensor:
+    """The same conv over L new inputs after the cached W-1: mixed [B, Cc, L] -> [B, Cc, L];
+    leaves the last W-1 inputs in conv_cache [B, Cc, W-1]."""
+    W = weight.shape[-1]
+    padded = torch.cat((conv_cache.to(mixed.dtype), mixed), dim=-1)  # [B, Cc, W-1+L]
+    conv_cache.copy_(padded[:, :, padded.shape[2] - (W - 1):])
+    return F.silu(F.conv1d(padded, weight.to(padded.dtype), groups=padded.shape[1]))
+
+
 def causal_conv_step(new: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor) -> torch.Tensor:
     """One decode step of the same conv: new [B, Cc, 1] -> [B, Cc]; shifts conv_cache [B, Cc, W-1]."""
     window = torch.cat((conv_cache.to(new.dtype), new), dim=-1)  # [B, Cc, W]
@@ -355,6 +364,17 @@ class GatedDeltaNet(Mixer):
         state, o, g, beta, _ = self._prefill_recurrence(x, scratch)
         return {"decay": g.exp().flatten(2).mean(-1), "write": beta.mean(-1),
                 "state_norm": state.flatten(-2).norm(dim=-1), "output_norm": o.norm(dim=-1).mean(-1)}
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] after the rows' cached tokens -> [B, L, D]: the chunked form from the cached
+        conv inputs and state (prefill's, started where the rows are), leaving both updated."""
+        qkv, z, g, beta = self._project(x)
+        conv = causal_conv_extend(qkv.transpose(1, 2), self.conv_weight, cache["conv"])  # [B, Cc, L]
+        q, k, v = self._heads(conv.transpose(1, 2))
+        o, state = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), cache["state"],
+                                          self.chunk_size)
+        cache["state"].copy_(state)
+        return self._out(o, z, x.dtype)
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""

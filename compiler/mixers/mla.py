@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import decode_mask, write_decode, write_prefill
+from .kv_cache import decode_mask, extend_positions, write_decode, write_extend, write_prefill
 from .scores import causal_mask, dot_scores, head_rows, masked_softmax
 from ..contracts import AttentionMaps, CacheField, FloatLinears, KindSpec, Mixer, span
 from ..norm.norms import RMSNorm
@@ -176,7 +176,7 @@ class MLA(Mixer, FloatLinears):
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """One field, [normalized latent C | roped k_rope R] per token: [B, 1, S, C + R] (a
         single KV head, so attention reads it in place)."""
-        return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True)}
+        return {"kv": CacheField((max_batch, 1, max_seq, self.rank + self.rot), dtype, grows=True, token_axis=2)}
 
     def expanded_cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """What a per-head K/V cache of the expanded form would hold (for reports, never allocated):
@@ -264,3 +264,17 @@ class MLA(Mixer, FloatLinears):
         write_decode(cache["kv"], kv, pos)
         cached = cache["kv"].to(q_nope.dtype)
         return self.wo(self.attend_absorbed(q_nope, q_rope, cached, mask=decode_mask(pos, cached.shape[2])))
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions start..start+L-1 (ctx["start"] [B]) -> [B, L, D]; the chunk's
+        latents go to their slots, then query t attends over slots <= t. Absorbed form (the
+        decode's: it reads the latent cache in place)."""
+        cos, sin = self._cos_sin(ctx)  # [B, L, R/2]
+        if cos is not None:
+            cos, sin = cos[:, None], sin[:, None]
+        q_nope, q_rope, kv = self.project(x, cos, sin)
+        qpos = extend_positions(ctx["start"], x.shape[1])
+        write_extend(cache["kv"], kv, qpos)
+        cached = cache["kv"].to(q_nope.dtype)
+        visible = torch.arange(cached.shape[2], device=x.device) <= qpos[..., None]  # [B, L, S]
+        return self.wo(self.attend_absorbed(q_nope, q_rope, cached, mask=visible[:, None]))

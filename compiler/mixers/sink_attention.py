@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kv_cache import decode_mask, write_decode, write_ring
+from .kv_cache import decode_mask, extend_positions, ring_positions, write_decode, write_ring, write_ring_extend
 from .scores import head_rows
 from ..contracts import AttentionMaps, CacheField, KeepFloat32, KindSpec, Mixer, span
 from ..norm.norms import RMSNorm
@@ -240,6 +240,26 @@ class SinkAttention(Mixer):
         q, kv = self.project(x, cos, sin)
         self.write_ring(cache["kv"], kv)
         return self.out(self.attend_window(q, kv, cache["kv"].shape[2]), cos, sin)
+
+    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
+        """x [B, L, D] at positions start..start+L-1 (ctx["start"] [B]) -> [B, L, D]: the queries
+        attend over the ring as it was and the chunk's own keys (masked by position and the Sw
+        window), then the chunk's last Sw keys go to the ring."""
+        cos, sin = ctx["rope"][self.rope]  # [B, L, R/2]
+        cos, sin = cos[:, None], sin[:, None]
+        q, kv = self.project(x, cos, sin)
+        start, ring = ctx["start"], cache["kv"]
+        qpos = extend_positions(start, x.shape[1])  # [B, L]
+        kpos = torch.cat((ring_positions(start, ring.shape[2]), qpos), dim=1)  # [B, Sw + L]
+        keys = torch.cat((ring.to(q.dtype), kv), dim=2)  # [B, 1, Sw + L, Dh]
+        d = qpos[:, :, None] - kpos[:, None, :]
+        visible = (d >= 0) & (d < ring.shape[2]) & (kpos[:, None, :] >= 0)  # [B, L, Sw + L]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, H, L, Sw + L]
+        probs = softmax_with_sink(scores.masked_fill(~visible[:, None], float("-inf")),
+                                  self.sink.weight.view(1, -1, 1, 1))
+        o = torch.matmul(probs.to(keys.dtype), keys)
+        write_ring_extend(ring, kv, start)
+        return self.out(o, cos, sin)
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes ring slot pos % Sw."""

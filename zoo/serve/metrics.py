@@ -33,7 +33,35 @@ class Metrics:
                                           "start (plain decoding: 1; the speedup if a verify costs one step)",
                                           registry=r)
 
+        self.prefix_bytes = Gauge("zoo_prefix_cache_bytes", "bytes of prompt caches held in host memory",
+                                  registry=r)
+        self.prefix_max_bytes = Gauge("zoo_prefix_cache_max_bytes", "bound on zoo_prefix_cache_bytes "
+                                      "(least recently used entries are evicted)", registry=r)
+        self.prefix_entries = Gauge("zoo_prefix_cache_entries", "prompt caches held", registry=r)
+        self.prefix_lookups = Counter("zoo_prefix_cache_lookups", "admissions that looked for a cached prefix",
+                                      registry=r)
+        self.prefix_hits = Counter("zoo_prefix_cache_hits", "admissions that started from a cached prefix",
+                                   registry=r)
+        self.prefix_tokens = Counter("zoo_prefix_cache_tokens_reused", "prompt tokens not recomputed",
+                                     registry=r)
+        self.prefix_evictions = Counter("zoo_prefix_cache_evictions", "prompt caches evicted to stay in bounds",
+                                        registry=r)
+        self.prefix_mode = Gauge("zoo_prefix_cache_reuse", "1 for what a cached prefix can be reused from "
+                                 "(any_prefix; or prompt_ends: the model keeps constant state, e.g. a recurrent "
+                                 "one, which exists only at the token counts it was saved at, so only whole "
+                                 "stored prompts are reused)", ["mode"], registry=r)
+
     # called by the scheduler thread
+    def prefix_cache(self, cache, before: dict) -> None:
+        """The prefix cache's state, and its counters' growth since `before` (its counters then)."""
+        self.prefix_bytes.set(cache.bytes)
+        self.prefix_max_bytes.set(cache.max_bytes)
+        self.prefix_entries.set(len(cache))
+        for counter, name in ((self.prefix_lookups, "lookups"), (self.prefix_hits, "hits"),
+                              (self.prefix_tokens, "tokens_reused"), (self.prefix_evictions, "evictions")):
+            counter.inc(getattr(cache, name) - before[name])
+        self.prefix_mode.labels("any_prefix" if cache.any_prefix else "prompt_ends").set(1)
+
     def token(self, seconds: float, first: bool) -> None:
         self.generation_tokens.inc()
         (self.ttft if first else self.itl).observe(seconds)

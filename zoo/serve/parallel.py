@@ -87,6 +87,10 @@ class LeaderEngine:
     outcome compared with theirs after (see the module docstring). on_failure(error) is called
     once when the ranks' states part (serve: stop the server)."""
 
+    # extend_rows / import_row are not sent to the followers (yet): the scheduler keeps no prefix
+    # cache under torchrun, so that every call that runs the model runs on every rank
+    can_extend = False
+
     def __init__(self, engine, group, on_failure: Optional[Callable[[RankFailed], None]] = None):
         self._engine, self._group, self._on_failure = engine, group, on_failure
         self.failed: Optional[RankFailed] = None

@@ -6,6 +6,12 @@ prefills one row without touching the others), then runs one decode step over al
 running sequence its next token. A sequence that ends (an end token, a stop string, max_tokens, a
 full row) or is cancelled (its client went away) frees its row at once.
 
+Admission starts a row through the prefix cache (compiler/engine/prefix.py) when the engine can
+extend rows: the longest cached prefix the prompt shares with earlier prompts and conversations
+is copied into the row and only the rest is prefilled; each prompt, and each conversation when
+its row is released, is kept in the cache (host memory, bounded by `prefix_cache_bytes`, least
+recently used evicted). Its sizes and hits are in /metrics (zoo_prefix_cache_*).
+
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
@@ -30,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from ..compiler.engine.drafters import Pick
+from ..compiler.engine.prefix import PrefixCache
 from ..constrain import Grammar
 from ..sampling import probabilities, sample
 from .text import StopText
@@ -96,6 +103,9 @@ class Sequence:
         self.constraint = self.params.grammar.constraint() if self.params.grammar is not None else None
 
 
+PREFIX_CACHE_BYTES = 1 << 30  # host memory for cached prompts (compiler/engine/prefix.py)
+
+
 class QueueFull(Exception):
     """The waiting queue holds max_queue sequences: come back later."""
 
@@ -104,8 +114,8 @@ class Scheduler:
     """Owns model.engine's rows. `start()` runs `step()` on a dedicated thread; tests may call
     `step()` themselves instead (then no thread is started)."""
 
-    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, speculative=None,
-                 draft_tokens=None):
+    def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, speculative=None, draft_tokens=None):
         self.engine = model.engine
         # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
         self.spec = model.speculator(speculative, draft_tokens)
@@ -120,6 +130,9 @@ class Scheduler:
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
         self.engine.reset() if self.spec is None else self.spec.reset()
+        # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
+        self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
+            if prefix_cache_bytes > 0 and self.engine.can_extend else None
 
     # ------------------------------------------------------------------ from any thread
 
@@ -150,6 +163,8 @@ class Scheduler:
         """Compile the row prefill graphs (a 2-token and a 1-token prompt) before serving."""
         for n in (min(2, self.engine.max_seq), 1):
             self.engine.prefill_row(0, torch.zeros(n, dtype=torch.long))
+            if self.prefix is not None and self.engine.max_seq >= 4:  # the extend graphs: 2 tokens and 1
+                self.engine.extend_rows([0], torch.zeros(1, n, dtype=torch.long))
             self.engine.release_row(0)
 
     def start(self) -> None:
@@ -206,8 +221,7 @@ class Scheduler:
             self._gauges()
         for s in admitted:
             try:
-                prompt = torch.tensor(s.prompt, dtype=torch.long)
-                logits = e.prefill_row(s.row, prompt) if self.spec is None else self.spec.prefill_row(s.row, prompt)
+                logits = self._start(s)
             except Exception as err:
                 e.release_row(s.row) if e.row_len[s.row] is not None else None
                 s.sink(Event("done", finish_reason="error", error=str(err)))
@@ -250,6 +264,26 @@ class Scheduler:
     @staticmethod
     def _probs(p: SamplingParams):
         return lambda logits: probabilities(logits, p.temperature, p.top_k, p.top_p)
+
+    def _start(self, s: Sequence) -> torch.Tensor:
+        """Prefill a sequence's row (through the prefix cache, when there is one) -> logits [V]."""
+        ids = torch.tensor(s.prompt, dtype=torch.long)
+        if self.spec is not None and (self.prefix is None or self.spec.drafter.wants_hidden):
+            # the MTP drafter starts from the prompt's hidden states, which a reused prefix lacks
+            return self.spec.prefill_row(s.row, ids)
+        if self.prefix is None:
+            return self.engine.prefill_row(s.row, ids)
+        before = self._prefix_counts()
+        logits = self.prefix.start(s.row, ids)
+        if self.spec is not None:
+            self.spec.started_row(s.row, ids)
+        if self.metrics is not None:
+            self.metrics.prefix_cache(self.prefix, before)
+        return logits
+
+    def _prefix_counts(self) -> dict:
+        p = self.prefix
+        return {"lookups": p.lookups, "hits": p.hits, "tokens_reused": p.tokens_reused, "evictions": p.evictions}
 
     def _advance(self, row: int, logits: torch.Tensor) -> None:
         """logits [V] of a running sequence -> its next token, events, maybe its end."""
@@ -302,6 +336,12 @@ class Scheduler:
 
     def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
         s = self._rows.pop(row)
+        if self.prefix is not None and reason in ("stop", "length") and self._held_matches(row, s):
+            held = self.engine.row_len[row]  # the conversation, for its next turn
+            before = self._prefix_counts()
+            self.prefix.store(row, (s.prompt + s.tokens)[:held])
+            if self.metrics is not None:
+                self.metrics.prefix_cache(self.prefix, before)
         if self.spec is not None:
             self.spec.release_row(row)  # the drafter's state of the row too
         else:
@@ -311,6 +351,18 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finished(reason)
         s.sink(Event("done", text=rest, finish_reason=reason, error=error))
+
+    def _held_matches(self, row: int, s: Sequence) -> bool:
+        """Whether the row holds only the sequence's tokens: a speculative step that ran past the
+        sequence's end kept drafts it dropped; rolled back where the caches allow (else the row
+        is not stored)."""
+        n = len(s.prompt) + len(s.tokens)
+        if self.engine.row_len[row] <= n:
+            return True
+        if self.engine.constant_state_kinds():
+            return False
+        self.engine.truncate_row(row, n)
+        return True
 
     def _gauges(self) -> None:
         if self.metrics is not None:

@@ -19,6 +19,7 @@ from .base import Runner, RunnerOptions, register
 
 @register("aot", priority=30)
 class AOTRunner(Runner):
+    extends = False
     @classmethod
     def wants(cls, options: RunnerOptions) -> bool:
         if options.aot and not (options.compile and options.device.type == "cpu"):

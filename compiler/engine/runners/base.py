@@ -5,12 +5,13 @@ rope tables, per-row state, the checks) and calls it for:
 
     prefill_layers(where, layers, caches, h, ctx) -> h    layers' prefill in order over h [B, L, ...D]
     decode_layers(h, ctx) -> h                            every layer's decode over h [max_batch, 1, ...D]
-    extend_layers(where, layers, caches, h, ctx) -> h     layers' extend in order over h [n, L, ...D]
+    extend_layers(where, layers, caches, h, ctx) -> h     layers' extend in order, h [n, L, ...D]
     decode() -> logits [max_batch, V]                     one whole decode step (core.decode_step)
     warmup() -> {"prefill": s, "decode": s}               make (or load) what the steps need
 
-`where` names the caches a prefill writes (an extend: ("extend", n)) ("batch": the engine's own; ("rows", start, stop): views
-of some rows; ("block", id): an MTP block's), for runners that keep something per cache layout.
+`where` names the caches a prefill writes ("batch": the engine's own; ("rows", start, stop): views
+of some rows; ("block", id): an MTP block's; an extend's: ("extend", n), n rows' views or copies),
+for runners that keep something per cache layout.
 The runners register here with a priority; the Engine takes the highest one whose `wants` accepts
 its options, so adding a runner is one new file in this folder.
 """
@@ -67,6 +68,7 @@ class Runner:
     # decided, or nothing compiled)
     graph: "torch.cuda.CUDAGraph | None" = None
     trusted: bool | None = None
+    extends: bool = True  # whether extend_layers runs (False: it refuses, see extend_layers)
 
     def __init__(self, engine: EngineCore, options: RunnerOptions):
         self.engine = engine

@@ -6,18 +6,22 @@ final norm and head run eagerly around it. Both entry points compile with fullgr
 
     prefill: L is a dynamic dimension (one graph for every prompt length 2..max_seq).
     extend:  L dynamic too, and the rows' positions are data: one graph per (rows n, layer kind).
+             A layer whose mixer extends by the contract's decode-step loop
+             (contracts.extends_by_decode) runs eagerly: a graph of the loop would specialise on L.
     decode:  static shapes: one graph per layer structure; after the first step, CPU steps skip
              dynamo's guard checks where that is proven safe (see decode_layers).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 from typing import Callable
 
 import torch
 
+from ...contracts import extends_by_decode
 from ..compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings, structure
 from .base import Runner, RunnerOptions, register
 
@@ -100,7 +104,8 @@ class CompiledRunner(Runner):
             torch._dynamo.maybe_mark_dynamic(sin, 1)
         with dynamo_settings():
             for block, cache in zip(layers, caches):
-                h = self._extend(block, h, cache, ctx)
+                run = block.extend if extends_by_decode(block.mixer) else functools.partial(self._extend, block)
+                h = run(h, cache, ctx)
         return h
 
     def decode_layers(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:

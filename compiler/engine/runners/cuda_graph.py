@@ -28,6 +28,10 @@ class CUDAGraphRunner(Runner):
         return f"{self.kind}+{self.inner.name}"
 
     @property
+    def extends(self) -> bool:
+        return self.inner.extends
+
+    @property
     def trusted(self) -> bool | None:
         """The inner runner's (outside the captured step, e.g. in warm-up)."""
         return self.inner.trusted
