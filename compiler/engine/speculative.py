@@ -59,6 +59,9 @@ class Speculator:
     def __init__(self, engine, drafter: Drafter, draft_tokens: int):
         if draft_tokens < 1:
             raise InputError(f"runtime.speculative.draft_tokens={draft_tokens}: expected >= 1")
+        if not engine.can_extend:
+            raise InputError(f"speculative decoding verifies drafts by extending rows, which the {engine.runner} "
+                             f"runner cannot; build with runtime.aot=false (or auto)")
         self.engine, self.drafter, self.kd = engine, drafter, draft_tokens
         # constant-state fields (recurrent and conv states, sliding-window rings) cannot be
         # truncated: a rollback restores them and re-extends the kept tokens

@@ -37,6 +37,7 @@ import torch
 
 from ..compiler.engine.drafters import Pick
 from ..compiler.engine.prefix import PrefixCache
+from ..compiler.errors import ConfigError
 from ..constrain import Grammar
 from ..sampling import probabilities, sample
 from .text import StopText
@@ -119,6 +120,13 @@ class Scheduler:
         self.engine = model.engine
         # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
         self.spec = model.speculator(speculative, draft_tokens)
+        if self.spec is not None and not self.engine.can_extend:
+            # under torchrun rank 0's LeaderEngine sends only prefill_row / release_row /
+            # decode_rows / reset to the other ranks; the packages of runtime.aot cannot extend
+            raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name}: speculative serving extends "
+                              f"rows, which this engine cannot ({type(self.engine).__name__}: under torchrun the "
+                              f"other ranks do not follow extend_rows yet; runtime.aot packages do not extend); "
+                              f"serve with runtime.speculative.drafter=null")
         tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
         self.max_queue = max_queue
