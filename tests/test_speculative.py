@@ -181,6 +181,10 @@ def test_mla_deepseek_v3_mtp_and_ngram_greedy_equal_plain_and_a_trained_head_acc
     rounds, trained = _check_greedy(model, "mtp", prompts, 16, 2, plain)
     assert trained.acceptance > 0.5, trained
     assert any(len(set(r.values())) > 1 for r in rounds)
+    # sampled MTP drafts (q from the MTP layer's logits) at a one-hot temperature: greedy's tokens
+    got = model.generate(prompts, 16, temperature=1e-6, generator=torch.Generator().manual_seed(0),
+                         speculative="mtp", draft_tokens=2)
+    assert torch.equal(got, plain)
 
     # served: cancelled mid-speculation, the row and the drafter's state of it are freed
     from zoo.serve.scheduler import Scheduler
@@ -195,6 +199,16 @@ def test_mla_deepseek_v3_mtp_and_ngram_greedy_equal_plain_and_a_trained_head_acc
     sched.step()
     assert s.finish_reason == "cancelled" and sched.engine.free_rows() == [0, 1, 2]
     assert drafter.filled == {} and drafter.pending == {}
+
+
+def test_sliding_window_ring_rollback_mistral_greedy_equals_plain():
+    """A sliding-window ring (window 6, constant state: restored, then the kept tokens re-extended)
+    over generations much longer than the window."""
+    model = zoo.build("mistral_7b_tiny", compile=False, max_batch=2, max_seq=48)
+    prompts = _prompts(model.spec.vocab_size, 2, 12, seed=5)
+    plain = model.generate(prompts, 20, speculative="off")
+    _, stats = _check_greedy(model, "ngram", prompts, 20, 3, plain)
+    assert stats.drafted > stats.accepted  # rollbacks happened
 
 
 def test_recurrent_qwen3_next_mtp_and_ngram_greedy_equal_plain():
