@@ -43,6 +43,7 @@ Config fields and shape letters mean the same thing everywhere:
     Hs  n_heads (SSM)         Mamba2 heads (Ci = Hs * Ps), one scalar decay each
     Ps  head_dim (SSM)        channels of one Mamba2 head
     Gs  n_groups              Mamba2 B/C groups (each serves Hs / Gs heads)
+    Kd  draft_tokens          tokens a drafter proposes per speculative step (runtime.speculative)
     P   (ranks)               processes of a tensor/expert-parallel run (runtime.parallel: tp is 1
                               or P, ep divides P; see compiler/parallel/)
 
@@ -101,5 +102,6 @@ DIMENSIONS = {
     "Hs": "ssm n_heads",
     "Ps": "ssm head_dim",
     "Gs": "n_groups",
+    "Kd": "draft_tokens",
     "P": "ranks",
 }

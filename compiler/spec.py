@@ -53,6 +53,22 @@ class ParallelSchema:
 
 
 @dataclass
+class SpeculativeSchema:
+    """Speculative decoding in generate and zoo serve (compiler/engine/speculative.py): a drafter
+    proposes draft_tokens tokens per step, the model verifies them in one step over
+    draft_tokens + 1 positions. drafter: null (off) | ngram (prompt lookup of the history's last
+    ngram_max..ngram_min tokens; any family) | mtp (the model's MTP layer; checkpoint.mtp=true)."""
+
+    drafter: Optional[str] = None
+    draft_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+
+DRAFTERS = ("ngram", "mtp")  # runtime.speculative.drafter (compiler/engine/drafters.py)
+
+
+@dataclass
 class RuntimeSchema:
     device: str = "cpu"
     dtype: str = "float32"
@@ -76,6 +92,7 @@ class RuntimeSchema:
     # channel) or int4 (groups of quant_group inputs, asymmetric)
     quant: Optional[str] = None
     quant_group: int = 32  # 32 | 64 | 128 (int4 only); 32 keeps GGUF Q4_0/Q4_1 blocks as stored
+    speculative: SpeculativeSchema = field(default_factory=SpeculativeSchema)
 
 
 @dataclass
@@ -145,8 +162,10 @@ AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
 
 
 def aot_applies(rt: RuntimeSchema) -> bool:
-    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process."""
-    return rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
+    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process, and no
+    speculative decoding (its verify step extends rows, which the packages do not)."""
+    return (rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
+            and rt.speculative.drafter is None)
 
 
 def use_aot(rt: RuntimeSchema) -> bool:
@@ -283,6 +302,10 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string
     if rt.aot not in AOT_MODES:
         raise _fail(source, f"runtime.aot: expected one of {list(AOT_MODES)}, got {rt.aot!r}")
+    if rt.aot == "true" and rt.speculative.drafter is not None:
+        raise _fail(source, f"runtime.aot=true and runtime.speculative.drafter={rt.speculative.drafter}: the "
+                            f"AOTInductor packages cannot extend rows, which speculative verification does; "
+                            f"expected runtime.aot=false or auto (auto builds compiled graphs instead)")
     if rt.aot == "true" and not aot_applies(rt):
         raise _fail(source, f"runtime.aot=true needs runtime.device=cpu, runtime.compile=true and one "
                             f"process (got device={rt.device!r}, compile={rt.compile}, "
@@ -301,6 +324,19 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         raise _fail(source, f"runtime.step_tokens={rt.step_tokens}: a step may hold max_batch - 1 decoding rows "
                             f"besides a prompt's chunk; expected >= max_batch={rt.max_batch}, or null (no chunked "
                             f"prefill)")
+    sp = rt.speculative
+    if sp.drafter is not None and sp.drafter not in DRAFTERS:
+        raise _fail(source, f"runtime.speculative.drafter: expected one of {list(DRAFTERS)} or null, "
+                            f"got {sp.drafter!r}")
+    if sp.draft_tokens < 1:
+        raise _fail(source, f"runtime.speculative.draft_tokens: must be >= 1, got {sp.draft_tokens}")
+    if not 1 <= sp.ngram_min <= sp.ngram_max:
+        raise _fail(source, f"runtime.speculative: ngram_min={sp.ngram_min}, ngram_max={sp.ngram_max}; "
+                            f"expected 1 <= ngram_min <= ngram_max")
+    if sp.drafter == "mtp" and not (top.checkpoint.mtp and top.mtp.n_layers > 0):
+        raise _fail(source, f"runtime.speculative.drafter=mtp needs the model's multi-token-prediction layers: "
+                            f"checkpoint.mtp=true and mtp.n_layers > 0 (got checkpoint.mtp={top.checkpoint.mtp}, "
+                            f"mtp.n_layers={top.mtp.n_layers})")
 
     if top.sublayer_norms not in SUBLAYER_NORMS:
         raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")

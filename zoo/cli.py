@@ -2,6 +2,7 @@
 
     zoo build conf=llama3_8b [weights=<repo id|dir|file.gguf>] [Hydra overrides ...]
     zoo generate (conf=NAME weights=... | weights=...) prompt="..." [chat=true] [max_new_tokens=64]
+                 [speculative=ngram|mtp|off] [draft_tokens=4]    (speculative decoding; serve too)
     zoo report conf=NAME[,NAME...] [overrides] [context=T] [batch=B] [device=h200] [output=json]
                [plot=cache.png]
     zoo diff "llama3_8b" "llama3_8b residual=mhc"      (conf names + overrides, dirs or Hub ids)
@@ -38,14 +39,16 @@ from .compiler.errors import ZooError
 _LOAD_KEYS = {"conf", "weights", "revision", "seed"}  # _load: a conf (+ weights) or a checkpoint
 COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "build": _LOAD_KEYS | {"dry"},
-    "generate": _LOAD_KEYS | {"prompt", "chat", "system", "max_new_tokens", "temperature", "top_k", "top_p"},
+    "generate": _LOAD_KEYS | {"prompt", "chat", "system", "max_new_tokens", "temperature", "top_k", "top_p",
+                              "speculative", "draft_tokens"},
     # report/diff take device= (a device profile) and dtype= (weights and cache) as their own options
     "report": {"conf", "weights", "revision", "context", "batch", "device", "dtype", "tp", "ep", "output", "plot"},
     "diff": {"revision", "context", "dtype", "output"},
     "import": {"revision", "name", "out"},
     "check": {"conf", "weights", "revision"},
     "patterns": _LOAD_KEYS | {"text", "repeat", "output", "plot"},
-    "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level", "tool_format"},
+    "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level", "tool_format",
+                           "speculative", "draft_tokens"},
     "configs": set(),
     "families": {"markdown"},
     "cache": set(),
@@ -120,6 +123,20 @@ def _bool(opts: dict, key: str, default: bool) -> bool:
     raise ZooError(f"{key}={value!r}: expected true or false")
 
 
+def _speculative(opts: dict, overrides: list[str]) -> list[str]:
+    """speculative=ngram|mtp|off and draft_tokens=K (generate, serve): runtime.speculative's keys."""
+    out = list(overrides)
+    if "speculative" in opts:
+        value = opts["speculative"]
+        if value not in ("ngram", "mtp", "off"):
+            raise ZooError(f"speculative={value!r}: expected ngram (prompt lookup), mtp (the model's MTP layer, "
+                           f"with checkpoint.mtp=true) or off")
+        out.append(f"runtime.speculative.drafter={'null' if value == 'off' else value}")
+    if "draft_tokens" in opts:
+        out.append(f"runtime.speculative.draft_tokens={opts['draft_tokens']}")
+    return out
+
+
 def _load(opts: dict, overrides: list[str], dry: Optional[bool], progress: bool):
     from .runtime import build, from_pretrained_config
 
@@ -148,7 +165,7 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
 
     if "prompt" not in opts:
         raise ZooError("generate needs prompt=\"...\"")
-    model = _load(opts, overrides, dry=False, progress=True)
+    model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
     tok = model.tokenizer
     if tok is None:
         raise ZooError("generate needs a tokenizer: give weights= a checkpoint with tokenizer.json or a GGUF file")
@@ -182,7 +199,7 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
 
     if not any(o.startswith("runtime.max_batch=") for o in overrides):
         overrides = [*overrides, "runtime.max_batch=8"]  # rows of the continuous batch
-    model = _load(opts, overrides, dry=False, progress=True)
+    model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
     name = opts.get("model_name") or opts.get("conf") or Path(opts["weights"].rstrip("/")).name
     api_key = opts.get("api_key") or None
     serve(model, model_name=name, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 8000)),

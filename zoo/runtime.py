@@ -16,11 +16,13 @@ from .compiler.checkpoint.hub import open_source
 from .compiler.config import apply_overrides, compose
 from .compiler.errors import InputError
 from .compiler.engine.core import Engine
+from .compiler.engine.drafters import Pick
+from .compiler.engine.speculative import Speculator, make_speculator
 from .compiler.hf_import import import_config
 from .compiler.model import Decoder
 from .compiler.spec import ModelSpec
 
-from .sampling import sample
+from .sampling import probabilities, sample
 
 class Model:
     """A built model: `prefill`, `decode`, `reset`, `generate`. See README for the API."""
@@ -33,6 +35,7 @@ class Model:
         self.eos_ids = sorted(set(eos_ids))
         self.tokenizer = tokenizer
         self._grammars = None  # zoo.constrain.Grammars, made on the first constrained generate
+        self._speculators: dict[tuple, Speculator] = {}
 
     @property
     def config(self) -> DictConfig:
@@ -82,12 +85,27 @@ class Model:
             schema = (schema.get("json_schema") or {}).get("schema")
         return self._grammars.get("json_schema", schema, "response_format")
 
+    def speculator(self, drafter: Optional[str] = None, draft_tokens: Optional[int] = None) -> Optional[Speculator]:
+        """The speculative decoder generate uses (compiler/engine/speculative.py): drafter "ngram"
+        | "mtp" | "off", draft_tokens Kd; None takes runtime.speculative's. None when off. Its
+        `stats` count drafted and accepted tokens over every generate call that used it."""
+        cfg = self.spec.runtime.speculative
+        name = cfg.drafter if drafter is None else drafter
+        if name in (None, "off"):
+            return None
+        kd = cfg.draft_tokens if draft_tokens is None else int(draft_tokens)
+        key = (name, kd, cfg.ngram_max, cfg.ngram_min)
+        if key not in self._speculators:
+            self._speculators[key] = make_speculator(self.engine, name, kd, cfg.ngram_max, cfg.ngram_min)
+        return self._speculators[key]
+
     @torch.no_grad()
     def generate(self, ids, max_new_tokens: int, temperature: float = 0.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
                  stream: Optional[Callable[[torch.Tensor], None]] = None,
                  eos_ids: Optional[Sequence[int]] = None, response_format=None,
-                 grammar: Optional[str] = None) -> torch.Tensor:
+                 grammar: Optional[str] = None, speculative: Optional[str] = None,
+                 draft_tokens: Optional[int] = None) -> torch.Tensor:
         """ids [B, L] -> [B, L + n] with n <= max_new_tokens new tokens per row.
 
         A row stops at an end token (kept, then padded with it); generation ends when every row
@@ -97,6 +115,12 @@ class Model:
         response_format / grammar (see `grammar()`): every row's new tokens follow it (each row
         its own state); a row whose output is complete ends with an end token. A row that runs
         out of max_new_tokens first is cut there, incomplete.
+
+        speculative: "ngram" | "mtp" drafts draft_tokens tokens per step and verifies them in one
+        (compiler/engine/speculative.py): greedy output is the same tokens, sampled output the
+        same distribution; "off" decodes plainly; None (default) follows runtime.speculative.
+        Constrained rows (response_format / grammar) decode one token per step, as the server's
+        constrained rows do: asking for both speculative= and a constraint is an error.
         """
         ids = torch.as_tensor(ids)
         if ids.dim() == 1:
@@ -111,6 +135,13 @@ class Model:
                                  "output: the checkpoint names none (pass eos_ids=)")
             # where the grammar may end it admits the tokenizer's end tokens too: they end the row
             eos = torch.cat((eos, torch.tensor(sorted(self.tokenizer.eos_ids), dtype=torch.long, device=eos.device)))
+        spec = self.speculator(speculative, draft_tokens) if rows is None or speculative is not None else None
+        if rows is not None and spec is not None:
+            raise InputError(f"generate: speculative={speculative!r} with response_format / grammar: constrained rows "
+                             f"decode one token per step; pass speculative='off'")
+        if spec is not None:
+            return self._generate_speculative(spec, ids, max_new_tokens, temperature, top_k, top_p, generator,
+                                              stream, set(eos.tolist()))
         logits = self.engine.prefill(ids, last_only=True)[:, -1]
         steps = min(max_new_tokens, self.engine.max_seq - ids.shape[1] + 1)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.engine.device)
@@ -140,6 +171,55 @@ class Model:
             logits = self.engine.decode(tok)
         new = torch.stack(out, dim=1) if out else ids.new_zeros((ids.shape[0], 0))
         return torch.cat((ids.to(new.device), new), dim=1)
+
+    def _generate_speculative(self, spec: Speculator, ids: torch.Tensor, max_new_tokens: int, temperature: float,
+                              top_k, top_p, generator, stream, eos: set[int]) -> torch.Tensor:
+        """generate through speculative rounds over rows 0..B-1 (each row at its own length)."""
+        e = self.engine
+        B, L = ids.shape
+        if B > e.max_batch:
+            raise InputError(f"generate: batch {B} must be in 1..max_batch={e.max_batch} "
+                             f"(rebuild with runtime.max_batch={B})")
+        steps = min(max_new_tokens, e.max_seq - L + 1)
+        ids = ids.to(torch.long)
+        if steps <= 0:
+            return ids
+        spec.reset()
+        logits = spec.prefill_rows(0, ids)
+        first = sample(logits, temperature, top_k, top_p, generator).cpu()
+        pick = Pick(None if temperature == 0 else
+                    lambda lg: probabilities(lg, temperature, top_k, top_p), generator)
+        out = [[int(t)] for t in first]
+        done = [o[0] in eos or steps == 1 for o in out]
+        history = [torch.cat((ids[i].cpu(), first[i:i + 1])) for i in range(B)]
+        streamed = 0
+
+        def flush():
+            nonlocal streamed
+            while all(streamed < len(o) or d for o, d in zip(out, done)) and streamed < max(map(len, out)):
+                col = [o[streamed] if streamed < len(o) else o[-1] for o in out]
+                stream(torch.tensor(col, device=e.device))
+                streamed += 1
+
+        if stream is not None:
+            flush()
+        while not all(done):
+            rows = [i for i in range(B) if not done[i]]
+            results = spec.step(rows, [history[i] for i in rows], [pick] * len(rows))
+            for i, res in zip(rows, results):
+                toks = res.tokens[:steps - len(out[i])]
+                for j, t in enumerate(toks):  # an end token ends the row: what follows it is dropped
+                    if t in eos:
+                        toks = toks[:j + 1]
+                        break
+                out[i] += toks
+                history[i] = torch.cat((history[i], torch.tensor(toks, dtype=torch.long)))
+                done[i] = toks[-1] in eos or len(out[i]) >= steps
+            if stream is not None:
+                flush()
+        n = max(map(len, out))
+        new = torch.tensor([o + [o[-1]] * (n - len(o)) for o in out], dtype=torch.long)
+        return torch.cat((ids.cpu(), new), dim=1).to(e.device)
 
 
 def _strict(schema):

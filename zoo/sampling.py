@@ -13,6 +13,15 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] 
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: Optional[int] = None,
+                  top_p: Optional[float] = None) -> torch.Tensor:
+    """logits [B, V] -> the distribution `sample` draws from at temperature > 0 [B, V] (what
+    speculative decoding's rejection rule keeps, compiler/engine/acceptance.py)."""
+    if temperature <= 0:
+        raise ValueError(f"probabilities: temperature must be > 0 (0 is greedy), got {temperature}")
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -24,5 +33,4 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] 
         drop = probs.cumsum(-1) - probs > top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return logits.softmax(-1)

@@ -299,29 +299,35 @@ class Engine:
     # ------------------------------------------------------------------ rows
 
     @_engine_mode
-    def prefill_rows(self, start: int, ids: torch.Tensor) -> torch.Tensor:
+    def prefill_rows(self, start: int, ids: torch.Tensor, return_hidden: bool = False):
         """Start sequences in free rows start..start+n-1 without touching the others: ids [n, L]
         (positions 0..L-1) -> logits [n, V] float32 of the last position. The rows are zeroed
         first, as prefill's reset does for a whole batch. One prefill graph per n (compiled:
-        another for 1-token prompts), for every start and length."""
+        another for 1-token prompts), for every start and length. return_hidden: (logits, the
+        final-normed states [n, L, D] the head reads; what an MTP drafter starts from)."""
         rows = self._free_slice("prefill_rows", start, ids.shape[0] if ids.dim() == 2 else 1)
         if ids.dim() != 2 or not 1 <= ids.shape[1] <= self.max_seq:
             raise InputError(f"prefill_rows: expected ids of shape [rows, seq_len] with seq_len in 1..max_seq="
                              f"{self.max_seq}, got {tuple(ids.shape)}")
         self._check_ids(ids, "prefill_rows")
         h = self._start_rows(rows, ids)
+        if return_hidden:
+            return self.model.logits(h[:, -1]), self.model.final_hidden(h)
         return self.model.logits(h[:, -1])
 
     @_engine_mode
-    def prefill_row(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+    def prefill_row(self, row: int, ids: torch.Tensor, return_hidden: bool = False):
         """Start a sequence in one free row without touching the others: ids [L] (positions
-        0..L-1) -> logits [V] float32 of the last position (prefill_rows at n = 1)."""
+        0..L-1) -> logits [V] float32 of the last position (prefill_rows at n = 1); with
+        return_hidden also the final-normed states [L, D]."""
         rows = self._free_slice("prefill_row", row, 1)
         if ids.dim() != 1 or not 1 <= ids.shape[0] <= self.max_seq:
             raise InputError(f"prefill_row: expected ids of shape [seq_len] with seq_len in 1..max_seq="
                              f"{self.max_seq}, got {tuple(ids.shape)}")
         self._check_ids(ids, "prefill_row")
         h = self._start_rows(rows, ids.reshape(1, -1))
+        if return_hidden:
+            return self.model.logits(h[0, -1]), self.model.final_hidden(h[0])
         return self.model.logits(h[0, -1])
 
     def _free_slice(self, what: str, start: int, n: int) -> slice:
@@ -373,13 +379,14 @@ class Engine:
         return caches, write_back
 
     @_engine_mode
-    def extend_rows(self, rows, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend_rows(self, rows, ids: torch.Tensor, last_only: bool = False, return_hidden: bool = False):
         """Append ids [n, L] to rows in use (n of them, in that order), each at its own next
         position -> logits [n, L, V] float32 ([n, V], the last position only, with last_only).
 
         Whatever a row already holds (a prompt prefilled whole or in chunks, decoded tokens, a
         reused prefix) is what the new tokens see: a prompt extended in chunks equals its whole
-        prefill. Compiled: one graph per (n, layer kind) for every L and position."""
+        prefill. Compiled: one graph per (n, layer kind) for every L and position. return_hidden:
+        (logits, the final-normed states [n, L, D] the head reads; speculative.py's MTP drafter)."""
         rows = self._rows_in_use("extend_rows", rows)
         if ids.dim() != 2 or ids.shape[0] != len(rows) or ids.shape[1] < 1:
             raise InputError(f"extend_rows: expected ids of shape [{len(rows)}, L] (one row of tokens per row "
@@ -401,6 +408,8 @@ class Engine:
         self.pos.index_add_(0, idx, torch.full_like(idx, L))
         for r in rows:
             self.row_len[r] += L
+        if return_hidden:
+            return self.model.logits(h[:, -1] if last_only else h), self.model.final_hidden(h)
         return self.model.logits(h[:, -1] if last_only else h)
 
     def constant_state_kinds(self) -> list[str]:
@@ -649,6 +658,13 @@ class Engine:
         (b: a bucket's rows); fills `cache` (that block's cache dict, or views of its first b rows)."""
         where = ("block", id(block), h.shape[0])
         return self._runner.prefill_layers(where, [block], [cache], h, self.prefill_ctx(ids))
+
+    def block_extend(self, block, h: torch.Tensor, cache: dict, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """One block (an MTP layer) appending h [n, L, ...D] to rows that hold start [n] positions
+        of its own cache through the runner's extend: ids [n, L] the tokens there, cache that
+        block's cache dict for those n rows -> [n, L, ...D]."""
+        return self._runner.extend_layers(("block_extend", id(block), h.shape[0]), [block], [cache], h,
+                                          self.extend_ctx(ids, start))
 
     # ------------------------------------------------------------------ runner
 

@@ -22,6 +22,16 @@ class Metrics:
                               registry=r)
         self.itl = Histogram("zoo_inter_token_latency_seconds", "time between a sequence's tokens",
                              buckets=_LATENCY, registry=r)
+        # speculative decoding (runtime.speculative): one verify step per row and round
+        self.spec_steps = Counter("zoo_spec_verify_steps", "speculative verify steps, counted per row", registry=r)
+        self.spec_drafted = Counter("zoo_spec_draft_tokens", "draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("zoo_spec_accepted_tokens", "draft tokens the verify step kept", registry=r)
+        self.spec_emitted = Counter("zoo_spec_emitted_tokens", "tokens speculative steps chose", registry=r)
+        self.spec_acceptance = Gauge("zoo_spec_acceptance_rate", "accepted / drafted tokens since the start",
+                                     registry=r)
+        self.spec_tokens_per_step = Gauge("zoo_spec_tokens_per_step", "tokens a row gets per verify step since the "
+                                          "start (plain decoding: 1; the speedup if a verify costs one step)",
+                                          registry=r)
 
         self.prefix_bytes = Gauge("zoo_prefix_cache_bytes", "bytes of prompt caches held in host memory",
                                   registry=r)
@@ -55,6 +65,15 @@ class Metrics:
     def token(self, seconds: float, first: bool) -> None:
         self.generation_tokens.inc()
         (self.ttft if first else self.itl).observe(seconds)
+
+    def speculative(self, before, after) -> None:
+        """Counts of a speculative step: before / after are its speculator's SpecStats."""
+        self.spec_steps.inc(after.rounds - before.rounds)
+        self.spec_drafted.inc(after.drafted - before.drafted)
+        self.spec_accepted.inc(after.accepted - before.accepted)
+        self.spec_emitted.inc(after.emitted - before.emitted)
+        self.spec_acceptance.set(after.acceptance)
+        self.spec_tokens_per_step.set(after.emitted / after.rounds if after.rounds else 0.0)
 
     def finished(self, reason: str) -> None:
         self.finished_seqs.labels(reason).inc()

@@ -31,10 +31,17 @@ Each sequence samples with its own settings and its own seeded torch.Generator, 
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
 samples, beside unconstrained rows in the same step, and ends when the grammar is complete.
+
+Speculative decoding (runtime.speculative, or the `speculative` argument) replaces the decode
+step: every unconstrained row drafts and verifies in one engine call (compiler/engine/
+speculative.py) and may get several tokens per step; constrained rows take one token per step
+beside them (Engine.extend_rows). A sequence that ends inside a step drops the tokens after its
+end, and frees its row and its drafter state at once, as a cancelled one does.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -43,9 +50,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ..compiler.engine.drafters import Pick
 from ..compiler.engine.prefix import PrefixCache
+from ..compiler.errors import ConfigError
 from ..constrain import Grammar
-from ..sampling import sample
+from ..sampling import probabilities, sample
 from .text import StopText
 
 log = logging.getLogger("zoo.serve")
@@ -134,7 +143,7 @@ class Scheduler:
     budget of chunked prefill (None: the model's runtime.step_tokens; 0: off)."""
 
     def __init__(self, model, *, max_queue: int = 64, metrics=None, eos_ids=None, step_tokens: Optional[int] = None,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, speculative=None, draft_tokens=None):
         self.engine = model.engine
         if step_tokens is None:
             step_tokens = getattr(getattr(model, "spec", None), "runtime", None)
@@ -145,6 +154,19 @@ class Scheduler:
                              f"{self.engine.max_batch} (or 0 / null: no chunked prefill)")
         self.step_tokens = step_tokens
         self._chunk: Optional[Chunking] = None
+        # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
+        self.spec = model.speculator(speculative, draft_tokens)
+        if self.spec is not None and not self.engine.can_extend:
+            # under torchrun rank 0's LeaderEngine does not send extend_rows to the other ranks
+            # yet; the packages of runtime.aot cannot extend
+            raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name}: speculative serving extends "
+                              f"rows, which this engine cannot ({type(self.engine).__name__}: under torchrun the "
+                              f"other ranks do not follow extend_rows yet; runtime.aot packages do not extend); "
+                              f"serve with runtime.speculative.drafter=null")
+        if self.spec is not None and self.spec.drafter.wants_hidden and self.step_tokens:
+            raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name} with runtime.step_tokens="
+                              f"{self.step_tokens}: the drafter starts from a whole prompt's hidden states, which a "
+                              f"prompt prefilled in chunks does not keep yet; serve with one of them")
         tok = model.tokenizer  # a zoo Model (runtime.Model): None when the checkpoint has none
         self.eos = set(model.eos_ids if eos_ids is None else eos_ids) | (set(tok.eos_ids) if tok else set())
         self.max_queue = max_queue
@@ -155,7 +177,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
-        self.engine.reset()
+        self.engine.reset() if self.spec is None else self.spec.reset()
         # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
         self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
             if prefix_cache_bytes > 0 and self.engine.can_extend else None
@@ -256,6 +278,10 @@ class Scheduler:
         if not n:
             self._gauges()
             return worked
+        if self.spec is not None:  # a speculative step in place of the decode step
+            self._speculate()
+            self._gauges()
+            return True
         logits = e.decode_active(self._tok[:n])
         for row in range(n):
             self._advance(row, logits[row])
@@ -337,7 +363,9 @@ class Scheduler:
         self._chunk = None
         row = len(self._rows)  # compact: the decoding rows are 0..row-1
         if row != c.row:
-            e.move_row(c.row, row)
+            self.spec.move_row(c.row, row) if self.spec is not None else e.move_row(c.row, row)
+        if self.spec is not None:  # (a drafter that needs hidden states is refused with chunking)
+            self.spec.started_row(row, torch.tensor(s.prompt, dtype=torch.long))
         s.row = row
         self._rows[row] = s
         self._advance(row, logits)
@@ -359,19 +387,51 @@ class Scheduler:
         holes = [r for r in range(n) if r not in self._rows]
         high = sorted((r for r in self._rows if r >= n), reverse=True)
         for dst, src in zip(holes, high):
-            self.engine.move_row(src, dst)
+            if self.spec is not None:
+                self.spec.move_row(src, dst)  # the drafter's state of the row moves with it
+            else:
+                self.engine.move_row(src, dst)
             s = self._rows.pop(src)
             s.row = dst
             self._rows[dst] = s
             self._tok[dst] = self._tok[src]
 
+    def _speculate(self) -> None:
+        """One speculative step (see the module docstring) in place of the decode step."""
+        rows = [r for r, s in self._rows.items() if s.constraint is None]
+        plain = [r for r, s in self._rows.items() if s.constraint is not None]
+        if rows:
+            before = dataclasses.replace(self.spec.stats)
+            seqs = [self._rows[r] for r in rows]
+            picks = [Pick(None if s.params.temperature == 0 else self._probs(s.params), s.generator) for s in seqs]
+            results = self.spec.step(rows, [torch.tensor(s.prompt + s.tokens, dtype=torch.long) for s in seqs], picks)
+            if self.metrics is not None:
+                self.metrics.speculative(before, self.spec.stats)
+            for r, res in zip(rows, results):
+                for tok, logits in zip(res.tokens, res.logits):
+                    if not self._emit(r, tok, logits):
+                        break  # the sequence ended: the rest of its tokens are dropped
+        if plain:
+            logits = self.engine.extend_rows(plain, self._tok[plain][:, None], last_only=True)
+            for r, lg in zip(plain, logits):
+                self._advance(r, lg)
+
+    @staticmethod
+    def _probs(p: SamplingParams):
+        return lambda logits: probabilities(logits, p.temperature, p.top_k, p.top_p)
+
     def _start(self, s: Sequence) -> torch.Tensor:
         """Prefill a sequence's row (through the prefix cache, when there is one) -> logits [V]."""
         ids = torch.tensor(s.prompt, dtype=torch.long)
+        if self.spec is not None and (self.prefix is None or self.spec.drafter.wants_hidden):
+            # the MTP drafter starts from the prompt's hidden states, which a reused prefix lacks
+            return self.spec.prefill_row(s.row, ids)
         if self.prefix is None:
             return self.engine.prefill_row(s.row, ids)
         before = self._prefix_counts()
         logits = self.prefix.start(s.row, ids)
+        if self.spec is not None:
+            self.spec.started_row(s.row, ids)
         if self.metrics is not None:
             self.metrics.prefix_cache(self.prefix, before)
         return logits
@@ -390,6 +450,13 @@ class Scheduler:
             self._finish(row, "error", error=str(err))
             return
         tok = int(sample(allowed[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
+        self._emit(row, tok, logits)
+
+    def _emit(self, row: int, tok: int, logits: torch.Tensor) -> bool:
+        """The running sequence's next token tok, chosen from logits [V] -> events, maybe its
+        end; whether it still runs."""
+        s, p = self._rows[row], self._rows[row].params
+        c = s.constraint
         lp = top = None
         if p.logprobs is not None:
             logp = logits.float().log_softmax(-1)
@@ -408,28 +475,49 @@ class Scheduler:
         end = tok in self.eos and (not p.ignore_eos or c is not None)
         if c is not None and not end and not c.accept(tok):
             self._finish(row, "error", error=f"the grammar rejected token {tok}: {c.error}")
-            return
+            return False
         text, stopped = ("", False) if end else s.text.feed(tok)
         s.sink(Event("token", text=text, token=tok, logprob=lp, top=top))
+        # under speculation tokens may run ahead of the cache: the row holds the prompt and
+        # every token but this one once it is fed back
+        held = len(s.prompt) + len(s.tokens) - 1
         if end or stopped or (c is not None and c.done):
             self._finish(row, "stop")
-        elif len(s.tokens) >= p.max_tokens or self.engine.row_len[row] >= self.engine.max_seq:
+        elif len(s.tokens) >= p.max_tokens or held >= self.engine.max_seq:
             self._finish(row, "length")
+        else:
+            return True
+        return False
 
     def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
         s = self._rows.pop(row)
-        if self.prefix is not None and reason in ("stop", "length"):  # the conversation, for its next turn
-            held = self.engine.row_len[row]
+        if self.prefix is not None and reason in ("stop", "length") and self._held_matches(row, s):
+            held = self.engine.row_len[row]  # the conversation, for its next turn
             before = self._prefix_counts()
             self.prefix.store(row, (s.prompt + s.tokens)[:held])
             if self.metrics is not None:
                 self.metrics.prefix_cache(self.prefix, before)
-        self.engine.release_row(row)
+        if self.spec is not None:
+            self.spec.release_row(row)  # the drafter's state of the row too
+        else:
+            self.engine.release_row(row)
         s.finish_reason = reason
         rest = s.text.finish() if reason in ("stop", "length") else ""
         if self.metrics is not None:
             self.metrics.finished(reason)
         s.sink(Event("done", text=rest, finish_reason=reason, error=error))
+
+    def _held_matches(self, row: int, s: Sequence) -> bool:
+        """Whether the row holds only the sequence's tokens: a speculative step that ran past the
+        sequence's end kept drafts it dropped; rolled back where the caches allow (else the row
+        is not stored)."""
+        n = len(s.prompt) + len(s.tokens)
+        if self.engine.row_len[row] <= n:
+            return True
+        if self.engine.constant_state_kinds():
+            return False
+        self.engine.truncate_row(row, n)
+        return True
 
     def _gauges(self) -> None:
         if self.metrics is not None:
