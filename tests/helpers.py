@@ -102,3 +102,34 @@ def check_flagship_count(preset: str, config) -> None:
     assert m.info.params == want
     imported = validate(import_config(config.to_dict(), preset), preset)
     assert imported.layers == m.spec.layers and imported.dim == m.spec.dim
+
+
+@torch.no_grad()
+def randomize_constant_vectors(model: torch.nn.Module) -> None:
+    """Every constant-initialised vector of a transformers model (norm weights at 1, biases at 0)
+    made random, so that a misplaced or missing one shows."""
+    for p in model.parameters():
+        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
+            p.uniform_(0.5, 1.5) if p.flatten()[0] == 1 else p.normal_(0.0, 0.2)
+
+
+def auto_reference(config, seed: int = 0, randomize=randomize_constant_vectors):
+    """transformers' causal LM of `config` (eval, seeded), its constant vectors randomized."""
+    import transformers
+
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize(ref)
+    return ref
+
+
+def check_import_refused(config: dict, words) -> None:
+    """Importing config.json values `config` is a ConfigError naming every one of `words`."""
+    import pytest
+
+    import zoo
+    from zoo.compiler.hf_import import import_config
+
+    with pytest.raises(zoo.ConfigError) as e:
+        import_config(config, "config.json")
+    assert all(w in str(e.value) for w in words), str(e.value)

@@ -105,3 +105,15 @@ def running_server(args: list[str], log_dir: Path, seconds: float = 240):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+def grammars_for(ckpt):
+    """(zoo's tokenizer of a tiny checkpoint, zoo.constrain.Grammars over it); skipped without llguidance."""
+    import pytest
+
+    pytest.importorskip("llguidance")
+    from zoo.constrain import Grammars
+    from zoo.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(ckpt)
+    return tok, Grammars(tok, tok.vocab_size, tok.eos_ids)

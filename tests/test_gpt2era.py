@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import check_flagship_count
+from tests.helpers import auto_reference, check_flagship_count, check_import_refused
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,20 +91,8 @@ def make_config(family: str, **kw):
     return getattr(transformers, f"{prefix}Config")(**{**values, **NO_TOKENS, **kw})
 
 
-@torch.no_grad()
-def randomize(model: torch.nn.Module) -> None:
-    """Every constant-initialised vector (norm weights at 1, biases at 0) made random, so that a
-    misplaced or missing one shows."""
-    for p in model.parameters():
-        if p.dim() == 1 and torch.all(p == p.flatten()[0]):
-            p.uniform_(0.5, 1.5) if p.flatten()[0] == 1 else p.normal_(0.0, 0.2)
-
-
 def reference(family: str, seed: int = 0):
-    torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(make_config(family)).eval()
-    randomize(ref)
-    return ref
+    return auto_reference(make_config(family), seed)
 
 
 # Flagship config.json values (the published configs of the checkpoints each preset names)
@@ -151,12 +139,7 @@ def test_flagship_parameter_count(preset):
     ("gpt2", {"activation_function": "quick_gelu"}, ["quick_gelu", "conf/hf/gpt2.yaml"]),
 ])
 def test_what_cannot_be_expressed_is_refused(family, change, words):
-    from zoo.compiler.hf_import import import_config
-
-    config = {**make_config(family).to_dict(), **change}
-    with pytest.raises(zoo.ConfigError) as e:
-        import_config(config, "config.json")
-    assert all(w in str(e.value) for w in words), str(e.value)
+    check_import_refused({**make_config(family).to_dict(), **change}, words)
 
 
 @pytest.mark.parametrize("override, words", [

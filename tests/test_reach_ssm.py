@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zoo
-from tests.helpers import check_flagship_count
+from tests.helpers import auto_reference, check_flagship_count, check_import_refused
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,10 +84,7 @@ def randomize(model: torch.nn.Module) -> None:
 
 
 def reference(family: str, seed: int = 0):
-    torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(make_config(family)).eval()
-    randomize(ref)
-    return ref
+    return auto_reference(make_config(family), seed, randomize)
 
 
 # Flagship config.json values (the published configs of the checkpoints each preset names)
@@ -121,12 +118,7 @@ def test_flagship_parameter_count(preset):
      ["moe", "not yet supported", "SwiGLU"]),
 ])
 def test_what_cannot_be_expressed_is_refused(family, change, words):
-    from zoo.compiler.hf_import import import_config
-
-    config = {**make_config(family).to_dict(), **change}
-    with pytest.raises(zoo.ConfigError) as e:
-        import_config(config, "config.json")
-    assert all(w in str(e.value) for w in words), str(e.value)
+    check_import_refused({**make_config(family).to_dict(), **change}, words)
 
 
 def test_mamba_layers_have_no_ffn_norm():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.serve_fixtures import running_server, write_tiny_llama
+from tests.serve_fixtures import grammars_for, running_server, write_tiny_llama
 from tests.test_tools import HERMES, MARKERS, TOOLS, _stream, _walk, reassemble
 from zoo.reasoning import REASONING, detect
 from zoo.serve.chat import ChatPlan
@@ -62,12 +62,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grammars(ckpt):
-    pytest.importorskip("llguidance")
-    from zoo.constrain import Grammars
-    from zoo.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(ckpt)
-    return tok, Grammars(tok, tok.vocab_size, tok.eos_ids)
+    return grammars_for(ckpt)
 
 
 @pytest.fixture(scope="module")

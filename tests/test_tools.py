@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.serve_fixtures import running_server, write_tiny_llama
+from tests.serve_fixtures import grammars_for, running_server, write_tiny_llama
 from zoo.serve.chat import ChatOutput, ChatPlan
 from zoo.tools import FORMATS, ToolError, by_name, check_choice, check_tools, detect
 
@@ -200,12 +200,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grammars(ckpt):
-    pytest.importorskip("llguidance")
-    from zoo.constrain import Grammars
-    from zoo.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(ckpt)
-    return tok, Grammars(tok, tok.vocab_size, tok.eos_ids)
+    return grammars_for(ckpt)
 
 
 def _walk(tok, grammar, seed: int, steps: int = 3000) -> str:

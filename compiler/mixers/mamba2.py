@@ -39,9 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contracts import CacheField, KindSpec, Mixer
+from ..contracts import CacheField, KindSpec
 from ..registry import register
 from .short_conv import check_conv, conv_from_history, conv_step
+from .ssm_scan import ScanMixer
 
 
 # ---------------------------------------------------------------------------- the three forms
@@ -122,8 +123,10 @@ class GroupedGatedRMSNorm(nn.Module):
 # ---------------------------------------------------------------------------- the mixer
 
 @register("mixer", "mamba2")
-class Mamba2(Mixer):
+class Mamba2(ScanMixer):
     """Mamba2's SSD mixer; no attention weights (see the module docstring)."""
+
+    naive_scan = staticmethod(ssd_reference)
 
     @dataclass
     class Spec(KindSpec):
@@ -231,29 +234,6 @@ class Mamba2(Mixer):
 
     # ------------------------------------------------------------------ entry points
 
-    def prefill_from(self, x: torch.Tensor, conv_history: torch.Tensor, state: torch.Tensor,
-                     cache: dict) -> torch.Tensor:
-        """x [B, L, D] continuing a sequence whose conv inputs and SSM state are given -> [B, L, D];
-        leaves the new conv inputs and state in the cache."""
-        y, u, z, _, final = self._prefill_scan(x, conv_history, state, cache)
-        cache["state"].copy_(final)
-        return self._out(y, u, z, x.dtype)
-
-    def prefill(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] (new sequences: zero conv history and state) -> [B, L, D]."""
-        return self.prefill_from(x, torch.zeros_like(cache["conv"]), torch.zeros_like(cache["state"]), cache)
-
-    def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
-        """x [B, L, D] after the rows' cached tokens -> [B, L, D]: the chunked form from the cached
-        conv inputs and state, leaving both updated (chunked prefill, prefix reuse, verification)."""
-        return self.prefill_from(x, cache["conv"].clone(), cache["state"], cache)
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The naive token-loop form from zero history and state: x [B, L, D] -> [B, L, D]."""
-        scratch = self._scratch(x)
-        y, u, z, _, _ = self._prefill_scan(x, scratch["conv"], scratch["state"], scratch, ssd_reference)
-        return self._out(y, u, z, x.dtype)
-
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""
         z, xbc, dtr = self.in_proj(x).split(self.split, dim=-1)
@@ -263,10 +243,6 @@ class Mamba2(Mixer):
         y, state = ssd_step((u * dt[..., None])[:, :, 0], a[:, :, 0], b[:, :, 0], c[:, :, 0], cache["state"])
         cache["state"].copy_(state)
         return self._out(y[:, :, None], u, z, x.dtype)
-
-    def _scratch(self, x: torch.Tensor) -> dict:
-        return {name: torch.zeros(f.shape, dtype=f.dtype, device=x.device)
-                for name, f in self.cache_fields(x.shape[0], x.shape[1], x.dtype).items()}
 
     def mixer_statistics(self, x: torch.Tensor, ctx: dict) -> dict[str, torch.Tensor]:
         """prefill's scan, summarised per head [B, Hs] (contracts.MixerStatistics): decay, the mean
