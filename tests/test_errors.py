@@ -82,8 +82,8 @@ def test_inconsistent_dims_name_both_values():
 def test_config_json_errors(ckpt, tmp_path):
     bad = copy_ckpt(ckpt, tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neo"}))
-    with pytest.raises(zoo.ConfigError, match="model_type 'gpt_neo' is not supported; supported: .*llama"):
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "dbrx"}))
+    with pytest.raises(zoo.ConfigError, match="model_type 'dbrx' is not supported; supported: .*llama"):
         zoo.from_pretrained(str(bad), compile=False)
     (bad / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     with pytest.raises(zoo.ConfigError, match="hidden_act='gelu'"):

@@ -166,10 +166,13 @@ for _i, _name in enumerate(gpt2era.FAMILIES):
 
 # ------------------------------------------- dense families through data (issue 26; test_reach_dense.py)
 
+REACH_DENSE_COMPILED = {"apertus": 1}  # one compiled sample: the learned xIELU activation
 for _i, _name in enumerate(reach_dense.FAMILIES):
     FAMILIES[f"reach_dense/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
-        eager=(P(11, 6), DEP(25, 9)))
+        eager=(P(11, 6), DEP(25, 9)),
+        compiled=(P(11, 4), P(17, 2), DEP(25, 7)) if _name in REACH_DENSE_COMPILED else (),
+        graphs=REACH_DENSE_COMPILED.get(_name))
 
 # ------------------------------------------- MoE families through data, eager only (test_reach_moe.py)
 
