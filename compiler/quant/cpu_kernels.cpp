@@ -102,21 +102,26 @@ inline float m_term(const S* m, const float* xs, int64_t ng) {
   return hsum(am) + tail;
 }
 
-// sum over blocks b < nb of block(b, acc) into four sums: each block's scaled add depends on the
-// previous one into the same sum, so one sum would wait on the FMA latency every block
-template <typename Block>
-inline __m256 sum_blocks(int64_t nb, Block block) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 3 < nb; b += 4) {
-    a0 = block(b, a0);
-    a1 = block(b + 1, a1);
-    a2 = block(b + 2, a2);
-    a3 = block(b + 3, a3);
+// sum over steps i < n of step(i, acc) into four sums of vector type V (__m256 or __m512): each
+// step's scaled add depends on the previous one into the same sum, so one sum would wait on the
+// FMA latency every step
+template <typename V, typename Step>
+inline V sum_in_four(int64_t n, Step step) {
+  V a0{}, a1{}, a2{}, a3{};
+  int64_t i = 0;
+  for (; i + 3 < n; i += 4) {
+    a0 = step(i, a0);
+    a1 = step(i + 1, a1);
+    a2 = step(i + 2, a2);
+    a3 = step(i + 3, a3);
   }
-  for (; b < nb; ++b) a0 = block(b, a0);
-  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  for (; i < n; ++i) a0 = step(i, a0);
+  return (a0 + a1) + (a2 + a3);
 }
+
+// over the blocks of 32 inputs (AVX2)
+template <typename Block>
+inline __m256 sum_blocks(int64_t nb, Block block) { return sum_in_four<__m256>(nb, block); }
 
 // the 32 codes of one Q4 block (16 bytes) as 32 bytes in input order: the 16 bytes broadcast to
 // both halves, the upper half shifted by a nibble (three instructions, the load included)
@@ -166,20 +171,9 @@ inline __m512 spread(const float* s, int n, __m512i idx) {
 const __m512i kTwoBlocks = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 const __m512i kFourHalves = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
 
-// sum over pairs of blocks p < np of pair(p, acc) into four sums (as sum_blocks)
+// over pairs of blocks (AVX512)
 template <typename Pair>
-inline __m512 sum_pairs(int64_t np, Pair pair) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; p + 3 < np; p += 4) {
-    a0 = pair(p, a0);
-    a1 = pair(p + 1, a1);
-    a2 = pair(p + 2, a2);
-    a3 = pair(p + 3, a3);
-  }
-  for (; p < np; ++p) a0 = pair(p, a0);
-  return _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-}
+inline __m512 sum_pairs(int64_t np, Pair pair) { return sum_in_four<__m512>(np, pair); }
 #endif
 
 // One output of an int4 row over one int8-rounded row of x:
