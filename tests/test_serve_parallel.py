@@ -98,6 +98,7 @@ def test_two_rank_server_stops_on_sigint(two_ranks):
 
 FAIL_WORKER = r"""
 import json, sys, torch, torch.distributed as dist
+from zoo.compiler.parallel.mesh import shutdown
 from zoo.serve.parallel import LeaderEngine, RankFailed, control_group, follow
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -150,6 +151,7 @@ for case, fail in [("everywhere", {0: [1], 1: [1]}), ("follower", {1: [1]}), ("l
             seen["follow"] = ["RankFailed", str(e)]
     out[case] = {**seen, "calls": engine.calls}
 print(json.dumps(out))
+shutdown()
 """
 
 
@@ -198,6 +200,7 @@ def test_a_rank_that_fails_alone_stops_the_group(tmp_path):
 
 REPLAY_WORKER = r"""
 import json, sys, torch, torch.distributed as dist
+from zoo.compiler.parallel.mesh import shutdown
 from zoo.serve.parallel import LeaderEngine, control_group, follow
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -230,6 +233,7 @@ if rank == 0:
 else:
     follow(engine, group)
 print(json.dumps(engine.calls))
+shutdown()
 """
 
 

@@ -467,9 +467,14 @@ def run() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        sys.exit(code)
+    if "torch.distributed" in sys.modules:
+        from .compiler.parallel.mesh import shutdown
+
+        if sys.modules["torch.distributed"].is_initialized():
+            # every rank's connections closed together (a barrier while all succeeded): a rank
+            # that exits with its group's threads running is aborted by the C++ runtime
+            shutdown(wait=code == 0)
+            sys.exit(code)
     os._exit(code)
 
 

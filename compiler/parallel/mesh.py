@@ -116,6 +116,21 @@ def setup(tp: int, ep: int, device: str, where: str) -> Mesh | None:
     return Mesh(size=size, rank=rank, tp=tp, ep=ep, group_name=mesh.get_group("tp").group_name, device=dev)
 
 
+def shutdown(wait: bool = True) -> None:
+    """End this process's part in the process group (no-op without one). `wait`: a barrier first,
+    so that no rank tears its connections down while another still reads from them (gloo aborts
+    the process with "terminate called without an active exception" otherwise); pass False where
+    a rank may have failed and the others would wait for it forever."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing left to wait for
+            pass
+    dist.destroy_process_group()
+
+
 def check_same_on_all_ranks(mesh: Mesh, what: str, text: str) -> None:
     """Raise unless every rank passes the same `text` (compared as a hash, one all-gather)."""
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
