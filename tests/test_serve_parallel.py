@@ -110,7 +110,7 @@ class Engine:
     def __init__(self, fail):
         self.fail, self.calls = fail, []
 
-    def prefill_row(self, row, ids):
+    def prefill_row(self, row, ids, return_hidden=False):
         if row in self.fail.get(rank, ()):
             raise RuntimeError(f"row {row} does not fit on rank {rank}")
         self.calls.append(["prefill", row, ids.tolist()])
@@ -199,7 +199,7 @@ def test_a_rank_that_fails_alone_stops_the_group(tmp_path):
 # ----------------------------------------------------------------------------- every row call replays
 
 REPLAY_WORKER = r"""
-import json, sys, torch, torch.distributed as dist
+import gc, json, sys, torch, torch.distributed as dist
 from zoo.compiler.parallel.mesh import shutdown
 from zoo.serve.parallel import LeaderEngine, control_group, follow
 
@@ -207,14 +207,27 @@ rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
 
 
+class Kept:
+    # what save_state / export_row return: records when the rank lets go of it
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def __del__(self):
+        self.calls.append(["freed", self.name])
+
+
 class Engine:
     # records every call, with its arguments as the follower receives them
     def __init__(self):
-        self.calls = []
+        self.calls, self.n = [], 0
 
     def __getattr__(self, name):
         def call(*args, **kwargs):
-            self.calls.append([name, [a.tolist() if isinstance(a, torch.Tensor) else a for a in args], kwargs])
+            self.calls.append([name, [a.tolist() if isinstance(a, torch.Tensor) else
+                                      a.name if isinstance(a, Kept) else a for a in args], kwargs])
+            if name in ("save_state", "export_row"):
+                self.n += 1
+                return Kept(self.calls, f"{name}{self.n}")
             return torch.zeros(1)
         return call
 
@@ -223,12 +236,25 @@ engine, group = Engine(), control_group()
 if rank == 0:
     leader = LeaderEngine(engine, group)
     leader.prefill_row(3, torch.tensor([5, 6, 7]))
+    leader.prefill_row(2, torch.tensor([4]), return_hidden=True)
     leader.extend_rows([3], torch.tensor([[8, 9]]))
-    leader.extend_rows([1, 2], torch.tensor([[1, 2, 3], [4, 5, 6]]), last_only=True)
+    leader.extend_rows([1, 2], torch.tensor([[1, 2, 3], [4, 5, 6]]), last_only=True, return_hidden=True)
+    leader.truncate_row(3, 4)
+    state = leader.save_state([1, 3])
+    snap = leader.export_row(3, torch.ones(4))
+    assert snap.name == "export_row2"  # the snapshot's own attributes read through
+    leader.restore_state([2, 0], state)
+    del state  # rank 0 lets go of the handle: so does the follower, before its next call
+    gc.collect()
+    leader.import_row(0, snap, 2)
+    leader.mtp_extend(0, [1, 2], torch.tensor([[[0.5, -1.25]], [[3.0, 2.0]]], dtype=torch.bfloat16),
+                      torch.tensor([[7], [8]]), torch.tensor([4, 6]))
     leader.move_row(3, 0)
     leader.decode_active(torch.tensor([11, 12, 13])[:2])
     leader.decode_rows(torch.tensor([1, 2, 3, 4]))
     leader.release_row(0)
+    del snap  # an evicted prefix: the follower's copy goes before the next call
+    leader.reset()
     leader.stop()
 else:
     follow(engine, group)
@@ -238,9 +264,12 @@ shutdown()
 
 
 def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_path):
-    """Two gloo ranks over a recording stand-in engine: the row calls of the compacting, chunking
-    scheduler (extend_rows with and without last_only, move_row, decode_active) reach rank 1 with
-    the arguments rank 0 ran them with."""
+    """Two gloo ranks over a recording stand-in engine: every engine call of the scheduler (with
+    chunked prefill, the prefix cache and speculative decoding) reaches rank 1 with the arguments
+    rank 0 ran it with: extend_rows with last_only / return_hidden, truncate_row, save_state /
+    restore_state and export_row / import_row (what they return stays on each rank under one key;
+    rank 1 lets go of its copy when rank 0 does), an MTP step with its bfloat16 hidden states,
+    move_row, decode_active."""
     import json
 
     from tests.serve_fixtures import free_port
@@ -257,8 +286,16 @@ def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_pat
     for p, (stdout, stderr) in zip(procs, results):
         assert p.returncode == 0, stderr[-3000:]
     leader, follower = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results)
-    assert leader == [["prefill_row", [3, [5, 6, 7]], {}], ["extend_rows", [[3], [[8, 9]]], {"last_only": False}],
-                      ["extend_rows", [[1, 2], [[1, 2, 3], [4, 5, 6]]], {"last_only": True}],
+    plain, hidden = {"return_hidden": False}, {"return_hidden": True}
+    assert leader == [["prefill_row", [3, [5, 6, 7]], plain], ["prefill_row", [2, [4]], hidden],
+                      ["extend_rows", [[3], [[8, 9]]], {"last_only": False, **plain}],
+                      ["extend_rows", [[1, 2], [[1, 2, 3], [4, 5, 6]]], {"last_only": True, **hidden}],
+                      ["truncate_row", [3, 4], {}], ["save_state", [[1, 3]], {}],
+                      ["export_row", [3, [1.0] * 4], {}], ["restore_state", [[2, 0], "save_state1"], {}],
+                      ["freed", "save_state1"], ["import_row", [0, "export_row2", 2], {}],
+                      ["mtp_extend", [0, [1, 2], [[[0.5, -1.25]], [[3.0, 2.0]]], [[7], [8]], [4, 6]], {}],
                       ["move_row", [3, 0], {}], ["decode_active", [[11, 12]], {}], ["decode_rows", [[1, 2, 3, 4]], {}],
-                      ["release_row", [0], {}]]
-    assert follower == leader
+                      ["release_row", [0], {}], ["freed", "export_row2"], ["reset", [], {}]]
+    # rank 1 exported without logits (only rank 0's prefix cache reads them); all else alike
+    assert follower[6] == ["export_row", [3], {}]
+    assert follower[:6] + follower[7:] == leader[:6] + leader[7:]

@@ -19,6 +19,8 @@ mask that sends free rows back to position 0 after each step).
                                                        whose every field grows with tokens)
     export_row(row) -> RowCache, import_row(row, snap, n)   a row's cache out to RAM and into a
                                                        free row at its first n tokens (prefix.py)
+    mtp_extend(depth, rows, prev, ids, start)          an MTP layer's step over rows' own MTP
+                                                       caches (the MTP drafter's, mtp.py)
     save_state(rows) -> handle, restore_state(rows, handle)   copy the constant-state fields
                                                        (recurrent, conv, ring) and lengths of rows
                                                        out and back: the rollback of any family
@@ -411,6 +413,23 @@ class Engine:
         if return_hidden:
             return self.model.logits(h[:, -1] if last_only else h), self.model.final_hidden(h)
         return self.model.logits(h[:, -1] if last_only else h)
+
+    @_engine_mode
+    def mtp_extend(self, depth: int, rows, prev: torch.Tensor, ids: torch.Tensor, start: torch.Tensor):
+        """MTP layer `depth` (model.mtp[depth]) over prev [n, L, D] (hidden states) and ids [n, L]
+        (the tokens one ahead) at positions start [n].. of rows' own MTP caches -> (its hidden
+        [n, D], logits [n, V] float32) at the last position: the MTP drafter's step (mtp.py)."""
+        rows = [int(r) for r in rows]
+        layer, own = self.model.mtp[depth], self.mtp_caches[depth]
+        prev, ids = prev.to(self.device), ids.to(self.device, torch.long)
+        idx = torch.tensor(rows, device=self.device)
+        cache = {name: t.index_select(0, idx) for name, t in own.items()}
+        x = layer.step_in(self.model, prev, ids)
+        x = self.block_extend(layer, x, cache, ids, start.to(self.device, torch.long))
+        for name, t in own.items():
+            t.index_copy_(0, idx, cache[name])
+        hidden, logits = layer.step_out(self.model, x[:, -1:])
+        return hidden[:, 0], logits[:, 0]
 
     def constant_state_kinds(self) -> list[str]:
         """"layers.i (kind): fields" of every layer whose cache has constant-state fields

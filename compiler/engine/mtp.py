@@ -74,7 +74,7 @@ class MtpDrafter(Drafter):
             raise InputError(f"runtime.speculative.drafter=mtp: the MTP layer's mixer ({layer.mixer.kind}) keeps "
                              f"constant-state cache fields {state}, which drafting ahead would overwrite; "
                              f"expected a mixer whose cache grows with tokens")
-        self.engine, self.layer, self.cache = engine, layer, engine.mtp_caches[0]
+        self.engine = engine
         self.filled: dict[int, int] = {}  # row -> m
         self.pending: dict[int, torch.Tensor] = {}  # row -> target hidden states [T - m, D]
 
@@ -102,17 +102,10 @@ class MtpDrafter(Drafter):
         self.pending.clear()
 
     def _run(self, rows: list[int], prev: torch.Tensor, ids: torch.Tensor, start: torch.Tensor):
-        """The layer over prev [n, L, D] (hidden states), ids [n, L] (the tokens one ahead) at
-        positions start[i].. of rows' MTP caches -> (its hidden [n, D], logits [n, V]) of the last position."""
-        e, model = self.engine, self.engine.model
-        idx = torch.tensor(rows, device=e.device)
-        cache = {name: t.index_select(0, idx) for name, t in self.cache.items()}
-        x = self.layer.step_in(model, prev, ids)
-        x = e.block_extend(self.layer, x, cache, ids, start)
-        for name, t in self.cache.items():
-            t.index_copy_(0, idx, cache[name])
-        hidden, logits = self.layer.step_out(model, x[:, -1:])
-        return hidden[:, 0], logits[:, 0]
+        """The first MTP layer over prev [n, L, D], ids [n, L] at positions start[i].. of rows'
+        MTP caches -> (hidden [n, D], logits [n, V]) of the last position (Engine.mtp_extend: an
+        engine call, which a torchrun leader replays on every rank)."""
+        return self.engine.mtp_extend(0, rows, prev, ids, start)
 
     def propose(self, rows, histories, kd, picks) -> Draft:
         e = self.engine

@@ -156,13 +156,10 @@ class Scheduler:
         self._chunk: Optional[Chunking] = None
         # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
         self.spec = model.speculator(speculative, draft_tokens)
-        if self.spec is not None and not self.engine.can_extend:
-            # under torchrun rank 0's LeaderEngine does not send extend_rows to the other ranks
-            # yet; the packages of runtime.aot cannot extend
+        if self.spec is not None and not self.engine.can_extend:  # runtime.aot: packages do not extend
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name}: speculative serving extends "
-                              f"rows, which this engine cannot ({type(self.engine).__name__}: under torchrun the "
-                              f"other ranks do not follow extend_rows yet; runtime.aot packages do not extend); "
-                              f"serve with runtime.speculative.drafter=null")
+                              f"rows, which this engine's {self.engine.runner} runner cannot (runtime.aot packages "
+                              f"do not extend); serve with runtime.speculative.drafter=null")
         if self.spec is not None and self.spec.drafter.wants_hidden and self.step_tokens:
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name} with runtime.step_tokens="
                               f"{self.step_tokens}: the drafter starts from a whole prompt's hidden states, which a "
