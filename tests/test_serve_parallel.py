@@ -1,7 +1,10 @@
 """`zoo serve` under torchrun (zoo/serve/parallel.py): a 2-rank tensor-parallel server (gloo, CPU,
 127.0.0.1; rank 0 serves HTTP, rank 1 follows its engine calls) answers /v1/completions with the
 same tokens as one process: greedy, two requests at once (two rows of the continuous batch, one
-admitted while the other decodes), the logprobs of every chosen token to float32 rounding."""
+admitted while the other decodes), the logprobs of every chosen token to float32 rounding. Over a
+recording stand-in engine: every engine call is replayed with its arguments, and a call that fails
+on some ranks only stops the group. With prefix reuse, chunked prefill and n-gram speculation on,
+the scheduler on 2 ranks gives one process's tokens."""
 from __future__ import annotations
 
 import os
@@ -299,3 +302,37 @@ def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_pat
     # rank 1 exported without logits (only rank 0's prefix cache reads them); all else alike
     assert follower[6] == ["export_row", [3], {}]
     assert follower[:6] + follower[7:] == leader[:6] + leader[7:]
+
+
+# ----------------------------------------------------------------------------- every policy, two real ranks
+
+def test_prefix_reuse_chunked_prefill_and_speculation_under_two_ranks_equal_one_process(checkpoint):
+    """The scheduler with prefix reuse, chunked prefill (step_tokens) and n-gram speculative
+    decoding on 2 gloo ranks (tp=2, the tiny twin, eager; tests/serve_tp_worker.py) gives the
+    same greedy tokens as one process, with the same policy decisions: a prompt prefilled in two
+    chunks from a reused prefix while another decodes, a reused prompt, drafts accepted and
+    rolled back (truncate_row)."""
+    import json
+
+    from tests.serve_fixtures import free_port
+    from tests.serve_tp_worker import drive, load
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "serve_tp_worker.py"), str(checkpoint),
+                               str(rank), str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        want = drive(load(str(checkpoint)))
+        results = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    got = json.loads(results[0][0].strip().splitlines()[-1])
+    # every policy ran: a reused prefix twice (the chunked prompt's and the third one's), a
+    # prompt in chunks, drafts both kept and dropped
+    assert want["prefix_hits"] == 2 and want["chunked_steps"] >= 1
+    assert 0 < want["accepted"] < want["drafted"]
+    assert got == want
