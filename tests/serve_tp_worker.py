@@ -4,7 +4,9 @@ step_tokens budget, n-gram speculative decoding), driven step by step over fixed
 tests/test_serve_parallel.py, never forked): rank 0 drives the scheduler against a LeaderEngine,
 rank 1 follows its engine calls (zoo/serve/parallel.py).
 
-    python tests/serve_tp_worker.py CHECKPOINT RANK PORT   -> rank 0 prints drive()'s result as JSON
+    python tests/serve_tp_worker.py CHECKPOINT RANK PORT [DRAFTER [OVERRIDE...]]
+        -> rank 0 prints drive()'s result as JSON (DRAFTER: ngram, the default, or mtp, which
+           is served without chunked prefill: it starts from a whole prompt's hidden states)
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ def load(checkpoint: str, overrides=()):
 
 
 @torch.no_grad()
-def drive(model) -> dict:
+def drive(model, drafter: str = "ngram") -> dict:
     """REQUESTS (submitted at step i: prompt ids, max_tokens; greedy) through a Scheduler over
     model.engine -> each request's tokens and what the policies did (prefix hits, chunked
     prompts, drafted and accepted tokens)."""
     from zoo.serve.scheduler import Sequence, SamplingParams, Scheduler
 
-    sched = Scheduler(model, eos_ids=[], step_tokens=STEP_TOKENS, speculative="ngram", draft_tokens=3)
+    sched = Scheduler(model, eos_ids=[], step_tokens=STEP_TOKENS if drafter == "ngram" else 0,
+                      speculative=drafter, draft_tokens=3)
     seqs, chunked, step = [], 0, 0
     while step < 200 and (len(seqs) < len(REQUESTS) or any(s.finish_reason is None for s in seqs)):
         for at, prompt, n in REQUESTS:
@@ -50,7 +53,7 @@ def drive(model) -> dict:
             "chunked_steps": chunked, "drafted": sched.spec.stats.drafted, "accepted": sched.spec.stats.accepted}
 
 
-def main(checkpoint: str, rank: int, port: int) -> int:
+def main(checkpoint: str, rank: int, port: int, drafter: str = "ngram", *overrides: str) -> int:
     import torch.distributed as dist
 
     from zoo.compiler.parallel.mesh import shutdown
@@ -59,12 +62,12 @@ def main(checkpoint: str, rank: int, port: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        model = load(checkpoint, ["runtime.parallel.tp=2"])
+        model = load(checkpoint, ["runtime.parallel.tp=2", *overrides])
         group = control_group()
         if rank == 0:
             leader = model.engine = LeaderEngine(model.engine, group)
             try:
-                print(json.dumps(drive(model)), flush=True)
+                print(json.dumps(drive(model, drafter)), flush=True)
             finally:
                 leader.stop()
         else:
@@ -75,4 +78,4 @@ def main(checkpoint: str, rank: int, port: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:]))
