@@ -143,12 +143,10 @@ def shard_model(model, mesh: Mesh) -> ShardReport:
     """Apply every kind's declared sharding to `model` (on meta), add the all-reduces, make the
     head vocab-parallel; returns the slices the loader reads."""
     spec = model.spec
-    if len(model.mtp):
-        raise ConfigError(f"{spec.source}: multi-token-prediction layers (checkpoint.mtp=true) have no "
-                          f"sharding plan yet; use checkpoint.mtp=false with runtime.parallel")
     plan = ShardPlan(mesh)
     plan.source = spec.source
-    for block, layer in zip(model.layers, spec.layers):
+    # the MTP blocks as the stack's (their eh_proj, norms and own embed / head copies replicated)
+    for block, layer in zip((*model.layers, *model.mtp), (*spec.layers, *spec.mtp_layers[:len(model.mtp)])):
         if mesh.tp > 1:
             plan.where = f"mixers.{layer.mixer_name}"
             if block.mixer.shard(plan):
