@@ -26,9 +26,12 @@ MAX_SEQ, MAX_BATCH, MAX_QUEUE = 128, 8, 16
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_tiny_llama(tmp_path_factory.mktemp("serve") / "ckpt")
-    # eager (compile=false): the graphs' compile is covered by test_serve_rows; here the server is tested
+    # eager (compile=false): the graphs' compile is covered by test_serve_rows; here the server is tested,
+    # with every scheduler policy on (prompt chunks, prefix reuse by default, prompt-lookup drafts)
+    # so that the load test below holds with them
     args = [f"weights={ckpt}", f"api_key={KEY}", f"model_name={NAME}", f"max_seq={MAX_SEQ}",
-            f"max_batch={MAX_BATCH}", f"max_queue={MAX_QUEUE}", "compile=false", "log_level=warning"]
+            f"max_batch={MAX_BATCH}", f"max_queue={MAX_QUEUE}", "compile=false", "log_level=warning",
+            "step_tokens=24", "speculative=ngram", "draft_tokens=3"]
     with running_server(args, tmp_path_factory.mktemp("log")) as (base, proc):
         yield base, proc
 
@@ -233,3 +236,7 @@ def test_load(server):
     growth = _rss(proc) - before
     assert growth < 64 * 2**20, f"server RSS grew by {growth / 2**20:.1f} MiB over 200 requests"
     assert _post(base, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
+    # the load went through the policies the fixture turned on: drafts verified, prefixes reused
+    seen = {line.split()[0]: float(line.split()[1]) for line in httpx.get(base + "/metrics").text.splitlines()
+            if line and not line.startswith("#")}
+    assert seen["zoo_spec_draft_tokens_total"] > 0 and seen["zoo_prefix_cache_hits_total"] > 0, seen
