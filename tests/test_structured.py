@@ -6,6 +6,7 @@ official openai client (incl. chat.completions.parse with a pydantic model), bad
 jsonschema. Eager models only (no compile)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -153,6 +154,119 @@ def test_model_generate_with_response_format_and_grammar(model):
         model.generate(torch.tensor(ids), 3, response_format={"type": "objekt"})
     with pytest.raises(GrammarError, match="not both"):
         model.generate(torch.tensor(ids), 3, response_format=POINT, grammar=gbnf)
+
+
+# ---------------------------------------------------------------------------------------- speculative
+
+# a prompt that holds the kind of text the schema makes (n-gram lookup drafts from it) and some
+# the schema rejects
+SPEC_PROMPT = 'name: {"name": "ada", "age": 36, "role": "admin", "tags": ["x"], "address": {"city": "x"}} {"x": 0.5, "y": 3}'
+
+
+def test_constraint_draft_masks_follow_the_grammar_and_leave_its_state(model, grammars):
+    g = grammars.get("json_schema", POINT, "rf")
+    c = g.constraint()
+    lead = model.tokenizer.encode('{"x": 0.5, "y"', add_special_tokens=False)
+    bad = int((~c.allowed()).nonzero()[0, 0])
+    masks = c.draft_masks(lead[:3] + [bad] + lead[3:])
+    assert masks.shape == (4, model.engine.vocab_size)  # cut at the rejected draft: 3 drafts, 4 masks
+    walk = g.constraint()
+    for j in range(4):
+        assert torch.equal(masks[j], walk.allowed()), j  # the mask after draft[:j]
+        walk.accept(lead[j]) if j < 3 else None
+    assert torch.equal(c.allowed(), g.constraint().allowed())  # rolled back: the state it started in
+    # an end token ends the lead (where the grammar may end); the state is again unchanged
+    done = model.tokenizer.encode('{"x": 0.5, "y": 3}', add_special_tokens=False)
+    end = sorted(grammars._ends)[0]
+    masks = c.draft_masks(done + [end, lead[0]])
+    assert masks.shape[0] == len(done) + 2 and masks[-2, end] and c.accept(lead[0])
+
+
+def test_verify_step_cuts_a_draft_at_the_token_the_grammar_rejects(model, grammars):
+    """The verify step itself, with a hand-made draft: the first two drafts are plain constrained
+    greedy decoding's next tokens, the third one the grammar rejects. The step keeps the two, cuts
+    the rest before verifying, picks plain decoding's next token from the masked logits, and leaves
+    the grammar where it was; accepting the emitted tokens puts it where plain decoding is."""
+    from zoo.compiler.engine.drafters import Draft, Drafter, Pick
+    from zoo.compiler.engine.speculative import Speculator
+
+    ids = torch.tensor(model.tokenizer.encode("hello there", add_special_tokens=False))
+    plain = model.generate(ids[None], 8, response_format=PERSON, speculative="off")[0, ids.shape[0]:].tolist()
+    g = grammars.get("json_schema", PERSON, "rf")
+    after = g.constraint()
+    for t in plain[:3]:
+        assert after.accept(t)
+    bad = int((~after.allowed()).nonzero()[0, 0])
+
+    class Fixed(Drafter):
+        name = "fixed"
+
+        def propose(self, rows, histories, kd, picks):
+            return Draft(torch.tensor([[plain[1], plain[2], bad, plain[3]]]), [4])
+
+    spec = Speculator(model.engine, Fixed(), 4)
+    spec.reset()
+    spec.prefill_rows(0, ids[None])
+    c = g.constraint()
+    assert c.accept(plain[0])
+    before = c.allowed()
+    res, = spec.step([0], [torch.cat((ids, torch.tensor(plain[:1])))], [Pick(constraint=c)])
+    assert res.tokens == plain[1:4] and res.error is None
+    assert spec.stats.cut == 2 and spec.stats.accepted == 2
+    assert model.engine.row_len[0] == ids.shape[0] + 3  # x and the two kept drafts
+    assert torch.equal(c.allowed(), before)  # the step leaves the grammar's state to the caller
+    for t in res.tokens:
+        assert c.accept(t)
+    walk = g.constraint()
+    for t in plain[:4]:
+        walk.accept(t)
+    assert torch.equal(c.allowed(), walk.allowed())
+    spec.reset()
+
+
+def test_generate_speculative_with_a_constraint_equals_plain(model):
+    """Model.generate(response_format=, speculative="ngram"): greedy gives constrained plain
+    decoding's tokens (batch 2, rows at different lengths), drafts were kept and some cut by the
+    grammar; sampled output validates."""
+    tok = model.tokenizer
+    ids = torch.tensor([tok.encode(SPEC_PROMPT, add_special_tokens=False)[-24:],
+                        tok.encode("hello there " + SPEC_PROMPT, add_special_tokens=False)[:24]])
+    spec = model.speculator("ngram", 3)
+    before = dataclasses.replace(spec.stats)
+    for schema in (PERSON, POINT):
+        plain = model.generate(ids, 80, response_format=schema, speculative="off")
+        got = model.generate(ids, 80, response_format=schema, speculative="ngram", draft_tokens=3)
+        assert torch.equal(got, plain), schema
+    assert spec.stats.accepted > before.accepted and spec.stats.cut > before.cut
+    ends = set(model.eos_ids) | tok.eos_ids
+    out = model.generate(ids, 120, temperature=1.0, generator=torch.Generator().manual_seed(1),
+                         response_format=POINT, speculative="ngram", draft_tokens=3)
+    for row in out[:, ids.shape[1]:].tolist():
+        jsonschema.validate(json.loads(tok.decode(row[:next(i for i, t in enumerate(row) if t in ends)])), POINT)
+
+
+def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars):
+    """zoo serve's scheduler with n-gram speculation: a constrained greedy row and a free greedy
+    row in one batch get plain serving's tokens; the constrained one validates and stops there."""
+    g = grammars.get("json_schema", FLAGS, "rf")
+    ids = model.tokenizer.encode(SPEC_PROMPT, add_special_tokens=False)
+
+    def run(speculative):
+        sched, events = Scheduler(model, speculative=speculative, draft_tokens=3), ([], [])
+        seqs = [Sequence(ids, SamplingParams(max_tokens=100, temperature=0, grammar=g), events[0].append,
+                         tokenizer=model.tokenizer),
+                Sequence(ids, SamplingParams(max_tokens=30, temperature=0), events[1].append,
+                         tokenizer=model.tokenizer)]
+        sched.submit(seqs)
+        while sched.step():
+            pass
+        return seqs, sched.spec
+
+    plain, _ = run("off")
+    got, spec = run("ngram")
+    assert [s.tokens for s in got] == [s.tokens for s in plain]
+    assert got[0].finish_reason == "stop" and spec.stats.accepted > 0
+    jsonschema.validate(json.loads(model.tokenizer.decode(got[0].tokens)), FLAGS)
 
 
 # ---------------------------------------------------------------------------------------- HTTP
