@@ -173,11 +173,11 @@ def test_constraint_draft_masks_follow_the_grammar_and_leave_its_state(model, gr
     walk = g.constraint()
     for j in range(4):
         assert torch.equal(masks[j], walk.allowed()), j  # the mask after draft[:j]
-        walk.accept(lead[j]) if j < 3 else None
+        assert j == 3 or walk.accept(lead[j])
     assert torch.equal(c.allowed(), g.constraint().allowed())  # rolled back: the state it started in
     # an end token ends the lead (where the grammar may end); the state is again unchanged
     done = model.tokenizer.encode('{"x": 0.5, "y": 3}', add_special_tokens=False)
-    end = sorted(grammars._ends)[0]
+    end = sorted(g.ends)[0]
     masks = c.draft_masks(done + [end, lead[0]])
     assert masks.shape[0] == len(done) + 2 and masks[-2, end] and c.accept(lead[0])
 
@@ -273,8 +273,10 @@ def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars)
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
+    # with n-gram speculation: every constrained request below runs through grammar-masked
+    # verification (the scheduler tests above cover constrained rows without it)
     args = [f"weights={ckpt}", f"api_key={KEY}", f"model_name={NAME}", "max_seq=256", "max_batch=4",
-            "compile=false", "log_level=warning"]
+            "compile=false", "log_level=warning", "speculative=ngram", "draft_tokens=3"]
     with running_server(args, tmp_path_factory.mktemp("log")) as (base, _):
         yield base
 
