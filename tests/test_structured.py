@@ -370,7 +370,8 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, param):
 
 def test_smollm2_schema_batch(smollm2_gguf):
     """Real weights (the shipped GGUF), greedy, three schemas in one batch (nested objects, enums,
-    arrays, bounded numbers): every output parses and validates."""
+    arrays, bounded numbers): every output parses and validates; served again with n-gram
+    speculation (grammar-masked verification), the same tokens."""
     m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=3, max_seq=160)
     g = Grammars(m.tokenizer, m.engine.vocab_size, Scheduler(m).eos)
     prompts = ["Give a point as JSON.", "Give flags with a list of points as JSON.", "List some colours as a JSON array."]
@@ -379,12 +380,19 @@ def test_smollm2_schema_batch(smollm2_gguf):
     for p, s in zip(prompts, schemas):
         text = m.tokenizer.apply_chat_template([{"role": "user", "content": p}])
         specs.append((text, SamplingParams(max_tokens=100, temperature=0, grammar=g.get("json_schema", s, "rf"))))
-    sched, out = Scheduler(m), [[] for _ in specs]
-    sched.submit([Sequence(m.tokenizer.encode(t, add_special_tokens=False), p, out[i].append, tokenizer=m.tokenizer)
-                  for i, (t, p) in enumerate(specs)])
-    while sched.step():
-        pass
+    def serve(speculative):
+        sched, out = Scheduler(m, speculative=speculative, draft_tokens=3), [[] for _ in specs]
+        sched.submit([Sequence(m.tokenizer.encode(t, add_special_tokens=False), p, out[i].append,
+                               tokenizer=m.tokenizer) for i, (t, p) in enumerate(specs)])
+        while sched.step():
+            pass
+        return out, sched.spec
+
+    out, _ = serve("off")
     for evs, schema in zip(out, schemas):
         text = "".join(ev.text for ev in evs)
         assert evs[-1].finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
+    spec_out, spec = serve("ngram")
+    assert [[ev.token for ev in evs] for evs in spec_out] == [[ev.token for ev in evs] for evs in out]
+    assert spec.stats.accepted > 0
