@@ -18,8 +18,9 @@ passes max_seq (Kd = 0 is a plain decode step through extend_rows). Greedy round
 the tokens plain greedy decoding does; sampled rounds keep the target's distribution (the
 rejection rule); for a constrained row that is plain constrained decoding's: argmax of, or the
 distribution renormalised over, what the grammar takes. The round leaves each grammar's state
-as it found it: the caller accepts the tokens it emits. Used by Model.generate (zoo/runtime.py) and the server's scheduler
-(zoo/serve/scheduler.py); `stats` counts drafted and accepted tokens for reports and /metrics.
+as it found it: the caller accepts the tokens it emits. Used by Model.generate (zoo/runtime.py)
+and the server's scheduler (zoo/serve/scheduler.py); `stats` counts drafted, grammar-cut and
+accepted tokens for reports and /metrics.
 """
 from __future__ import annotations
 
@@ -147,11 +148,10 @@ class Speculator:
         state = [e.save_state([r]) for r in rows] if self.recurrent and kd else None
         logits, hidden = self._extend(rows, ids)
         counts = list(draft.counts) if draft is not None else [0] * len(rows)
-        # on the host while an accelerator runs the verify (logits are read from here on)
-        scored, errors = self._constrain(logits, ids, counts, picks)
-        kept, nxt = self._accept(scored, ids, counts, None if draft is None else draft.q, picks)
-        for i in errors:
-            kept[i] = 0
+        # grammar masks on the host, before anything reads the logits (an accelerator may still
+        # be running the verify)
+        masked, errors = self._constrain(logits, ids, counts, picks)
+        kept, nxt = self._accept(logits, masked, ids, counts, None if draft is None else draft.q, picks)
         self._roll_back(rows, starts, ids, kept, state)
         self.drafter.verified(rows, starts, ids, kept, hidden)
         out = []
@@ -176,36 +176,39 @@ class Speculator:
 
     @staticmethod
     def _constrain(logits: torch.Tensor, ids: torch.Tensor, counts: list[int], picks
-                   ) -> tuple[torch.Tensor, dict[int, str]]:
-        """Constrained rows (Pick.constraint): counts[i] cut to the drafts the grammar takes, and
-        logits [n, Kd + 1, V] -> a copy with row i's first counts[i] + 1 positions masked (what
-        the grammar takes there at -inf elsewhere); errors {i: message} for rows at a dead end."""
-        masks, errors = {}, {}
+                   ) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
+        """Constrained rows (Pick.constraint): counts[i] cut to the drafts the grammar takes ->
+        masked {i: row i's logits [Kd + 1, V] with its first counts[i] + 1 positions masked (what
+        the grammar rejects there at -inf)}, errors {i: message} for rows at a dead end (counts 0)."""
+        masked, errors = {}, {}
         for i, p in enumerate(picks):
             if p.constraint is None:
                 continue
             try:
-                masks[i] = p.constraint.draft_masks(ids[i, 1:1 + counts[i]].tolist())
+                allowed = p.constraint.draft_masks(ids[i, 1:1 + counts[i]].tolist())
             except ValueError as err:
-                errors[i] = str(err)
-            counts[i] = masks[i].shape[0] - 1 if i in masks else 0
-        if not masks:
-            return logits, errors
-        allowed = torch.ones(logits.shape, dtype=torch.bool)
-        for i, m in masks.items():
-            allowed[i, :m.shape[0]] = m
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), errors
+                errors[i], counts[i] = str(err), 0
+                continue
+            counts[i] = allowed.shape[0] - 1
+            full = torch.ones(logits.shape[1:], dtype=torch.bool)
+            full[:allowed.shape[0]] = allowed
+            masked[i] = logits[i].masked_fill(~full.to(logits.device), float("-inf"))
+        return masked, errors
 
-    def _accept(self, logits: torch.Tensor, ids: torch.Tensor, counts: list[int], q, picks
-                ) -> tuple[list[int], list[int]]:
-        """logits [n, Kd + 1, V] (masked for constrained rows), counts [n] real drafts, q the
-        drafter's probabilities [n, Kd, V] or None -> kept drafts and the next token per row."""
+    def _accept(self, logits: torch.Tensor, masked: dict[int, torch.Tensor], ids: torch.Tensor, counts: list[int],
+                q, picks) -> tuple[list[int], list[int]]:
+        """logits [n, Kd + 1, V], masked {i: [Kd + 1, V]} what constrained rows choose from in
+        their place, counts [n] real drafts, q the drafter's probabilities [n, Kd, V] or None ->
+        kept drafts and the next token per row."""
         n, counts = len(counts), torch.tensor(counts, device=logits.device)
         greedy = [i for i, p in enumerate(picks) if p.probs is None]
         kept, nxt = [0] * n, [0] * n
         if greedy:
             g = torch.tensor(greedy, device=logits.device)
             target = logits[g].argmax(dim=-1)
+            for j, i in enumerate(greedy):
+                if i in masked:
+                    target[j] = masked[i].argmax(dim=-1)
             a = accept_greedy(target, ids[g, 1:].to(logits.device), counts[g])
             next_tok = target.gather(1, a[:, None])[:, 0]
             for j, i in enumerate(greedy):
@@ -213,7 +216,7 @@ class Speculator:
         for i, p in enumerate(picks):
             if p.probs is None:
                 continue
-            kept[i], nxt[i] = accept_sampled(p.probs(logits[i]), ids[i, 1:], int(counts[i]),
+            kept[i], nxt[i] = accept_sampled(p.probs(masked.get(i, logits[i])), ids[i, 1:], int(counts[i]),
                                             None if q is None else q[i], p.generator)
         return kept, nxt
 
