@@ -3,7 +3,9 @@ per-row masks in the scheduler's sampling step beside unconstrained rows, and `z
 response_format json_object / json_schema plus extra_body regex / grammar / choice through the
 official openai client (incl. chat.completions.parse with a pydantic model), bad constraints as
 400s naming the field; a batch of schemas on real SmolLM2 weights, every output validated with
-jsonschema. Eager models only (no compile)."""
+jsonschema; constrained rows under speculative decoding (drafts cut where the grammar
+rejects them, verified positions masked): the same tokens as plain constrained decoding. Eager models
+only (no compile)."""
 from __future__ import annotations
 
 import dataclasses
@@ -267,6 +269,43 @@ def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars)
     assert [s.tokens for s in got] == [s.tokens for s in plain]
     assert got[0].finish_reason == "stop" and spec.stats.accepted > 0
     jsonschema.validate(json.loads(model.tokenizer.decode(got[0].tokens)), FLAGS)
+
+
+def test_a_grammar_dead_end_under_speculation_fails_only_its_row(model, grammars):
+    """A constrained row whose grammar reaches a dead end at a verify step (draft_masks raises, as
+    llguidance's matcher can on a grammar that leads nowhere) ends with an error naming it; the
+    free row beside it gets the tokens it gets alone."""
+
+    class DeadEnd:  # a real row state whose next verification finds no way on
+        def __init__(self, c):
+            self.c = c
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+        def draft_masks(self, draft):
+            raise GrammarError("grammar", "no token can continue the output here (dead end)")
+
+    ids = model.tokenizer.encode(SPEC_PROMPT, add_special_tokens=False)
+    g = grammars.get("json_schema", POINT, "rf")
+
+    def run(with_dead_end):
+        sched, events = Scheduler(model, speculative="ngram", draft_tokens=3), []
+        free = Sequence(ids, SamplingParams(max_tokens=12, temperature=0), lambda ev: None)
+        seqs = [free]
+        if with_dead_end:
+            dead = Sequence(ids, SamplingParams(max_tokens=12, temperature=0, grammar=g), events.append)
+            dead.constraint = DeadEnd(dead.constraint)
+            seqs = [dead, free]
+        sched.submit(seqs)
+        while sched.step():
+            pass
+        return free.tokens, events
+
+    alone, _ = run(False)
+    beside, events = run(True)
+    assert beside == alone
+    assert events[-1].finish_reason == "error" and "no token can continue" in events[-1].error
 
 
 # ---------------------------------------------------------------------------------------- HTTP
