@@ -253,8 +253,12 @@ def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars)
     g = grammars.get("json_schema", FLAGS, "rf")
     ids = model.tokenizer.encode(SPEC_PROMPT, add_special_tokens=False)
 
+    from zoo.serve.metrics import Metrics
+
+    metrics = Metrics()
+
     def run(speculative):
-        sched, events = Scheduler(model, speculative=speculative, draft_tokens=3), ([], [])
+        sched, events = Scheduler(model, speculative=speculative, draft_tokens=3, metrics=metrics), ([], [])
         seqs = [Sequence(ids, SamplingParams(max_tokens=100, temperature=0, grammar=g), events[0].append,
                          tokenizer=model.tokenizer),
                 Sequence(ids, SamplingParams(max_tokens=30, temperature=0), events[1].append,
@@ -265,9 +269,11 @@ def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars)
         return seqs, sched.spec
 
     plain, _ = run("off")
+    before = dataclasses.replace(model.speculator("ngram", 3).stats)  # the speculator is the model's, shared
     got, spec = run("ngram")
     assert [s.tokens for s in got] == [s.tokens for s in plain]
-    assert got[0].finish_reason == "stop" and spec.stats.accepted > 0
+    assert got[0].finish_reason == "stop" and spec.stats.accepted > before.accepted
+    assert metrics.spec_cut._value.get() == spec.stats.cut - before.cut > 0  # zoo_spec_grammar_rejected_tokens
     jsonschema.validate(json.loads(model.tokenizer.decode(got[0].tokens)), FLAGS)
 
 
