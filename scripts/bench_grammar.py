@@ -2,8 +2,10 @@
 (the shipped GGUF) for one JSON schema. Measures the tokenizer setup, the grammar compile and the
 per-token mask fill while a greedy walk of forced-valid tokens runs through the schema. Then what
 zoo pays per constrained token on top (zoo.constrain.Constraint: the mask filled, unpacked and
-applied to a [V] float32 logits row, the token accepted), and the compile time of the grammars
-zoo builds itself: a forced tool call (Hermes wrapper around the tool's schema) and a schema after
+applied to a [V] float32 logits row, the token accepted), what it pays per verified position under
+speculative decoding (Constraint.draft_masks over a draft of KD tokens the grammar takes: the
+matcher walked along it, one mask per position, rolled back; then the kept tokens accepted, as
+the scheduler does), and the compile time of the grammars zoo builds itself: a forced tool call (Hermes wrapper around the tool's schema) and a schema after
 a free reasoning block.
 
     python scripts/bench_grammar.py  [writes scripts/results/grammar_engine.json]
@@ -23,6 +25,7 @@ SCHEMA = {"type": "object", "properties": {
 CHOICE = ("llguidance: its wheel has no dependencies (xgrammar's requires transformers, triton and torch), "
           "and it compiles a grammar ~30x faster (per-request schemas are compiled at admission); both fill a "
           "mask in well under a decode step; llguidance also takes Lark/GBNF, regex and choice lists directly")
+KD = 4  # draft tokens per verify step (runtime.speculative.draft_tokens' default)
 DOC = '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "c"], "address": {"city": "London", "zip": "12345"}}'
 
 
@@ -105,6 +108,7 @@ def bench_zoo(tok, ids):
     times.sort()
     out = {"apply_accept_ms_median": times[len(times) // 2] * 1e3, "apply_accept_ms_max": times[-1] * 1e3,
            "apply_accept_ms_mean": sum(times) / len(times) * 1e3}
+    out.update(bench_draft_masks(g, ids, logits))
     tools = check_tools([{"type": "function", "function": {"name": "person", "parameters": SCHEMA}}])
     for name, plan in (("tool_call_compile_ms", ChatPlan(fmt=by_name("hermes"), tools=tools, choice="required")),
                        ("schema_after_reasoning_compile_ms", ChatPlan(reasoning=REASONING[0]))):
@@ -114,6 +118,33 @@ def bench_zoo(tok, ids):
         grammars.get(kind, value, field, prefix=tool[3] if tool else prefix)
         out[name] = (time.perf_counter() - t0) * 1e3
     return out
+
+
+def bench_draft_masks(g, ids, logits):
+    """Per verified position under speculation: along the document, each round drafts the next
+    KD tokens (all valid: the grammar walks the whole draft), masks KD + 1 positions, masks a
+    [KD + 1, V] logits block, accepts the KD drafts (a full acceptance: the most work per round)."""
+    import torch
+
+    c = g.constraint()
+    block = logits.expand(KD + 1, -1)
+    times, positions = [], 0
+    i = 0
+    while i < len(ids):
+        draft = ids[i:i + KD]
+        t0 = time.perf_counter()
+        allowed = c.draft_masks(draft)
+        masked = block[:allowed.shape[0]].masked_fill(~allowed, float("-inf"))
+        for t in draft:
+            assert c.accept(t), c.error
+        times.append(time.perf_counter() - t0)
+        assert allowed.shape[0] == len(draft) + 1 and bool(torch.isfinite(masked).any(dim=1).all())
+        positions += allowed.shape[0]
+        i += KD
+    total = sum(times)
+    times.sort()
+    return {"draft_tokens": KD, "spec_round_ms_median": times[len(times) // 2] * 1e3,
+            "spec_ms_per_verified_position": total / positions * 1e3}
 
 
 def main():

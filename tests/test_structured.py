@@ -3,9 +3,12 @@ per-row masks in the scheduler's sampling step beside unconstrained rows, and `z
 response_format json_object / json_schema plus extra_body regex / grammar / choice through the
 official openai client (incl. chat.completions.parse with a pydantic model), bad constraints as
 400s naming the field; a batch of schemas on real SmolLM2 weights, every output validated with
-jsonschema. Eager models only (no compile)."""
+jsonschema; constrained rows under speculative decoding (drafts cut where the grammar
+rejects them, verified positions masked): the same tokens as plain constrained decoding. Eager models
+only (no compile)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -155,12 +158,170 @@ def test_model_generate_with_response_format_and_grammar(model):
         model.generate(torch.tensor(ids), 3, response_format=POINT, grammar=gbnf)
 
 
+# ---------------------------------------------------------------------------------------- speculative
+
+# a prompt that holds the kind of text the schema makes (n-gram lookup drafts from it) and some
+# the schema rejects
+SPEC_PROMPT = 'name: {"name": "ada", "age": 36, "role": "admin", "tags": ["x"], "address": {"city": "x"}} {"x": 0.5, "y": 3}'
+
+
+def test_constraint_draft_masks_follow_the_grammar_and_leave_its_state(model, grammars):
+    g = grammars.get("json_schema", POINT, "rf")
+    c = g.constraint()
+    lead = model.tokenizer.encode('{"x": 0.5, "y"', add_special_tokens=False)
+    bad = int((~c.allowed()).nonzero()[0, 0])
+    masks = c.draft_masks(lead[:3] + [bad] + lead[3:])
+    assert masks.shape == (4, model.engine.vocab_size)  # cut at the rejected draft: 3 drafts, 4 masks
+    walk = g.constraint()
+    for j in range(4):
+        assert torch.equal(masks[j], walk.allowed()), j  # the mask after draft[:j]
+        assert j == 3 or walk.accept(lead[j])
+    assert torch.equal(c.allowed(), g.constraint().allowed())  # rolled back: the state it started in
+    # an end token ends the lead (where the grammar may end); the state is again unchanged
+    done = model.tokenizer.encode('{"x": 0.5, "y": 3}', add_special_tokens=False)
+    end = sorted(g.ends)[0]
+    masks = c.draft_masks(done + [end, lead[0]])
+    assert masks.shape[0] == len(done) + 2 and masks[-2, end] and c.accept(lead[0])
+
+
+def test_verify_step_cuts_a_draft_at_the_token_the_grammar_rejects(model, grammars):
+    """The verify step itself, with a hand-made draft: the first two drafts are plain constrained
+    greedy decoding's next tokens, the third one the grammar rejects. The step keeps the two, cuts
+    the rest before verifying, picks plain decoding's next token from the masked logits, and leaves
+    the grammar where it was; accepting the emitted tokens puts it where plain decoding is."""
+    from zoo.compiler.engine.drafters import Draft, Drafter, Pick
+    from zoo.compiler.engine.speculative import Speculator
+
+    ids = torch.tensor(model.tokenizer.encode("hello there", add_special_tokens=False))
+    plain = model.generate(ids[None], 8, response_format=PERSON, speculative="off")[0, ids.shape[0]:].tolist()
+    g = grammars.get("json_schema", PERSON, "rf")
+    after = g.constraint()
+    for t in plain[:3]:
+        assert after.accept(t)
+    bad = int((~after.allowed()).nonzero()[0, 0])
+
+    class Fixed(Drafter):
+        name = "fixed"
+
+        def propose(self, rows, histories, kd, picks):
+            return Draft(torch.tensor([[plain[1], plain[2], bad, plain[3]]]), [4])
+
+    spec = Speculator(model.engine, Fixed(), 4)
+    spec.reset()
+    spec.prefill_rows(0, ids[None])
+    c = g.constraint()
+    assert c.accept(plain[0])
+    before = c.allowed()
+    res, = spec.step([0], [torch.cat((ids, torch.tensor(plain[:1])))], [Pick(constraint=c)])
+    assert res.tokens == plain[1:4] and res.error is None
+    assert spec.stats.cut == 2 and spec.stats.accepted == 2
+    assert model.engine.row_len[0] == ids.shape[0] + 3  # x and the two kept drafts
+    assert torch.equal(c.allowed(), before)  # the step leaves the grammar's state to the caller
+    for t in res.tokens:
+        assert c.accept(t)
+    walk = g.constraint()
+    for t in plain[:4]:
+        walk.accept(t)
+    assert torch.equal(c.allowed(), walk.allowed())
+    spec.reset()
+
+
+def test_generate_speculative_with_a_constraint_equals_plain(model):
+    """Model.generate(response_format=, speculative="ngram"): greedy gives constrained plain
+    decoding's tokens (batch 2, rows at different lengths), drafts were kept and some cut by the
+    grammar; sampled output validates."""
+    tok = model.tokenizer
+    ids = torch.tensor([tok.encode(SPEC_PROMPT, add_special_tokens=False)[-24:],
+                        tok.encode("hello there " + SPEC_PROMPT, add_special_tokens=False)[:24]])
+    spec = model.speculator("ngram", 3)
+    before = dataclasses.replace(spec.stats)
+    for schema in (PERSON, POINT):
+        plain = model.generate(ids, 80, response_format=schema, speculative="off")
+        got = model.generate(ids, 80, response_format=schema, speculative="ngram", draft_tokens=3)
+        assert torch.equal(got, plain), schema
+    assert spec.stats.accepted > before.accepted and spec.stats.cut > before.cut
+    ends = set(model.eos_ids) | tok.eos_ids
+    out = model.generate(ids, 120, temperature=1.0, generator=torch.Generator().manual_seed(1),
+                         response_format=POINT, speculative="ngram", draft_tokens=3)
+    for row in out[:, ids.shape[1]:].tolist():
+        jsonschema.validate(json.loads(tok.decode(row[:next(i for i, t in enumerate(row) if t in ends)])), POINT)
+
+
+def test_scheduler_speculates_constrained_rows_beside_free_rows(model, grammars):
+    """zoo serve's scheduler with n-gram speculation: a constrained greedy row and a free greedy
+    row in one batch get plain serving's tokens; the constrained one validates and stops there."""
+    g = grammars.get("json_schema", FLAGS, "rf")
+    ids = model.tokenizer.encode(SPEC_PROMPT, add_special_tokens=False)
+
+    from zoo.serve.metrics import Metrics
+
+    metrics = Metrics()
+
+    def run(speculative):
+        sched, events = Scheduler(model, speculative=speculative, draft_tokens=3, metrics=metrics), ([], [])
+        seqs = [Sequence(ids, SamplingParams(max_tokens=100, temperature=0, grammar=g), events[0].append,
+                         tokenizer=model.tokenizer),
+                Sequence(ids, SamplingParams(max_tokens=30, temperature=0), events[1].append,
+                         tokenizer=model.tokenizer)]
+        sched.submit(seqs)
+        while sched.step():
+            pass
+        return seqs, sched.spec
+
+    plain, _ = run("off")
+    before = dataclasses.replace(model.speculator("ngram", 3).stats)  # the speculator is the model's, shared
+    got, spec = run("ngram")
+    assert [s.tokens for s in got] == [s.tokens for s in plain]
+    assert got[0].finish_reason == "stop" and spec.stats.accepted > before.accepted
+    assert metrics.spec_cut._value.get() == spec.stats.cut - before.cut > 0  # zoo_spec_grammar_rejected_tokens
+    jsonschema.validate(json.loads(model.tokenizer.decode(got[0].tokens)), FLAGS)
+
+
+def test_a_grammar_dead_end_under_speculation_fails_only_its_row(model, grammars):
+    """A constrained row whose grammar reaches a dead end at a verify step (draft_masks raises, as
+    llguidance's matcher can on a grammar that leads nowhere) ends with an error naming it; the
+    free row beside it gets the tokens it gets alone."""
+
+    class DeadEnd:  # a real row state whose next verification finds no way on
+        def __init__(self, c):
+            self.c = c
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+        def draft_masks(self, draft):
+            raise GrammarError("grammar", "no token can continue the output here (dead end)")
+
+    ids = model.tokenizer.encode(SPEC_PROMPT, add_special_tokens=False)
+    g = grammars.get("json_schema", POINT, "rf")
+
+    def run(with_dead_end):
+        sched, events = Scheduler(model, speculative="ngram", draft_tokens=3), []
+        free = Sequence(ids, SamplingParams(max_tokens=12, temperature=0), lambda ev: None)
+        seqs = [free]
+        if with_dead_end:
+            dead = Sequence(ids, SamplingParams(max_tokens=12, temperature=0, grammar=g), events.append)
+            dead.constraint = DeadEnd(dead.constraint)
+            seqs = [dead, free]
+        sched.submit(seqs)
+        while sched.step():
+            pass
+        return free.tokens, events
+
+    alone, _ = run(False)
+    beside, events = run(True)
+    assert beside == alone
+    assert events[-1].finish_reason == "error" and "no token can continue" in events[-1].error
+
+
 # ---------------------------------------------------------------------------------------- HTTP
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
+    # with n-gram speculation: every constrained request below runs through grammar-masked
+    # verification (the scheduler tests above cover constrained rows without it)
     args = [f"weights={ckpt}", f"api_key={KEY}", f"model_name={NAME}", "max_seq=256", "max_batch=4",
-            "compile=false", "log_level=warning"]
+            "compile=false", "log_level=warning", "speculative=ngram", "draft_tokens=3"]
     with running_server(args, tmp_path_factory.mktemp("log")) as (base, _):
         yield base
 
@@ -254,7 +415,8 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, param):
 
 def test_smollm2_schema_batch(smollm2_gguf):
     """Real weights (the shipped GGUF), greedy, three schemas in one batch (nested objects, enums,
-    arrays, bounded numbers): every output parses and validates."""
+    arrays, bounded numbers): every output parses and validates; served again with n-gram
+    speculation (grammar-masked verification), the same tokens."""
     m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=3, max_seq=160)
     g = Grammars(m.tokenizer, m.engine.vocab_size, Scheduler(m).eos)
     prompts = ["Give a point as JSON.", "Give flags with a list of points as JSON.", "List some colours as a JSON array."]
@@ -263,12 +425,19 @@ def test_smollm2_schema_batch(smollm2_gguf):
     for p, s in zip(prompts, schemas):
         text = m.tokenizer.apply_chat_template([{"role": "user", "content": p}])
         specs.append((text, SamplingParams(max_tokens=100, temperature=0, grammar=g.get("json_schema", s, "rf"))))
-    sched, out = Scheduler(m), [[] for _ in specs]
-    sched.submit([Sequence(m.tokenizer.encode(t, add_special_tokens=False), p, out[i].append, tokenizer=m.tokenizer)
-                  for i, (t, p) in enumerate(specs)])
-    while sched.step():
-        pass
+    def serve(speculative):
+        sched, out = Scheduler(m, speculative=speculative, draft_tokens=3), [[] for _ in specs]
+        sched.submit([Sequence(m.tokenizer.encode(t, add_special_tokens=False), p, out[i].append,
+                               tokenizer=m.tokenizer) for i, (t, p) in enumerate(specs)])
+        while sched.step():
+            pass
+        return out, sched.spec
+
+    out, _ = serve("off")
     for evs, schema in zip(out, schemas):
         text = "".join(ev.text for ev in evs)
         assert evs[-1].finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
+    spec_out, spec = serve("ngram")
+    assert [[ev.token for ev in evs] for evs in spec_out] == [[ev.token for ev in evs] for evs in out]
+    assert spec.stats.accepted > 0

@@ -6,6 +6,8 @@ turned into a per-row token mask by llguidance (the engine chosen in scripts/ben
     c = g.constraint()                                          one per row (a copy of the matcher)
     c.apply(logits [V]) -> logits [V] with the tokens the grammar rejects at -inf
     c.accept(token); c.done (the grammar is complete and can take nothing more)
+    c.draft_masks(draft [k]) -> bool [m + 1, V]   speculative verification: the leading m drafts
+                                                  it takes and the mask after each; state unchanged
 
 A grammar that cannot be compiled, or that admits no token at its start, raises GrammarError
 naming the request field it came from.
@@ -79,27 +81,40 @@ def _after(prefix: tuple[str, str], inner: str) -> str:
 
 
 class Grammar:
-    """One compiled grammar: a matcher at its start state, copied for each row that uses it."""
+    """One compiled grammar: a matcher at its start state, copied for each row that uses it.
+    ends: the end tokens its tokenizer was given (the grammar admits them where it may end)."""
 
-    def __init__(self, matcher, vocab: int):
-        self._proto, self.vocab = matcher, vocab
+    def __init__(self, matcher, vocab: int, ends: frozenset[int] = frozenset()):
+        self._proto, self.vocab, self.ends = matcher, vocab, ends
 
     def constraint(self) -> Constraint:
-        return Constraint(self._proto.deep_copy(), self.vocab)
+        return Constraint(self._proto.deep_copy(), self.vocab, self.ends)
+
+
+_SHIFT = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """llguidance's bitmask int32 [..., W] (bit b of word w: token 32 w + b) -> bool [..., V]."""
+    return ((bits[..., None] >> _SHIFT) & 1).bool().flatten(-2)[..., :vocab]
 
 
 class Constraint:
     """One row's grammar state: masks its logits, follows its tokens."""
 
-    def __init__(self, matcher, vocab: int):
-        self._m, self.vocab = matcher, vocab
-        self._bits = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
-        self._shift = torch.arange(32, dtype=torch.int32)
+    def __init__(self, matcher, vocab: int, ends: frozenset[int] = frozenset()):
+        self._m, self.vocab, self.ends = matcher, vocab, ends
+        self._words = (vocab + 31) // 32
+        self._bits = torch.zeros(self._words, dtype=torch.int32)
+
+    def _fill(self, bits: torch.Tensor) -> None:
+        """The mask of the current state into bits int32 [W] (contiguous)."""
+        self._m.unsafe_compute_mask_ptr(bits.data_ptr(), self._words * 4)
 
     def allowed(self) -> torch.Tensor:
         """-> bool [V]: the tokens the grammar takes next (end tokens where it may end)."""
-        self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
-        return ((self._bits[:, None] >> self._shift) & 1).bool().reshape(-1)[: self.vocab]
+        self._fill(self._bits)
+        return _unpack(self._bits, self.vocab)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] -> a copy with every token the grammar rejects at -inf."""
@@ -116,6 +131,39 @@ class Constraint:
         """Of draft tokens (speculative decoding), how many lead the grammar can take (none are
         consumed: accept the verified ones one by one)."""
         return self._m.validate_tokens(tokens)
+
+    def draft_masks(self, draft: list[int]) -> torch.Tensor:
+        """Speculative verification of draft tokens [k] -> allowed bool [m + 1, V]: the grammar
+        takes the leading m <= k drafts (it rejects draft[m]) and row j is what it takes after
+        draft[:j], i.e. the mask of verified position j. The matcher is advanced along the lead
+        for the masks and rolled back: its state is unchanged (the caller accepts the tokens it
+        keeps). A lead stops after an end token (the row ends there; the mask after it repeats
+        the one before, the token chosen there is dropped) and before a token after which nothing
+        can follow. GrammarError when nothing can continue the output now."""
+        m = self._m
+        lead = list(draft[:m.validate_tokens(draft)]) if draft else []
+        end = next((j for j, t in enumerate(lead) if t in self.ends), None)
+        if end is not None:  # llguidance does not count a consumed end token in rollback
+            lead = lead[:end + 1]
+        walk = lead[:end] if end is not None else lead
+        bits = torch.zeros(len(lead) + 1, self._words, dtype=torch.int32)
+        self._fill(bits[0])
+        for j, t in enumerate(walk):
+            if not m.consume_token(t):  # validate_tokens took it: a failure is llguidance's bug
+                raise GrammarError("grammar", f"the grammar engine took draft token {t} and then refused it: "
+                                              f"{self.error}")
+            self._fill(bits[j + 1])
+        if walk and not m.rollback(len(walk)):
+            raise GrammarError("grammar", f"the grammar engine cannot roll back {len(walk)} tokens: {self.error}")
+        if end is not None:
+            bits[-1] = bits[-2]
+        allowed = _unpack(bits, self.vocab)
+        some = allowed.any(dim=1)
+        if m.is_error() or not bool(some[0]):
+            raise GrammarError("grammar", f"no token can continue the output here ({self.error or 'dead end'})")
+        if not bool(some.all()):  # a draft token into a dead end: the lead stops before it
+            allowed = allowed[:int((~some).nonzero()[0, 0])]
+        return allowed
 
     @property
     def done(self) -> bool:
@@ -140,6 +188,7 @@ class Grammars:
         self._tok = llguidance.LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size,
                                            eos_token=sorted(eos_ids))
         self.vocab = vocab_size
+        self._ends = frozenset(int(e) for e in eos_ids)
         # llguidance reads every added token as a special token: a grammar names them by id
         self._added = {t.content: i for i, t in tokenizer._backend.get_added_tokens_decoder().items()}
         self._cache: collections.OrderedDict[tuple, Grammar] = collections.OrderedDict()
@@ -193,4 +242,4 @@ class Grammars:
         c = Constraint(m, self.vocab)
         if not bool(c.allowed().any()) or m.is_error():  # a mask that leads nowhere is an error state
             raise GrammarError(field, f"no output of this model's tokens can match it ({c.error or 'empty mask'})")
-        return Grammar(m, self.vocab)
+        return Grammar(m, self.vocab, self._ends)

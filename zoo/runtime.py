@@ -119,8 +119,9 @@ class Model:
         speculative: "ngram" | "mtp" drafts draft_tokens tokens per step and verifies them in one
         (compiler/engine/speculative.py): greedy output is the same tokens, sampled output the
         same distribution; "off" decodes plainly; None (default) follows runtime.speculative.
-        Constrained rows (response_format / grammar) decode one token per step, as the server's
-        constrained rows do: asking for both speculative= and a constraint is an error.
+        With a constraint the drafts are cut at the first token the grammar rejects and each
+        verified position is masked by the grammar: the same tokens as constrained plain greedy
+        decoding, the same distribution sampled.
         """
         ids = torch.as_tensor(ids)
         if ids.dim() == 1:
@@ -135,13 +136,10 @@ class Model:
                                  "output: the checkpoint names none (pass eos_ids=)")
             # where the grammar may end it admits the tokenizer's end tokens too: they end the row
             eos = torch.cat((eos, torch.tensor(sorted(self.tokenizer.eos_ids), dtype=torch.long, device=eos.device)))
-        spec = self.speculator(speculative, draft_tokens) if rows is None or speculative is not None else None
-        if rows is not None and spec is not None:
-            raise InputError(f"generate: speculative={speculative!r} with response_format / grammar: constrained rows "
-                             f"decode one token per step; pass speculative='off'")
+        spec = self.speculator(speculative, draft_tokens)
         if spec is not None:
             return self._generate_speculative(spec, ids, max_new_tokens, temperature, top_k, top_p, generator,
-                                              stream, set(eos.tolist()))
+                                              stream, eos.tolist(), rows)
         logits = self.engine.prefill(ids, last_only=True)[:, -1]
         steps = min(max_new_tokens, self.engine.max_seq - ids.shape[1] + 1)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.engine.device)
@@ -173,8 +171,10 @@ class Model:
         return torch.cat((ids.to(new.device), new), dim=1)
 
     def _generate_speculative(self, spec: Speculator, ids: torch.Tensor, max_new_tokens: int, temperature: float,
-                              top_k, top_p, generator, stream, eos: set[int]) -> torch.Tensor:
-        """generate through speculative rounds over rows 0..B-1 (each row at its own length)."""
+                              top_k, top_p, generator, stream, eos: list[int], constraints=None) -> torch.Tensor:
+        """generate through speculative rounds over rows 0..B-1 (each row at its own length).
+        eos: the end tokens, eos[0] the one a complete constrained row ends with; constraints:
+        one zoo.constrain.Constraint per row, or None."""
         e = self.engine
         B, L = ids.shape
         if B > e.max_batch:
@@ -186,12 +186,34 @@ class Model:
             return ids
         spec.reset()
         logits = spec.prefill_rows(0, ids)
+        if constraints is not None:
+            logits = torch.stack([c.apply(lg) for c, lg in zip(constraints, logits)])
         first = sample(logits, temperature, top_k, top_p, generator).cpu()
-        pick = Pick(None if temperature == 0 else
-                    lambda lg: probabilities(lg, temperature, top_k, top_p), generator)
-        out = [[int(t)] for t in first]
-        done = [o[0] in eos or steps == 1 for o in out]
-        history = [torch.cat((ids[i].cpu(), first[i:i + 1])) for i in range(B)]
+        probs = None if temperature == 0 else lambda lg: probabilities(lg, temperature, top_k, top_p)
+        picks = [Pick(probs, generator, None if constraints is None else constraints[i]) for i in range(B)]
+        ends = set(eos)
+        out, done, history = [[] for _ in range(B)], [False] * B, [ids[i].cpu() for i in range(B)]
+
+        def take(i: int, toks: list[int]) -> None:
+            """Row i's tokens from a round: cut after an end token; a constrained row's grammar
+            follows them, and once complete the row gets the end token plain decoding gives it."""
+            c = picks[i].constraint
+            for j, t in enumerate(toks):
+                if t in ends:
+                    toks = toks[:j + 1]
+                    break
+                if c is not None and not c.accept(t):
+                    raise InputError(f"row {i}: the grammar rejected token {t}: {c.error}")
+                if c is not None and c.done:
+                    toks = toks[:j + 1] + eos[:1]
+                    break
+            toks = toks[:steps - len(out[i])]
+            out[i] += toks
+            history[i] = torch.cat((history[i], torch.tensor(toks, dtype=torch.long)))
+            done[i] = toks[-1] in ends or len(out[i]) >= steps
+
+        for i in range(B):
+            take(i, [int(first[i])])
         streamed = 0
 
         def flush():
@@ -205,16 +227,11 @@ class Model:
             flush()
         while not all(done):
             rows = [i for i in range(B) if not done[i]]
-            results = spec.step(rows, [history[i] for i in rows], [pick] * len(rows))
+            results = spec.step(rows, [history[i] for i in rows], [picks[i] for i in rows])
             for i, res in zip(rows, results):
-                toks = res.tokens[:steps - len(out[i])]
-                for j, t in enumerate(toks):  # an end token ends the row: what follows it is dropped
-                    if t in eos:
-                        toks = toks[:j + 1]
-                        break
-                out[i] += toks
-                history[i] = torch.cat((history[i], torch.tensor(toks, dtype=torch.long)))
-                done[i] = toks[-1] in eos or len(out[i]) >= steps
+                if res.error is not None:
+                    raise InputError(f"row {i}: {res.error}")
+                take(i, res.tokens)
             if stream is not None:
                 flush()
         n = max(map(len, out))

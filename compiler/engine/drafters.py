@@ -23,10 +23,14 @@ from ..errors import InputError
 @dataclasses.dataclass
 class Pick:
     """How one row chooses its tokens: probs (logits [m, V] -> probabilities [m, V] after the
-    row's temperature / top-k / top-p; None: greedy) and the row's own random generator."""
+    row's temperature / top-k / top-p; None: greedy), the row's own random generator, and its
+    output constraint (None: free): an object with draft_masks(draft: list[int]) -> allowed
+    bool [a + 1, V], the a leading drafts it takes and the tokens it takes at each verified
+    position, raising ValueError at a dead end (zoo.constrain.Constraint)."""
 
     probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     generator: Optional[torch.Generator] = None
+    constraint: Optional[object] = None
 
 
 @dataclasses.dataclass

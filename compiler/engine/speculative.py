@@ -4,7 +4,11 @@ one target step over Kd + 1 positions, keep what the acceptance rule keeps, roll
     a round over rows r (each holds T_r tokens in its cache and one chosen token x_r not yet in it):
       drafter.propose      -> d_r [Kd] (up to Kd real ones per row; drafters.py)
       engine.extend_rows   [x_r, d_r] at positions T_r..T_r + Kd -> logits [n, Kd + 1, V]
-      acceptance rule      -> a_r kept drafts and the next token (acceptance.py): a_r + 1 tokens
+      a constrained row    -> its drafts cut at the first one its grammar rejects, and its
+                           logits at each verified position masked with the grammar state after
+                           the drafts before it (Pick.constraint.draft_masks)
+      acceptance rule      -> a_r kept drafts and the next token (acceptance.py) from the
+                           (masked) logits: a_r + 1 tokens
       roll back            caches that grow with tokens: truncate_row(r, T_r + 1 + a_r);
                            constant state (recurrent, conv): restored from before the verify,
                            then [x_r, d_r[:a_r]] extended again (one call per distinct a_r)
@@ -12,8 +16,11 @@ one target step over Kd + 1 positions, keep what the acceptance rule keeps, roll
 The rows verify together whatever each one accepts; Kd is cut for the round so that no row
 passes max_seq (Kd = 0 is a plain decode step through extend_rows). Greedy rounds emit exactly
 the tokens plain greedy decoding does; sampled rounds keep the target's distribution (the
-rejection rule). Used by Model.generate (zoo/runtime.py) and the server's scheduler
-(zoo/serve/scheduler.py); `stats` counts drafted and accepted tokens for reports and /metrics.
+rejection rule); for a constrained row that is plain constrained decoding's: argmax of, or the
+distribution renormalised over, what the grammar takes. The round leaves each grammar's state
+as it found it: the caller accepts the tokens it emits. Used by Model.generate (zoo/runtime.py)
+and the server's scheduler (zoo/serve/scheduler.py); `stats` counts drafted, grammar-cut and
+accepted tokens for reports and /metrics.
 """
 from __future__ import annotations
 
@@ -31,10 +38,12 @@ from .mtp import MtpDrafter
 @dataclasses.dataclass
 class SpecStats:
     """Totals since the speculator was made: rounds (verify steps, one per row), drafted (real
-    draft tokens proposed), accepted (of those, kept), emitted (tokens chosen)."""
+    draft tokens proposed), cut (of those, rejected by a row's grammar before verification),
+    accepted (of those, kept), emitted (tokens chosen)."""
 
     rounds: int = 0
     drafted: int = 0
+    cut: int = 0
     accepted: int = 0
     emitted: int = 0
 
@@ -47,10 +56,12 @@ class SpecStats:
 @dataclasses.dataclass
 class RowResult:
     """What one row got from a round: tokens (a + 1 chosen ones, the last not yet in the cache)
-    and logits [a + 1, V], the target's logits each token was chosen from."""
+    and logits [a + 1, V], the target's logits each token was chosen from (before any grammar
+    mask); error: the row's grammar reached a dead end (no tokens; the row must end)."""
 
     tokens: list[int]
     logits: torch.Tensor
+    error: Optional[str] = None
 
 
 class Speculator:
@@ -115,8 +126,8 @@ class Speculator:
 
     def step(self, rows: list[int], histories: Sequence[torch.Tensor], picks: Sequence[Pick]) -> list[RowResult]:
         """One round over `rows` (in use): histories[i] every token of row i so far [T_i + 1],
-        the last one chosen but not yet in the cache; picks[i] how the row chooses (drafters.Pick).
-        -> per row the tokens it emits (see RowResult)."""
+        the last one chosen but not yet in the cache; picks[i] how the row chooses (drafters.Pick,
+        with its grammar if constrained). -> per row the tokens it emits (see RowResult)."""
         e = self.engine
         starts = [e.row_len[r] for r in rows]
         for r, t, h in zip(rows, starts, histories):
@@ -136,14 +147,22 @@ class Speculator:
         # per row, so that rows which kept every draft are left as the verify made them
         state = [e.save_state([r]) for r in rows] if self.recurrent and kd else None
         logits, hidden = self._extend(rows, ids)
-        kept, nxt = self._accept(logits, ids, draft, picks)
+        counts = list(draft.counts) if draft is not None else [0] * len(rows)
+        # grammar masks on the host, before anything reads the logits (an accelerator may still
+        # be running the verify)
+        masked, errors = self._constrain(logits, ids, counts, picks)
+        kept, nxt = self._accept(logits, masked, ids, counts, None if draft is None else draft.q, picks)
         self._roll_back(rows, starts, ids, kept, state)
         self.drafter.verified(rows, starts, ids, kept, hidden)
         out = []
         for i, a in enumerate(kept):
+            if i in errors:
+                out.append(RowResult([], logits[i, :0], errors[i]))
+                continue
             out.append(RowResult(ids[i, 1:a + 1].tolist() + [nxt[i]], logits[i, :a + 1]))
         self.stats.rounds += len(rows)
         self.stats.drafted += sum(draft.counts) if draft is not None else 0
+        self.stats.cut += sum(draft.counts) - sum(counts) if draft is not None else 0
         self.stats.accepted += sum(kept)
         self.stats.emitted += sum(a + 1 for a in kept)
         return out
@@ -155,14 +174,41 @@ class Speculator:
             return self.engine.extend_rows(rows, ids, return_hidden=True)
         return self.engine.extend_rows(rows, ids), None
 
-    def _accept(self, logits: torch.Tensor, ids: torch.Tensor, draft, picks) -> tuple[list[int], list[int]]:
-        n, kd = ids.shape[0], ids.shape[1] - 1
-        counts = torch.tensor(draft.counts if draft is not None else [0] * n, device=logits.device)
+    @staticmethod
+    def _constrain(logits: torch.Tensor, ids: torch.Tensor, counts: list[int], picks
+                   ) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
+        """Constrained rows (Pick.constraint): counts[i] cut to the drafts the grammar takes ->
+        masked {i: row i's logits [Kd + 1, V] with its first counts[i] + 1 positions masked (what
+        the grammar rejects there at -inf)}, errors {i: message} for rows at a dead end (counts 0)."""
+        masked, errors = {}, {}
+        for i, p in enumerate(picks):
+            if p.constraint is None:
+                continue
+            try:
+                allowed = p.constraint.draft_masks(ids[i, 1:1 + counts[i]].tolist())
+            except ValueError as err:
+                errors[i], counts[i] = str(err), 0
+                continue
+            counts[i] = allowed.shape[0] - 1
+            full = torch.ones(logits.shape[1:], dtype=torch.bool)
+            full[:allowed.shape[0]] = allowed
+            masked[i] = logits[i].masked_fill(~full.to(logits.device), float("-inf"))
+        return masked, errors
+
+    def _accept(self, logits: torch.Tensor, masked: dict[int, torch.Tensor], ids: torch.Tensor, counts: list[int],
+                q, picks) -> tuple[list[int], list[int]]:
+        """logits [n, Kd + 1, V], masked {i: [Kd + 1, V]} what constrained rows choose from in
+        their place, counts [n] real drafts, q the drafter's probabilities [n, Kd, V] or None ->
+        kept drafts and the next token per row."""
+        n, counts = len(counts), torch.tensor(counts, device=logits.device)
         greedy = [i for i, p in enumerate(picks) if p.probs is None]
         kept, nxt = [0] * n, [0] * n
         if greedy:
             g = torch.tensor(greedy, device=logits.device)
             target = logits[g].argmax(dim=-1)
+            for j, i in enumerate(greedy):
+                if i in masked:
+                    target[j] = masked[i].argmax(dim=-1)
             a = accept_greedy(target, ids[g, 1:].to(logits.device), counts[g])
             next_tok = target.gather(1, a[:, None])[:, 0]
             for j, i in enumerate(greedy):
@@ -170,8 +216,8 @@ class Speculator:
         for i, p in enumerate(picks):
             if p.probs is None:
                 continue
-            q = None if draft is None or draft.q is None else draft.q[i]
-            kept[i], nxt[i] = accept_sampled(p.probs(logits[i]), ids[i, 1:], int(counts[i]), q, p.generator)
+            kept[i], nxt[i] = accept_sampled(p.probs(masked.get(i, logits[i])), ids[i, 1:], int(counts[i]),
+                                            None if q is None else q[i], p.generator)
         return kept, nxt
 
     def _roll_back(self, rows: list[int], starts: list[int], ids: torch.Tensor, kept: list[int], state) -> None:

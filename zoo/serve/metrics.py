@@ -26,6 +26,8 @@ class Metrics:
         self.spec_steps = Counter("zoo_spec_verify_steps", "speculative verify steps, counted per row", registry=r)
         self.spec_drafted = Counter("zoo_spec_draft_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter("zoo_spec_accepted_tokens", "draft tokens the verify step kept", registry=r)
+        self.spec_cut = Counter("zoo_spec_grammar_rejected_tokens", "draft tokens a row's grammar rejected "
+                                "(cut before verification)", registry=r)
         self.spec_emitted = Counter("zoo_spec_emitted_tokens", "tokens speculative steps chose", registry=r)
         self.spec_acceptance = Gauge("zoo_spec_acceptance_rate", "accepted / drafted tokens since the start",
                                      registry=r)
@@ -71,6 +73,7 @@ class Metrics:
         self.spec_steps.inc(after.rounds - before.rounds)
         self.spec_drafted.inc(after.drafted - before.drafted)
         self.spec_accepted.inc(after.accepted - before.accepted)
+        self.spec_cut.inc(after.cut - before.cut)
         self.spec_emitted.inc(after.emitted - before.emitted)
         self.spec_acceptance.set(after.acceptance)
         self.spec_tokens_per_step.set(after.emitted / after.rounds if after.rounds else 0.0)

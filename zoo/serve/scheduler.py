@@ -33,10 +33,11 @@ and request give the same text whatever else runs beside it. A sequence with a g
 samples, beside unconstrained rows in the same step, and ends when the grammar is complete.
 
 Speculative decoding (runtime.speculative, or the `speculative` argument) replaces the decode
-step: every unconstrained row drafts and verifies in one engine call (compiler/engine/
-speculative.py) and may get several tokens per step; constrained rows take one token per step
-beside them (Engine.extend_rows). A sequence that ends inside a step drops the tokens after its
-end, and frees its row and its drafter state at once, as a cancelled one does.
+step: every row drafts and verifies in one engine call (compiler/engine/speculative.py) and may
+get several tokens per step. A constrained row's drafts are cut at the first token its grammar
+rejects and its verified positions masked by the grammar (Constraint.draft_masks); its grammar
+then follows the tokens it emits, as after a decode step. A sequence that ends inside a step drops
+the tokens after its end, and frees its row and its drafter state at once, as a cancelled one does.
 """
 from __future__ import annotations
 
@@ -395,23 +396,21 @@ class Scheduler:
 
     def _speculate(self) -> None:
         """One speculative step (see the module docstring) in place of the decode step."""
-        rows = [r for r, s in self._rows.items() if s.constraint is None]
-        plain = [r for r, s in self._rows.items() if s.constraint is not None]
-        if rows:
-            before = dataclasses.replace(self.spec.stats)
-            seqs = [self._rows[r] for r in rows]
-            picks = [Pick(None if s.params.temperature == 0 else self._probs(s.params), s.generator) for s in seqs]
-            results = self.spec.step(rows, [torch.tensor(s.prompt + s.tokens, dtype=torch.long) for s in seqs], picks)
-            if self.metrics is not None:
-                self.metrics.speculative(before, self.spec.stats)
-            for r, res in zip(rows, results):
-                for tok, logits in zip(res.tokens, res.logits):
-                    if not self._emit(r, tok, logits):
-                        break  # the sequence ended: the rest of its tokens are dropped
-        if plain:
-            logits = self.engine.extend_rows(plain, self._tok[plain][:, None], last_only=True)
-            for r, lg in zip(plain, logits):
-                self._advance(r, lg)
+        rows = list(self._rows)
+        before = dataclasses.replace(self.spec.stats)
+        seqs = [self._rows[r] for r in rows]
+        picks = [Pick(None if s.params.temperature == 0 else self._probs(s.params), s.generator, s.constraint)
+                 for s in seqs]
+        results = self.spec.step(rows, [torch.tensor(s.prompt + s.tokens, dtype=torch.long) for s in seqs], picks)
+        if self.metrics is not None:
+            self.metrics.speculative(before, self.spec.stats)
+        for r, res in zip(rows, results):
+            if res.error is not None:  # the grammar reached a dead end: only this row fails
+                self._finish(r, "error", error=res.error)
+                continue
+            for tok, logits in zip(res.tokens, res.logits):
+                if not self._emit(r, tok, logits):
+                    break  # the sequence ended: the rest of its tokens are dropped
 
     @staticmethod
     def _probs(p: SamplingParams):
