@@ -224,7 +224,8 @@ class Residual(ABC):
 
 def no_sharding_plan(module, plan) -> bool:
     """The default `shard` hook: a kind without a sharding plan refuses tp / ep, naming itself."""
-    raise ConfigError(f"{plan.source}: {plan.where}: kind {module.kind!r} declares no sharding plan (its shard() "
+    layer = "" if plan.layer is None else f" (layers.{plan.layer})"
+    raise ConfigError(f"{plan.source}: {plan.where}{layer}: kind {module.kind!r} declares no sharding plan (its shard() "
                       f"hook), so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 
