@@ -109,3 +109,13 @@ def test_tensor_parallelism_is_refused_naming_the_kind_and_layer(conf, kind):
     with pytest.raises(zoo.ConfigError, match=rf"mixers\.{first.mixer_name} \(layers\.{first.index}\): "
                                                rf"kind '{kind}' declares no sharding plan"):
         shard_model(model, _mesh(2, 0, 2, 1))
+
+
+def test_extend_from_the_cached_state(families):
+    """The summed mixer's extend (each member's own, on its own cache fields): a prompt prefilled
+    in chunks, 1-token chunks included, == one prefill and the decode steps after; rolled back with
+    save_state / restore_state == never extended (tests/test_extend.py's checks, on the twin)."""
+    from tests import test_extend
+
+    test_extend.test_chunked_prefill_equals_whole(families, "reach_hybrid/falcon_h1")
+    test_extend.test_rollback_equals_never_extended(families, "reach_hybrid/falcon_h1")
