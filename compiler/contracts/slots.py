@@ -36,8 +36,8 @@ class KindSpec:
 
     resolve(model) -> Spec fills derived dims (returns a new spec), check(model) -> a problem to
     report or None; `model` holds dim, vocab_size, n_layers, max_position, and for mixers and
-    ffns also the resolved norm and rope specs and the rope slot names. Defaults: nothing to
-    derive, nothing to report."""
+    ffns also the resolved norm and rope specs, the rope slot names and the names in `mixers`
+    (`mixer_names`). Defaults: nothing to derive, nothing to report."""
 
     def resolve(self, model: dict) -> "KindSpec":
         return self
