@@ -119,3 +119,13 @@ def test_extend_from_the_cached_state(families):
 
     test_extend.test_chunked_prefill_equals_whole(families, "reach_hybrid/falcon_h1")
     test_extend.test_rollback_equals_never_extended(families, "reach_hybrid/falcon_h1")
+
+
+def test_summed_extend_is_parallel_when_every_member_is():
+    """contracts.extends_by_decode sees through the summed mixer: attention and Mamba2 both extend
+    over the chunk at once, so the compiled runner compiles its extend (no per-length loop)."""
+    from zoo.compiler.contracts import extends_by_decode
+
+    mixer = zoo.build("falcon_h1_tiny", dry=True).module.layers[0].mixer
+    assert mixer.kind == "summed" and not extends_by_decode(mixer)
+    assert not any(extends_by_decode(m) for m in mixer.members())

@@ -126,8 +126,9 @@ class Mixer(nn.Module, ABC):
 
 def extends_by_decode(mixer: Mixer) -> bool:
     """Whether a mixer's extend is the contract's default, one decode step per token (a loop
-    over L: a compiled graph of it would specialise on L, so the compiled runner runs it eagerly)."""
-    return type(mixer).extend is Mixer.extend
+    over L: a compiled graph of it would specialise on L, so the compiled runner runs it eagerly),
+    itself or through a part it delegates to (a mixer whose attribute `steps_extend` is true)."""
+    return type(mixer).extend is Mixer.extend or bool(getattr(mixer, "steps_extend", False))
 
 
 class FFN(nn.Module, ABC):

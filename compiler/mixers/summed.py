@@ -10,7 +10,8 @@ another `summed` or `none`.
 
 Cache: every member's fields, each name prefixed `<member>.` (a member sees only its own, under
 its own names). Entry points, rope widths, FLOPs, cache bytes and decode-context entries are the
-members' (summed or merged). `zoo patterns`: the attention maps of the one member that has them
+members' (summed or merged); a member whose extend is the decode loop makes this one's that too
+(`steps_extend`, read by contracts.extends_by_decode). `zoo patterns`: the attention maps of the one member that has them
 (contracts.AttentionProbe) are the layer's. Tensor / expert parallelism: no plan (a clear refusal,
 contracts.no_sharding_plan).
 """
@@ -21,7 +22,7 @@ from typing import List, Optional
 
 import torch
 
-from ..contracts import AttentionProbe, CacheField, KindSpec, Mixer
+from ..contracts import AttentionProbe, CacheField, KindSpec, Mixer, extends_by_decode
 from ..errors import ConfigError
 from ..registry import lookup, register
 
@@ -79,6 +80,12 @@ class SummedMixers(Mixer):
 
     def members(self) -> list[Mixer]:
         return [getattr(self, name) for name in self.names]
+
+    @property
+    def steps_extend(self) -> bool:
+        """Whether a member's extend is the decode loop (contracts.extends_by_decode): then so is
+        this one's, and the compiled runner runs it eagerly."""
+        return any(extends_by_decode(m) for m in self.members())
 
     def rope_dims(self) -> list[int]:
         return sorted({r for m in self.members() for r in m.rope_dims()})
