@@ -8,6 +8,7 @@ is ever handed to `eval`, and no attribute, subscript or call outside this list 
                  `null` / `true` / `false` (YAML's spelling) and None / True / False are literals;
                  a layout `when:` test also sees `layer` (the 0-based layer index)
     literals     numbers, strings, lists of literals
+    indexing     `key[i]` with an integer literal i (negative from the end): one item of a list
     arithmetic   + - * / // %  and unary -   (`/` is true division: 64 / 128 == 0.5)
     comparisons  == != < <= > >= in, not in; `is None` / `is not None` (only against None)
     logic        and, or, not; `a if cond else b`
@@ -40,7 +41,7 @@ _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, as
 _FUNCTIONS = {"min": min, "max": max, "abs": abs, "len": len, "int": int, "float": float, "round": round,
               "sqrt": math.sqrt}  # sqrt: MiniCPM3's residual scale_depth / sqrt(num_hidden_layers)
 _KEY_FUNCTIONS = ("default", "has")  # their first argument is a key, read without requiring it
-ALLOWED = ("config keys, numbers, strings, lists, + - * / // %, comparisons, and/or/not, "
+ALLOWED = ("config keys, numbers, strings, lists, key[i], + - * / // %, comparisons, and/or/not, "
            "`x if c else y`, `is None`, `key ?? v`, default(key, v), has(key), "
            f"{', '.join(_FUNCTIONS)}")
 
@@ -193,6 +194,14 @@ def _check(node: ast.AST, where: str, keys: set[str], local: set[str]) -> None:
         for elt in node.elts:
             _check(elt, where, keys, local)
         return
+    if isinstance(node, ast.Subscript):
+        i = node.slice
+        if isinstance(i, ast.UnaryOp) and isinstance(i.op, ast.USub):
+            i = i.operand
+        if not (isinstance(i, ast.Constant) and type(i.value) is int):
+            refuse(f"`{ast.unparse(node)}`: an index other than an integer literal")
+        _check(node.value, where, keys, local)
+        return
     if isinstance(node, ast.BinOp):
         if isinstance(node.op, ast.BitOr):  # `??`
             if not (isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.BitOr)) \
@@ -273,6 +282,11 @@ class _Evaluator:
             return value
         if isinstance(node, ast.List):
             return [self.run(e) for e in node.elts]
+        if isinstance(node, ast.Subscript):
+            value, i = self.run(node.value), ast.literal_eval(node.slice)
+            if not isinstance(value, (list, tuple)) or not -len(value) <= i < len(value):
+                raise TypeError(f"index [{i}] of {_short(value)} (expected a list with an item there)")
+            return value[i]
         if isinstance(node, ast.Tuple):
             return tuple(self.run(e) for e in node.elts)
         if isinstance(node, ast.BinOp):

@@ -354,7 +354,8 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     if "rope" in top.ropes:
         raise _fail(source, "ropes.rope: the name 'rope' is the top-level `rope`; give the extra slot another name")
     ropes = {name: _validate_kind("rope", node, f"ropes.{name}", source, model) for name, node in top.ropes.items()}
-    model_with = {**model, "norm": norm, "rope": rope, "rope_slots": ["rope", *ropes]}
+    model_with = {**model, "norm": norm, "rope": rope, "rope_slots": ["rope", *ropes],
+                  "mixer_names": list(top.mixers)}  # a summed mixer names its members
     mixers = {name: _validate_kind("mixer", node, f"mixers.{name}", source, model_with)
               for name, node in top.mixers.items()}
     ffns = {name: _validate_kind("ffn", node, f"ffns.{name}", source, model_with)

@@ -30,6 +30,7 @@ from tests import test_qwen3_5 as qwen3_5
 from tests import test_qwen3_next as qwen3_next
 from tests import test_reach_dense as reach_dense
 from tests import test_reach_moe as reach_moe
+from tests import test_reach_hybrid as reach_hybrid
 from tests import test_reach_ssm as reach_ssm
 from tests.family_harness import (DecodeEqualsPrefill as DEP, Family, Parity as P, randomize_norms, run_checks,
                                   tiny_reference)
@@ -192,6 +193,15 @@ for _i, _name in enumerate(reach_ssm.FAMILIES):
         eager=(P(11, 6), DEP(25, 9)),
         compiled=(P(11, 4), P(17, 2), DEP(25, 7)) if _name in reach_ssm.COMPILED else (),
         graphs=reach_ssm.COMPILED.get(_name))
+
+# ------------------------------------- hybrid families, more than one mixer a layer (test_reach_hybrid.py)
+
+for _i, _name in enumerate(reach_hybrid.FAMILIES):
+    FAMILIES[f"reach_hybrid/{_name}"] = Family(
+        (lambda n=_name, i=_i: reach_hybrid.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4,
+        max_seq=40, eager=(P(11, 6), DEP(25, 9)),
+        compiled=(P(11, 4), P(17, 2), DEP(25, 7)) if _name in reach_hybrid.COMPILED else (),
+        graphs=reach_hybrid.COMPILED.get(_name))
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -59,10 +59,18 @@ def value(source: str, config: dict = CONFIG, **local):
     ("int(rope_parameters.factor)", 4), ("float(head_dim)", 12.0), ("round(2.6)", 3),
     ("null", None), ("true", True), ("false", False), ("'a??b'", "a??b"), ("[1, 2]", [1, 2]),
     (128, 128), (0.5, 0.5), (None, None),  # YAML numbers and null are literals
+    ("layer_types[1]", "b"), ("layer_types[-2]", "a"), ("(missing ?? [3, 4])[1]", 4),  # one item of a list
 ])
 def test_each_form(source, expected):
     got = value(source)
     assert got == expected and type(got) is type(expected)
+
+
+def test_an_index_outside_the_list_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match=r"index \[2\] of \['a', 'b'\] \(expected a list with an item there\)"):
+        value("layer_types[2]")
+    with pytest.raises(ConfigError, match=r"index \[0\] of 48"):
+        value("hidden_size[0]")
 
 
 def test_layer_is_a_local_name():
@@ -101,7 +109,8 @@ def test_null_key_in_arithmetic_names_the_value():
     ("open('/etc/passwd')", "the call open(...)"),
     ("hidden_size.__class__", None),  # a dotted key, never an attribute: refused as absent at run time
     ("(1).real", "an attribute of a computed value"),
-    ("layer_types[0]", "Subscript"),
+    ("layer_types[n]", "an index other than an integer literal"),
+    ("layer_types[0:2]", "an index other than an integer literal"),
     ("head_dim ** 2", "Pow"),
     ("lambda: 1", "Lambda"),
     ("[x for x in layer_types]", "ListComp"),

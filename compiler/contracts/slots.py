@@ -36,8 +36,8 @@ class KindSpec:
 
     resolve(model) -> Spec fills derived dims (returns a new spec), check(model) -> a problem to
     report or None; `model` holds dim, vocab_size, n_layers, max_position, and for mixers and
-    ffns also the resolved norm and rope specs and the rope slot names. Defaults: nothing to
-    derive, nothing to report."""
+    ffns also the resolved norm and rope specs, the rope slot names and the names in `mixers`
+    (`mixer_names`). Defaults: nothing to derive, nothing to report."""
 
     def resolve(self, model: dict) -> "KindSpec":
         return self
@@ -126,8 +126,9 @@ class Mixer(nn.Module, ABC):
 
 def extends_by_decode(mixer: Mixer) -> bool:
     """Whether a mixer's extend is the contract's default, one decode step per token (a loop
-    over L: a compiled graph of it would specialise on L, so the compiled runner runs it eagerly)."""
-    return type(mixer).extend is Mixer.extend
+    over L: a compiled graph of it would specialise on L, so the compiled runner runs it eagerly),
+    itself or through a part it delegates to (a mixer whose attribute `steps_extend` is true)."""
+    return type(mixer).extend is Mixer.extend or bool(getattr(mixer, "steps_extend", False))
 
 
 class FFN(nn.Module, ABC):
@@ -224,7 +225,8 @@ class Residual(ABC):
 
 def no_sharding_plan(module, plan) -> bool:
     """The default `shard` hook: a kind without a sharding plan refuses tp / ep, naming itself."""
-    raise ConfigError(f"{plan.source}: {plan.where}: kind {module.kind!r} declares no sharding plan (its shard() "
+    layer = "" if plan.layer is None else f" (layers.{plan.layer})"
+    raise ConfigError(f"{plan.source}: {plan.where}{layer}: kind {module.kind!r} declares no sharding plan (its shard() "
                       f"hook), so it cannot run with runtime.parallel tp={plan.mesh.tp} ep={plan.mesh.ep}")
 
 

@@ -4,6 +4,8 @@
 `swiglu_limit` (DeepSeek-V4, gpt-oss) clamps the pre-activations first: the gate from above at
 +limit, the up projection to [-limit, limit]. gpt-oss's variant (MoE experts, see moe.py) also
 sharpens the gate, gate * sigmoid(alpha * gate), and offsets the up projection: (up + 1).
+µP multipliers (Falcon-H1's mlp_multipliers): `gate_scale` on the gate pre-activation, `out_scale`
+on w2's output: y = out_scale * w2(act(gate_scale * x w1) * (x w3)).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class SwiGLU(FFN):
         bias: bool = False
         swiglu_limit: Optional[float] = None  # clamp gate <= limit, up to [-limit, limit] (DeepSeek-V4)
         activation: str = "silu"  # the gate's: silu | gelu_tanh (GeGLU, Gemma)
+        gate_scale: float = 1.0  # on the gate pre-activation (µP, Falcon-H1)
+        out_scale: float = 1.0  # on the output (µP, Falcon-H1)
 
         def check(self, model: dict) -> Optional[str]:
             if self.activation not in ACTIVATIONS:
@@ -60,6 +64,7 @@ class SwiGLU(FFN):
         self.ffn_dim = spec.ffn_dim
         self.limit = spec.swiglu_limit
         self.activation = spec.activation
+        self.gate_scale, self.out_scale = float(spec.gate_scale), float(spec.out_scale)
         self.w13 = nn.Linear(model.dim, 2 * spec.ffn_dim, bias=spec.bias)
         self.w2 = nn.Linear(spec.ffn_dim, model.dim, bias=spec.bias)
 
@@ -78,7 +83,10 @@ class SwiGLU(FFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(swiglu(gate, up, self.limit, self.activation))
+        if self.gate_scale != 1.0:
+            gate = gate * self.gate_scale
+        y = self.w2(swiglu(gate, up, self.limit, self.activation))
+        return y * self.out_scale if self.out_scale != 1.0 else y
 
     def prefill(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         return self(x)

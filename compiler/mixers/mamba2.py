@@ -8,6 +8,10 @@ hybrids).
         S_t = exp(dt_t A) S_{t-1} + dt_t u_t b_t^T
         y_t = S_t c_t + D u_t
     rmsnorm(y * SiLU(z)) per group of Ci / Gs channels, times a weight -> out_proj -> [B, L, D]
+    (`gated_norm: false`, Falcon-H1: y * SiLU(z), no norm)
+
+`in_multipliers` [5] (µP, Falcon-H1's ssm_multipliers): in_proj's output slices z | u | b | c | dt'
+each times its multiplier, before anything reads them.
 
 No attention weights (a scalar-decay recurrence per head), so `zoo patterns` has no map to draw;
 it reports the recurrence through `mixer_statistics`.
@@ -27,7 +31,7 @@ Cache per layer, constant per sequence (grows=False):
 
 Parameters: in_proj [2 Ci + 2 Gs Ns + Hs, D] (rows z | u | b | c | dt'), conv_weight
 [Ci + 2 Gs Ns, 1, W], conv_bias (with `conv_bias`), dt_bias [Hs], A_log [Hs], D [Hs],
-norm.weight [Ci], out_proj [D, Ci].
+norm.weight [Ci] (with `gated_norm`), out_proj [D, Ci] (its bias: `out_bias`, default `bias`).
 """
 from __future__ import annotations
 
@@ -141,6 +145,9 @@ class Mamba2(ScanMixer):
         chunk_size: int = 256  # Lc
         norm_eps: float = 1e-5  # eps of the gated RMSNorm
         time_step_limit: List[float] = field(default_factory=lambda: [0.0, math.inf])  # dt clamp
+        gated_norm: bool = True  # rmsnorm(y * SiLU(z)) * w; false: y * SiLU(z) (Falcon-H1)
+        out_bias: Optional[bool] = None  # out_proj's bias; None: `bias`
+        in_multipliers: Optional[List[float]] = None  # z | u | b | c | dt' slices of in_proj (µP)
 
         def check(self, model: dict) -> Optional[str]:
             for key in ("n_heads", "head_dim", "d_state", "n_groups", "chunk_size"):
@@ -151,6 +158,9 @@ class Mamba2(ScanMixer):
                         f"(each b / c group serves n_heads / n_groups heads)")
             if len(self.time_step_limit) != 2 or self.time_step_limit[0] > self.time_step_limit[1]:
                 return f"time_step_limit={list(self.time_step_limit)}: expected [min, max] with min <= max"
+            if self.in_multipliers is not None and len(self.in_multipliers) != 5:
+                return (f"in_multipliers={list(self.in_multipliers)}: expected 5 values, for in_proj's "
+                        f"z | x | B | C | dt slices (or null)")
             return check_conv(self)
 
         @property
@@ -172,8 +182,12 @@ class Mamba2(ScanMixer):
         self.dt_bias = nn.Parameter(torch.empty(s.n_heads))
         self.A_log = nn.Parameter(torch.empty(s.n_heads))
         self.D = nn.Parameter(torch.empty(s.n_heads))
-        self.norm = GroupedGatedRMSNorm(Ci, Ci // s.n_groups, s.norm_eps)
-        self.out_proj = nn.Linear(Ci, model.dim, bias=s.bias)
+        self.norm = GroupedGatedRMSNorm(Ci, Ci // s.n_groups, s.norm_eps) if s.gated_norm else None
+        self.out_proj = nn.Linear(Ci, model.dim, bias=s.bias if s.out_bias is None else s.out_bias)
+        GN = s.n_groups * s.d_state
+        # [z | u | b | c | dt'] slice widths of in_proj, each scaled by its multiplier (µP)
+        self.in_slices = None if s.in_multipliers is None else list(zip(
+            [Ci, Ci, GN, GN, s.n_heads], [float(m) for m in s.in_multipliers]))
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Random-build values: a unit-sum conv, A = 1..Hs, D = 1, dt near 0.01."""
@@ -197,6 +211,15 @@ class Mamba2(ScanMixer):
 
     # ------------------------------------------------------------------ pieces
 
+    def _project(self, x: torch.Tensor):
+        """x [B, L, D] -> z [B, L, Ci], xbc [B, L, Cc], dt' [B, L, Hs] (each slice times its
+        in_multiplier, where given)."""
+        p = self.in_proj(x)
+        if self.in_slices is not None:
+            parts = p.split([w for w, _ in self.in_slices], dim=-1)
+            p = torch.cat([t * m for t, (_, m) in zip(parts, self.in_slices)], dim=-1)
+        return p.split(self.split, dim=-1)
+
     def _split(self, conv: torch.Tensor, dt: torch.Tensor):
         """Conv output [B, L, Cc] (after SiLU), dt' [B, L, Hs] -> u [B, Hs, L, Ps] (not scaled),
         b, c [B, Hs, L, Ns] (per head), dt [B, Hs, L] float32."""
@@ -215,13 +238,15 @@ class Mamba2(ScanMixer):
         y = y + u * self.D.float()[:, None, None]
         B, _, L, _ = y.shape
         y = y.transpose(1, 2).reshape(B, L, -1).to(dtype)
+        if self.norm is None:
+            return self.out_proj((y.float() * F.silu(z.float())).to(dtype))
         return self.out_proj(self.norm(y, z))
 
     def _prefill_scan(self, x: torch.Tensor, conv_history: torch.Tensor, state: torch.Tensor, cache: dict,
                       scan=None):
         """x [B, L, D] continuing after `conv_history` and `state` -> (y, u, z, dt, final state);
         the new conv history goes to cache["conv"]."""
-        z, xbc, dtr = self.in_proj(x).split(self.split, dim=-1)
+        z, xbc, dtr = self._project(x)
         conv, history = conv_from_history(xbc.transpose(1, 2), self.conv_weight, self.conv_bias, conv_history)
         cache["conv"].copy_(history)
         u, b, c, dt = self._split(F.silu(conv).transpose(1, 2), dtr)
@@ -236,7 +261,7 @@ class Mamba2(ScanMixer):
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] -> [B, 1, D]; one recurrent step from the cached conv inputs and state."""
-        z, xbc, dtr = self.in_proj(x).split(self.split, dim=-1)
+        z, xbc, dtr = self._project(x)
         conv = F.silu(conv_step(xbc[:, 0], self.conv_weight, self.conv_bias, cache["conv"]))[:, None]
         u, b, c, dt = self._split(conv, dtr)
         a = dt * -torch.exp(self.A_log.float())[:, None]

@@ -52,6 +52,7 @@ class ShardPlan:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.where = ""  # the config node being sharded (mixers.NAME / ffns.NAME), for errors
+        self.layer: int | None = None  # the layer being sharded, for errors
         self.source = ""  # the config's file
         self._slices: dict[int, Slice] = {}  # id(parameter) -> Slice
         self._sinks: dict[int, Slice] = {}  # id(WeightSink) -> Slice of its (float) weight
@@ -147,6 +148,7 @@ def shard_model(model, mesh: Mesh) -> ShardReport:
     plan.source = spec.source
     # the MTP blocks as the stack's (their eh_proj, norms and own embed / head copies replicated)
     for block, layer in zip((*model.layers, *model.mtp), (*spec.layers, *spec.mtp_layers[:len(model.mtp)])):
+        plan.layer = layer.index
         if mesh.tp > 1:
             plan.where = f"mixers.{layer.mixer_name}"
             if block.mixer.shard(plan):
