@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, smollm3"
+MAPPED_ARCHITECTURES = "deepseek2, gemma, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -273,6 +273,8 @@ LAYOUTS = {
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
     "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
+    "gemma": Layout(gguf.MODEL_ARCH.GEMMA, norm_shift=1.0),
+    "seed_oss": Layout(gguf.MODEL_ARCH.SEED_OSS),
 }
 
 

@@ -147,6 +147,15 @@ FAMILIES = {
                               tie_word_embeddings=False,
                               rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                          ["deepseek_v3"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # reach families (docs/coverage.md) that llama.cpp converts
+    "gemma": ("gemma", "GemmaConfig",
+              dict(SMALL, head_dim=32, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+              ["llama"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    "seed_oss": ("seed_oss", "SeedOssConfig",
+                 dict(SMALL, head_dim=32, attention_bias=True, attention_out_bias=True, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
+                 ["llama"], {"blk.0.ffn_down.weight": Q.Q8_0}),
 }
 
 
