@@ -41,6 +41,8 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     theta = rope.get("full_attention", rope).get("rope_theta")  # per layer kind: the global layers'
     if theta is not None:
         w.add_rope_freq_base(theta)
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
     if rope.get("rope_type") == "yarn":  # the converter's yarn keys
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -247,6 +249,13 @@ def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
+    """Olmo2Model / Exaone4Model with a window: the window and the per-layer pattern (true: sliding)."""
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -275,6 +284,7 @@ LAYOUTS = {
     "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
     "gemma": Layout(gguf.MODEL_ARCH.GEMMA, norm_shift=1.0),
     "seed_oss": Layout(gguf.MODEL_ARCH.SEED_OSS),
+    "olmo3": Layout(gguf.MODEL_ARCH.OLMO2, metadata=_sliding_pattern),
 }
 
 

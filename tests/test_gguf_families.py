@@ -156,6 +156,13 @@ FAMILIES = {
                  dict(SMALL, head_dim=32, attention_bias=True, attention_out_bias=True, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
                  ["llama"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # general.architecture olmo2 with a window and its per-layer pattern (window 4 < the positions
+    # checked; layer 1 full, against config.json's every-4th default)
+    "olmo3": ("olmo3", "Olmo3Config",
+              dict(SMALL, num_hidden_layers=3, sliding_window=4, tie_word_embeddings=False,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+              ["olmo2"], {"blk.2.ffn_up.weight": Q.Q8_0}),
 }
 
 
@@ -230,6 +237,16 @@ def test_tensor_shape_disagreeing_with_metadata(tmp_path):
     with pytest.raises(CheckpointError, match=r"shape") as err:
         zoo.from_pretrained(str(path), compile=False)
     assert str(path) in str(err.value) and "ffn" in str(err.value)
+
+
+def test_olmo3_sliding_rope_base_of_its_own_is_refused(tmp_path):
+    """llama.cpp rotates Olmo 3's sliding layers with rope.freq_base: a file whose freq_base_swa
+    differs would be another model in transformers, so it is refused, naming both keys."""
+    ref = twin("Olmo3Config", FAMILIES["olmo3"][2])
+    path = write_gguf(tmp_path / "o3.gguf", ref, LAYOUTS["olmo3"], extra={"{arch}.rope.freq_base_swa": 1e4})
+    with pytest.raises(CheckpointError, match=rf"{path}.*separate rope base for the sliding layers is not supported "
+                                              rf"\(olmo2.rope.freq_base_swa = 10000.0, olmo2.rope.freq_base = 500000.0\)"):
+        zoo.from_pretrained(str(path), compile=False)
 
 
 def test_llama_moe_file_with_a_window_is_refused(tmp_path):

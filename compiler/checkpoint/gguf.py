@@ -126,6 +126,11 @@ class GGUFSource(Source):
         for key, (limit, why) in reject.get("above", {}).items():
             if (value := self.metadata(key.format(arch=arch), 0)) > limit:
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value})")
+        for key, (other, why) in reject.get("differs", {}).items():
+            value, expected = self.metadata(key.format(arch=arch)), self.metadata(other.format(arch=arch))
+            if value is not None and value != expected:
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value}, "
+                                      f"{other.format(arch=arch)} = {expected})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
@@ -140,6 +145,8 @@ class GGUFSource(Source):
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
+            elif isinstance(field, dict) and "each" in field:
+                value = self._each(key, value, field["each"])
             elif isinstance(field, dict) and ("minus" in field or "over" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -219,6 +226,16 @@ class GGUFSource(Source):
                 return arch, variant["map"], _load_yaml(path)
         return arch, arch, mapping
 
+
+    def _each(self, key: str, value: Any, table: dict) -> list:
+        """A per-layer metadata array (e.g. llama.cpp's sliding_window_pattern [bool] * n_layers)
+        as config.json's list, element by element through `table` (e.g. {true: sliding_attention,
+        false: full_attention}); an element outside it is an error naming the key and the value."""
+        values = value if isinstance(value, list) else [value]
+        if bad := [v for v in values if v not in table]:
+            raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
+                                  f"{', '.join(repr(k) for k in table)}")
+        return [table[v] for v in values]
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""
