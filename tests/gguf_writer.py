@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
+MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -285,6 +285,9 @@ LAYOUTS = {
     "gemma": Layout(gguf.MODEL_ARCH.GEMMA, norm_shift=1.0),
     "seed_oss": Layout(gguf.MODEL_ARCH.SEED_OSS),
     "olmo3": Layout(gguf.MODEL_ARCH.OLMO2, metadata=_sliding_pattern),
+    "exaone4": Layout(gguf.MODEL_ARCH.EXAONE4, metadata=_sliding_pattern),
+    "ernie4_5": Layout(gguf.MODEL_ARCH.ERNIE4_5),
+    "arcee": Layout(gguf.MODEL_ARCH.ARCEE, permute_qk=True),
 }
 
 

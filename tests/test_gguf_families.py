@@ -163,6 +163,18 @@ FAMILIES = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
               ["olmo2"], {"blk.2.ffn_up.weight": Q.Q8_0}),
+    # window 4 < the positions checked; full layers without RoPE
+    "exaone4": ("exaone4", "Exaone4Config",
+                dict(SMALL, num_hidden_layers=4, head_dim=16, sliding_window=4, sliding_window_pattern=2,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                ["olmo2"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    "ernie4_5": ("ernie4_5", "Ernie4_5Config",
+                 dict(SMALL, head_dim=16, use_bias=True, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+                 ["llama"], {"blk.0.attn_output.weight": Q.Q8_0}),
+    "arcee": ("arcee", "ArceeConfig",
+              dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["arcee"], {"blk.1.ffn_up.weight": Q.Q8_0}),
 }
 
 
