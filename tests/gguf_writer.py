@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
+MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -256,6 +256,12 @@ def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
 
 
+def _glm4(w: gguf.GGUFWriter, cfg) -> None:
+    """Glm4Model: the rotated width."""
+    rot = (cfg.rope_parameters or {}).get("partial_rotary_factor", 0.5)
+    w.add_rope_dimension_count(int((cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads) * rot))
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -288,6 +294,8 @@ LAYOUTS = {
     "exaone4": Layout(gguf.MODEL_ARCH.EXAONE4, metadata=_sliding_pattern),
     "ernie4_5": Layout(gguf.MODEL_ARCH.ERNIE4_5),
     "arcee": Layout(gguf.MODEL_ARCH.ARCEE, permute_qk=True),
+    "hunyuan-dense": Layout(gguf.MODEL_ARCH.HUNYUAN_DENSE),
+    "glm4": Layout(gguf.MODEL_ARCH.GLM4, metadata=_glm4),
 }
 
 

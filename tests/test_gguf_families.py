@@ -175,6 +175,15 @@ FAMILIES = {
     "arcee": ("arcee", "ArceeConfig",
               dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
               ["arcee"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "hunyuan_dense": ("hunyuan-dense", "HunYuanDenseV1Config",
+                      dict(SMALL, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                      ["hunyuan_v1_dense"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # partial rotary (half the head), sandwich norms, the fused gate_up as ffn_up
+    "glm4": ("glm4", "Glm4Config",
+             dict(SMALL, head_dim=32, attention_bias=True, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+             ["glm4"], {"blk.1.ffn_up.weight": Q.Q8_0}),
 }
 
 
