@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
+MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -71,6 +71,7 @@ class Layout:
     metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
     head_dim_key: bool = True
     norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
+    text_metadata: bool = True  # False: the converter's set_gguf_parameters writes its own keys only
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
     # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
     # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
@@ -262,6 +263,24 @@ def _glm4(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int((cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads) * rot))
 
 
+def _gpt2(w: gguf.GGUFWriter, cfg) -> None:
+    """GPT2Model: its own keys only (the MLP width as 4 * n_embd, the LayerNorm epsilon)."""
+    w.add_block_count(cfg.n_layer)
+    w.add_context_length(cfg.n_positions)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(4 * cfg.n_embd)
+    w.add_head_count(cfg.n_head)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _gpt2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GPT2Model.modify_tensors: the Conv1D weights ([in, out]) transposed."""
+    if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+        return [(name, t.t())]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -296,6 +315,7 @@ LAYOUTS = {
     "arcee": Layout(gguf.MODEL_ARCH.ARCEE, permute_qk=True),
     "hunyuan-dense": Layout(gguf.MODEL_ARCH.HUNYUAN_DENSE),
     "glm4": Layout(gguf.MODEL_ARCH.GLM4, metadata=_glm4),
+    "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 
 
@@ -328,13 +348,14 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     quantize = dict(quantize or {})
     names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch or layout.name)
-    _text_metadata(w, cfg, layout.head_dim_key)
+    if layout.text_metadata:
+        _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
     for key, value in (extra or {}).items():
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": getattr(cfg, "num_key_value_heads", None)}
     tensors = list(model.state_dict().items())
     storages = {t.untyped_storage().data_ptr() for _, t in tensors}  # the twin's own weights
     if layout.tensors is not None:  # before the generic expert split: the layout's own comes first

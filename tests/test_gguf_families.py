@@ -184,6 +184,11 @@ FAMILIES = {
              dict(SMALL, head_dim=32, attention_bias=True, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
              ["glm4"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # LayerNorm, learned positions, Conv1D weights stored transposed
+    "gpt2": ("gpt2", "GPT2Config",
+             dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, tie_word_embeddings=True,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
+             ["gpt2"], {"blk.1.attn_output.weight": Q.Q8_0}),
 }
 
 

@@ -163,8 +163,10 @@ class GGUFSource(Source):
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
-        # config.json gets it only where the map has the field (some import maps have no head_dim)
-        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        # config.json gets it only where the map has the field (some import maps have no head_dim;
+        # GPT-2's config.json has other names for the sizes and no rotary)
+        if "head_dim" in mapping.get("fields", {}) or "rotary_dim" in reject:
+            head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         if "head_dim" in mapping.get("fields", {}):
             cfg["head_dim"] = head_dim
         if "rotary_dim" in reject:
