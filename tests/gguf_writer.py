@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
+MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -281,6 +281,29 @@ def _gpt2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _gptneox(w: gguf.GGUFWriter, cfg) -> None:
+    """GPTNeoXModel: its own keys only (the rotated width per head, the residual form)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    rot = cfg.rope_parameters.get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(rot * (cfg.hidden_size // cfg.num_attention_heads)))
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_parallel_residual(cfg.use_parallel_residual)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GPTNeoXModel.modify_tensors: query_key_value per head [q | k | v] -> part-major [q | k | v]."""
+    if name.endswith("attention.query_key_value.weight") or name.endswith("attention.query_key_value.bias"):
+        h = cfg.num_attention_heads
+        qkv = t.reshape(h, 3, cfg.hidden_size // h, *t.shape[1:])
+        return [(name, torch.cat([qkv[:, i].reshape(-1, *t.shape[1:]) for i in range(3)]))]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -315,6 +338,7 @@ LAYOUTS = {
     "arcee": Layout(gguf.MODEL_ARCH.ARCEE, permute_qk=True),
     "hunyuan-dense": Layout(gguf.MODEL_ARCH.HUNYUAN_DENSE),
     "glm4": Layout(gguf.MODEL_ARCH.GLM4, metadata=_glm4),
+    "gptneox": Layout(gguf.MODEL_ARCH.GPTNEOX, metadata=_gptneox, text_metadata=False, tensors=_gptneox_tensors),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 

@@ -189,6 +189,11 @@ FAMILIES = {
              dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, tie_word_embeddings=True,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
              ["gpt2"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    # partial rotary, parallel residual, query_key_value stored part-major
+    "gpt_neox": ("gptneox", "GPTNeoXConfig",
+                 dict(SMALL, tie_word_embeddings=False, use_parallel_residual=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                 ["gpt_neox"], {"blk.1.ffn_up.weight": Q.Q8_0}),
 }
 
 

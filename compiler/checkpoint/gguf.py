@@ -147,12 +147,14 @@ class GGUFSource(Source):
                 value = field["default"]
             elif isinstance(field, dict) and "each" in field:
                 value = self._each(key, value, field["each"])
-            elif isinstance(field, dict) and ("minus" in field or "over" in field):
+            elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
                 # partial_rotary_factor * head_dim); an absent `minus` key is 0
                 if "minus" in field:
                     value = value - self.metadata(field["minus"].format(arch=arch), 0)
+                if "times" in field:  # GPT-NeoX's rotary fraction: dimension_count * head_count / embedding_length
+                    value = value * self._required(field["times"].format(arch=arch))
                 if "over" in field:  # a whole quotient stays an integer (a width), else a fraction
                     d = self._required(field["over"].format(arch=arch))
                     value = value // d if value % d == 0 else value / d
