@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3"
+MAPPED_ARCHITECTURES = "arcee, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -50,7 +50,12 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
         for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if rope.get(key) is not None:
                 add(rope[key])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    # the converter's find_hparam lists: an RMSNorm epsilon, a LayerNorm one, or both
+    if (eps := next((getattr(cfg, k) for k in ("rms_norm_eps", "norm_eps") if hasattr(cfg, k)), None)) is not None:
+        w.add_layer_norm_rms_eps(eps)
+    if (eps := next((getattr(cfg, k) for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+                     if hasattr(cfg, k)), None)) is not None:
+        w.add_layer_norm_eps(eps)
     if head_dim_key and (head_dim := getattr(cfg, "head_dim", None)) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -304,6 +309,12 @@ def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
+    """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
+    _gptneox(w, cfg)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -339,6 +350,8 @@ LAYOUTS = {
     "hunyuan-dense": Layout(gguf.MODEL_ARCH.HUNYUAN_DENSE),
     "glm4": Layout(gguf.MODEL_ARCH.GLM4, metadata=_glm4),
     "gptneox": Layout(gguf.MODEL_ARCH.GPTNEOX, metadata=_gptneox, text_metadata=False, tensors=_gptneox_tensors),
+    "starcoder2": Layout(gguf.MODEL_ARCH.STARCODER2),
+    "stablelm": Layout(gguf.MODEL_ARCH.STABLELM, metadata=_stablelm, text_metadata=False),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 

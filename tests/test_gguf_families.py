@@ -194,6 +194,15 @@ FAMILIES = {
                  dict(SMALL, tie_word_embeddings=False, use_parallel_residual=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
                  ["gpt_neox"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "starcoder2": ("starcoder2", "Starcoder2Config",
+                   dict(SMALL, use_bias=True, sliding_window=None, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+                   ["starcoder2"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # StableLM 2 1.6B's form: sequential residual, q/k/v biases, a quarter of each head rotated
+    "stablelm": ("stablelm", "StableLmConfig",
+                 dict(SMALL, use_parallel_residual=False, use_qkv_bias=True, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+                 ["stablelm"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
 }
 
 
