@@ -203,6 +203,11 @@ FAMILIES = {
                  dict(SMALL, use_parallel_residual=False, use_qkv_bias=True, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
                  ["stablelm"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    # every 4th layer full and without RoPE (no pattern in the file), window 4 < the positions checked
+    "cohere2": ("cohere2", "Cohere2Config",
+                dict(SMALL, num_hidden_layers=4, sliding_window=4, logit_scale=0.25, tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
+                ["cohere"], {"blk.3.ffn_up.weight": Q.Q8_0}),
 }
 
 
