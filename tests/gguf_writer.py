@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -323,6 +323,13 @@ def _cohere2(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _nemotron(w: gguf.GGUFWriter, cfg) -> None:
+    """NemotronModel: the LayerNorm epsilon, the rotated width per head, no scaling."""
+    w.add_layer_norm_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -361,6 +368,7 @@ LAYOUTS = {
     "starcoder2": Layout(gguf.MODEL_ARCH.STARCODER2),
     "stablelm": Layout(gguf.MODEL_ARCH.STABLELM, metadata=_stablelm, text_metadata=False),
     "cohere2": Layout(gguf.MODEL_ARCH.COHERE2, metadata=_cohere2),
+    "nemotron": Layout(gguf.MODEL_ARCH.NEMOTRON, metadata=_nemotron, norm_shift=1.0),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 

@@ -208,6 +208,11 @@ FAMILIES = {
                 dict(SMALL, num_hidden_layers=4, sliding_window=4, logit_scale=0.25, tie_word_embeddings=True,
                      rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
                 ["cohere"], {"blk.3.ffn_up.weight": Q.Q8_0}),
+    # layernorm1p stored as 1 + w, partial rotary, ReLU^2 up / down
+    "nemotron": ("nemotron", "NemotronConfig",
+                 dict(SMALL, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                 ["nemotron"], {"blk.0.ffn_down.weight": Q.Q8_0}),
 }
 
 
