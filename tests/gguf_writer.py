@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -232,16 +232,40 @@ def _qwen3next(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
 
 
+def _ssm_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The SSM converters' modify_tensors (Mamba's and its heirs'): A = -exp(A_log), conv1d
+    weights squeezed ([C, 1, K] -> [C, K])."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if "conv1d.weight" in name:
+        return [(name, t.squeeze())]
+    return None
+
+
+def _mamba(w: gguf.GGUFWriter, cfg) -> None:
+    """MambaModel: its own keys only (ssm.* sizes; dt_b_c_rms for Falcon-Mamba)."""
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_inner_size(cfg.intermediate_size)
+    w.add_ssm_state_size(cfg.state_size)
+    w.add_ssm_time_step_rank(cfg.time_step_rank)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    w.add_ssm_dt_b_c_rms(cfg.model_type == "falcon_mamba")
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
     attn_qkv and attn_gate (GGUF names: the converter writes them itself)."""
-    if name.endswith(".A_log"):
-        return [(name, -torch.exp(t))]
+    if (out := _ssm_tensors(name, t, cfg)) is not None:
+        return out
     if name.endswith(".dt_bias"):
         return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
-    if "conv1d" in name:
-        return [(name, t.squeeze())]
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return [(name, t + 1)]
     if name.endswith("in_proj_qkvz.weight"):
@@ -369,6 +393,7 @@ LAYOUTS = {
     "stablelm": Layout(gguf.MODEL_ARCH.STABLELM, metadata=_stablelm, text_metadata=False),
     "cohere2": Layout(gguf.MODEL_ARCH.COHERE2, metadata=_cohere2),
     "nemotron": Layout(gguf.MODEL_ARCH.NEMOTRON, metadata=_nemotron, norm_shift=1.0),
+    "mamba": Layout(gguf.MODEL_ARCH.MAMBA, metadata=_mamba, text_metadata=False, tensors=_ssm_tensors),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 
@@ -409,7 +434,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     for key, value in (extra or {}).items():
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": getattr(cfg, "num_key_value_heads", None)}
+    heads = {"attn_q": getattr(cfg, "num_attention_heads", None), "attn_k": getattr(cfg, "num_key_value_heads", None)}
     tensors = list(model.state_dict().items())
     storages = {t.untyped_storage().data_ptr() for _, t in tensors}  # the twin's own weights
     if layout.tensors is not None:  # before the generic expert split: the layout's own comes first
@@ -425,9 +450,9 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         name = hf_name if hf_name.startswith("blk.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
-        if not name.endswith((".weight", ".bias")) and not name.endswith(".ssm_a"):
+        if not name.endswith((".weight", ".bias", ".ssm_a", ".ssm_d")):
             # transformers' stacked experts are bare parameters; GGUF names are not (but A_log's
-            # ssm_a, as in llama.cpp's own tensor names)
+            # ssm_a and D's ssm_d, as in llama.cpp's own tensor names)
             name += ".weight"
         t = p.detach().float()
         if hf_name.endswith("norm.weight"):

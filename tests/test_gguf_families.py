@@ -213,6 +213,18 @@ FAMILIES = {
                  dict(SMALL, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
                  ["nemotron"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    "mamba": ("mamba", "MambaConfig",
+              dict(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                   time_step_rank=8, use_conv_bias=True, use_bias=False, tie_word_embeddings=True,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              ["mamba"], {"blk.1.ssm_in.weight": Q.Q8_0}),
+    # one epsilon in the file: llama.cpp's dt / B / C norms use it too
+    "falcon_mamba": ("mamba", "FalconMambaConfig",
+                     dict(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                          time_step_rank=8, use_conv_bias=True, use_bias=False, tie_word_embeddings=False,
+                          layer_norm_epsilon=1e-5, mixer_rms_eps=1e-5,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                     ["mamba"], {"blk.0.ssm_out.weight": Q.Q8_0}),
 }
 
 
