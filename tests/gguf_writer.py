@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -250,12 +250,35 @@ def _mamba(w: gguf.GGUFWriter, cfg) -> None:
     w.add_head_count(0)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_ssm_conv_kernel(cfg.conv_kernel)
-    w.add_ssm_inner_size(cfg.intermediate_size)
+    w.add_ssm_inner_size(int(cfg.expand * cfg.hidden_size))
     w.add_ssm_state_size(cfg.state_size)
-    w.add_ssm_time_step_rank(cfg.time_step_rank)
     w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    if cfg.model_type == "mamba2":
+        return
+    w.add_ssm_time_step_rank(cfg.time_step_rank)
     w.add_ssm_dt_b_c_rms(cfg.model_type == "falcon_mamba")
     w.add_vocab_size(cfg.vocab_size)
+
+
+def _mamba2(w: gguf.GGUFWriter, cfg) -> None:
+    """Mamba2Model: its own keys only (ssm.* sizes; the head count as time_step_rank)."""
+    _mamba(w, cfg)
+    w.add_ssm_time_step_rank(cfg.num_heads)
+    w.add_ssm_group_count(cfg.n_groups)
+
+
+def _mamba2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Mamba2Model.modify_tensors: Mamba's, plus A and D as [H, 1], the gated norm as
+    [n_groups, d_inner / n_groups] and dt_bias as dt_proj.bias."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t).reshape(-1, 1))]
+    if name.endswith(".D"):
+        return [(name, t.reshape(-1, 1))]
+    if name.endswith("mixer.norm.weight"):
+        return [(name, t.reshape(cfg.n_groups, -1))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    return _ssm_tensors(name, t, cfg)
 
 
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
@@ -394,6 +417,7 @@ LAYOUTS = {
     "cohere2": Layout(gguf.MODEL_ARCH.COHERE2, metadata=_cohere2),
     "nemotron": Layout(gguf.MODEL_ARCH.NEMOTRON, metadata=_nemotron, norm_shift=1.0),
     "mamba": Layout(gguf.MODEL_ARCH.MAMBA, metadata=_mamba, text_metadata=False, tensors=_ssm_tensors),
+    "mamba2": Layout(gguf.MODEL_ARCH.MAMBA2, metadata=_mamba2, text_metadata=False, tensors=_mamba2_tensors),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 

@@ -225,6 +225,11 @@ FAMILIES = {
                           layer_norm_epsilon=1e-5, mixer_rms_eps=1e-5,
                           bos_token_id=None, eos_token_id=None, pad_token_id=None),
                      ["mamba"], {"blk.0.ssm_out.weight": Q.Q8_0}),
+    "mamba2": ("mamba2", "Mamba2Config",
+               dict(vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, state_size=8, n_groups=2, expand=2,
+                    num_hidden_layers=2, conv_kernel=4, chunk_size=4, use_conv_bias=True, use_bias=False,
+                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+               ["mamba2"], {"blk.1.ssm_out.weight": Q.Q8_0}),
 }
 
 

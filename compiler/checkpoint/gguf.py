@@ -168,7 +168,7 @@ class GGUFSource(Source):
         # config.json gets it only where the map has the field (some import maps have no head_dim;
         # GPT-2's config.json has other names for the sizes and no rotary)
         if "head_dim" in mapping.get("fields", {}) or "rotary_dim" in reject:
-            head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+            head_dim = cfg["head_dim"] if "head_dim" in cfg else cfg["hidden_size"] // cfg["num_attention_heads"]
         if "head_dim" in mapping.get("fields", {}):
             cfg["head_dim"] = head_dim
         if "rotary_dim" in reject:

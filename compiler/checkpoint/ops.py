@@ -175,10 +175,12 @@ def _unsqueeze(xs, dim: int):
     return xs[0].unsqueeze(dim)
 
 
-@op("log_neg", 1, lambda shapes: shapes[0])
-def _log_neg(xs):
-    """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32 rounding."""
-    return torch.log(-xs[0].float())
+@op("log_neg", 1, lambda shapes, flat=False: (math.prod(shapes[0]),) if flat else shapes[0])
+def _log_neg(xs, flat: bool = False):
+    """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32
+    rounding; flat: as one vector (Mamba-2's A is stored [H, 1])."""
+    a = torch.log(-xs[0].float())
+    return a.reshape(-1) if flat else a
 
 
 # ---------------------------------------------------------------------------- dequantization
