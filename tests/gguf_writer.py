@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -377,6 +377,13 @@ def _nemotron(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _olmo(w: gguf.GGUFWriter, cfg) -> None:
+    """OlmoModel: the LayerNorm epsilon and the q/k/v clamp."""
+    w.add_layer_norm_eps(1e-5)
+    if cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -418,6 +425,7 @@ LAYOUTS = {
     "nemotron": Layout(gguf.MODEL_ARCH.NEMOTRON, metadata=_nemotron, norm_shift=1.0),
     "mamba": Layout(gguf.MODEL_ARCH.MAMBA, metadata=_mamba, text_metadata=False, tensors=_ssm_tensors),
     "mamba2": Layout(gguf.MODEL_ARCH.MAMBA2, metadata=_mamba2, text_metadata=False, tensors=_mamba2_tensors),
+    "olmo": Layout(gguf.MODEL_ARCH.OLMO, permute_qk=True, metadata=_olmo),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 

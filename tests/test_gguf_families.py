@@ -230,6 +230,11 @@ FAMILIES = {
                     num_hidden_layers=2, conv_kernel=4, chunk_size=4, use_conv_bias=True, use_bias=False,
                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
                ["mamba2"], {"blk.1.ssm_out.weight": Q.Q8_0}),
+    # parameter-free LayerNorms, q/k/v clamped
+    "olmo": ("olmo", "OlmoConfig",
+             dict(SMALL, clip_qkv=0.5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+             ["olmo"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
 }
 
 
