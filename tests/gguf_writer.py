@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "deepseek2, gemma2, gemma3, glm4moe, gpt-oss, granite, llama, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, smollm3"
+MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -41,6 +41,8 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     theta = rope.get("full_attention", rope).get("rope_theta")  # per layer kind: the global layers'
     if theta is not None:
         w.add_rope_freq_base(theta)
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
     if rope.get("rope_type") == "yarn":  # the converter's yarn keys
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -48,7 +50,12 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
         for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if rope.get(key) is not None:
                 add(rope[key])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    # the converter's find_hparam lists: an RMSNorm epsilon, a LayerNorm one, or both
+    if (eps := next((getattr(cfg, k) for k in ("rms_norm_eps", "norm_eps") if hasattr(cfg, k)), None)) is not None:
+        w.add_layer_norm_rms_eps(eps)
+    if (eps := next((getattr(cfg, k) for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+                     if hasattr(cfg, k)), None)) is not None:
+        w.add_layer_norm_eps(eps)
     if head_dim_key and (head_dim := getattr(cfg, "head_dim", None)) is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -69,6 +76,7 @@ class Layout:
     metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
     head_dim_key: bool = True
     norm_shift: float = 0.0  # Gemma's converters store every norm weight as 1 + w
+    text_metadata: bool = True  # False: the converter's set_gguf_parameters writes its own keys only
     skip: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
     # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
     # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
@@ -224,16 +232,63 @@ def _qwen3next(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
 
 
+def _ssm_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The SSM converters' modify_tensors (Mamba's and its heirs'): A = -exp(A_log), conv1d
+    weights squeezed ([C, 1, K] -> [C, K])."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if "conv1d.weight" in name:
+        return [(name, t.squeeze())]
+    return None
+
+
+def _mamba(w: gguf.GGUFWriter, cfg) -> None:
+    """MambaModel: its own keys only (ssm.* sizes; dt_b_c_rms for Falcon-Mamba)."""
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_inner_size(int(cfg.expand * cfg.hidden_size))
+    w.add_ssm_state_size(cfg.state_size)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    if cfg.model_type == "mamba2":
+        return
+    w.add_ssm_time_step_rank(cfg.time_step_rank)
+    w.add_ssm_dt_b_c_rms(cfg.model_type == "falcon_mamba")
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _mamba2(w: gguf.GGUFWriter, cfg) -> None:
+    """Mamba2Model: its own keys only (ssm.* sizes; the head count as time_step_rank)."""
+    _mamba(w, cfg)
+    w.add_ssm_time_step_rank(cfg.num_heads)
+    w.add_ssm_group_count(cfg.n_groups)
+
+
+def _mamba2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Mamba2Model.modify_tensors: Mamba's, plus A and D as [H, 1], the gated norm as
+    [n_groups, d_inner / n_groups] and dt_bias as dt_proj.bias."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t).reshape(-1, 1))]
+    if name.endswith(".D"):
+        return [(name, t.reshape(-1, 1))]
+    if name.endswith("mixer.norm.weight"):
+        return [(name, t.reshape(cfg.n_groups, -1))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    return _ssm_tensors(name, t, cfg)
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
     attn_qkv and attn_gate (GGUF names: the converter writes them itself)."""
-    if name.endswith(".A_log"):
-        return [(name, -torch.exp(t))]
+    if (out := _ssm_tensors(name, t, cfg)) is not None:
+        return out
     if name.endswith(".dt_bias"):
         return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
-    if "conv1d" in name:
-        return [(name, t.squeeze())]
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return [(name, t + 1)]
     if name.endswith("in_proj_qkvz.weight"):
@@ -245,6 +300,88 @@ def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
         return [(f"blk.{bid}.attn_qkv.weight", torch.cat([flat(q), flat(k), flat(v)], dim=-1).t()),
                 (f"blk.{bid}.attn_gate.weight", flat(z).t())]
     return None
+
+
+def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
+    """Olmo2Model / Exaone4Model with a window: the window and the per-layer pattern (true: sliding)."""
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+
+
+def _glm4(w: gguf.GGUFWriter, cfg) -> None:
+    """Glm4Model: the rotated width."""
+    rot = (cfg.rope_parameters or {}).get("partial_rotary_factor", 0.5)
+    w.add_rope_dimension_count(int((cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads) * rot))
+
+
+def _gpt2(w: gguf.GGUFWriter, cfg) -> None:
+    """GPT2Model: its own keys only (the MLP width as 4 * n_embd, the LayerNorm epsilon)."""
+    w.add_block_count(cfg.n_layer)
+    w.add_context_length(cfg.n_positions)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(4 * cfg.n_embd)
+    w.add_head_count(cfg.n_head)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _gpt2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GPT2Model.modify_tensors: the Conv1D weights ([in, out]) transposed."""
+    if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+        return [(name, t.t())]
+    return None
+
+
+def _gptneox(w: gguf.GGUFWriter, cfg) -> None:
+    """GPTNeoXModel: its own keys only (the rotated width per head, the residual form)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    rot = cfg.rope_parameters.get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(rot * (cfg.hidden_size // cfg.num_attention_heads)))
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_parallel_residual(cfg.use_parallel_residual)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GPTNeoXModel.modify_tensors: query_key_value per head [q | k | v] -> part-major [q | k | v]."""
+    if name.endswith("attention.query_key_value.weight") or name.endswith("attention.query_key_value.bias"):
+        h = cfg.num_attention_heads
+        qkv = t.reshape(h, 3, cfg.hidden_size // h, *t.shape[1:])
+        return [(name, torch.cat([qkv[:, i].reshape(-1, *t.shape[1:]) for i in range(3)]))]
+    return None
+
+
+def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
+    """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
+    _gptneox(w, cfg)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
+def _cohere2(w: gguf.GGUFWriter, cfg) -> None:
+    """Cohere2Model: the logit scale, the window, the rotated width (the whole head), no scaling."""
+    w.add_logit_scale(cfg.logit_scale)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _nemotron(w: gguf.GGUFWriter, cfg) -> None:
+    """NemotronModel: the LayerNorm epsilon, the rotated width per head, no scaling."""
+    w.add_layer_norm_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(int(cfg.rope_parameters["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _olmo(w: gguf.GGUFWriter, cfg) -> None:
+    """OlmoModel: the LayerNorm epsilon and the q/k/v clamp."""
+    w.add_layer_norm_eps(1e-5)
+    if cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
 
 
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
@@ -273,6 +410,23 @@ LAYOUTS = {
     # recent converters split MLA's kv_b; older files keep attn_kv_b
     "deepseek2": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False, tensors=_split_kv_b),
     "deepseek2_kv_b": Layout(gguf.MODEL_ARCH.DEEPSEEK2, metadata=_deepseek2, head_dim_key=False),
+    "gemma": Layout(gguf.MODEL_ARCH.GEMMA, norm_shift=1.0),
+    "seed_oss": Layout(gguf.MODEL_ARCH.SEED_OSS),
+    "olmo3": Layout(gguf.MODEL_ARCH.OLMO2, metadata=_sliding_pattern),
+    "exaone4": Layout(gguf.MODEL_ARCH.EXAONE4, metadata=_sliding_pattern),
+    "ernie4_5": Layout(gguf.MODEL_ARCH.ERNIE4_5),
+    "arcee": Layout(gguf.MODEL_ARCH.ARCEE, permute_qk=True),
+    "hunyuan-dense": Layout(gguf.MODEL_ARCH.HUNYUAN_DENSE),
+    "glm4": Layout(gguf.MODEL_ARCH.GLM4, metadata=_glm4),
+    "gptneox": Layout(gguf.MODEL_ARCH.GPTNEOX, metadata=_gptneox, text_metadata=False, tensors=_gptneox_tensors),
+    "starcoder2": Layout(gguf.MODEL_ARCH.STARCODER2),
+    "stablelm": Layout(gguf.MODEL_ARCH.STABLELM, metadata=_stablelm, text_metadata=False),
+    "cohere2": Layout(gguf.MODEL_ARCH.COHERE2, metadata=_cohere2),
+    "nemotron": Layout(gguf.MODEL_ARCH.NEMOTRON, metadata=_nemotron, norm_shift=1.0),
+    "mamba": Layout(gguf.MODEL_ARCH.MAMBA, metadata=_mamba, text_metadata=False, tensors=_ssm_tensors),
+    "mamba2": Layout(gguf.MODEL_ARCH.MAMBA2, metadata=_mamba2, text_metadata=False, tensors=_mamba2_tensors),
+    "olmo": Layout(gguf.MODEL_ARCH.OLMO, permute_qk=True, metadata=_olmo),
+    "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
 }
 
 
@@ -305,13 +459,14 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     quantize = dict(quantize or {})
     names = gguf.get_tensor_name_map(layout.arch, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch or layout.name)
-    _text_metadata(w, cfg, layout.head_dim_key)
+    if layout.text_metadata:
+        _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
     for key, value in (extra or {}).items():
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    heads = {"attn_q": getattr(cfg, "num_attention_heads", None), "attn_k": getattr(cfg, "num_key_value_heads", None)}
     tensors = list(model.state_dict().items())
     storages = {t.untyped_storage().data_ptr() for _, t in tensors}  # the twin's own weights
     if layout.tensors is not None:  # before the generic expert split: the layout's own comes first
@@ -327,9 +482,9 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         name = hf_name if hf_name.startswith("blk.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"gguf-py's {layout.name} tensor map has no name for {hf_name}")
-        if not name.endswith((".weight", ".bias")) and not name.endswith(".ssm_a"):
+        if not name.endswith((".weight", ".bias", ".ssm_a", ".ssm_d")):
             # transformers' stacked experts are bare parameters; GGUF names are not (but A_log's
-            # ssm_a, as in llama.cpp's own tensor names)
+            # ssm_a and D's ssm_d, as in llama.cpp's own tensor names)
             name += ".weight"
         t = p.detach().float()
         if hf_name.endswith("norm.weight"):

@@ -147,6 +147,94 @@ FAMILIES = {
                               tie_word_embeddings=False,
                               rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                          ["deepseek_v3"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # reach families (docs/coverage.md) that llama.cpp converts
+    "gemma": ("gemma", "GemmaConfig",
+              dict(SMALL, head_dim=32, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+              ["llama"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    "seed_oss": ("seed_oss", "SeedOssConfig",
+                 dict(SMALL, head_dim=32, attention_bias=True, attention_out_bias=True, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
+                 ["llama"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # general.architecture olmo2 with a window and its per-layer pattern (window 4 < the positions
+    # checked; layer 1 full, against config.json's every-4th default)
+    "olmo3": ("olmo3", "Olmo3Config",
+              dict(SMALL, num_hidden_layers=3, sliding_window=4, tie_word_embeddings=False,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+              ["olmo2"], {"blk.2.ffn_up.weight": Q.Q8_0}),
+    # window 4 < the positions checked; full layers without RoPE
+    "exaone4": ("exaone4", "Exaone4Config",
+                dict(SMALL, num_hidden_layers=4, head_dim=16, sliding_window=4, sliding_window_pattern=2,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                ["olmo2"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    "ernie4_5": ("ernie4_5", "Ernie4_5Config",
+                 dict(SMALL, head_dim=16, use_bias=True, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+                 ["llama"], {"blk.0.attn_output.weight": Q.Q8_0}),
+    "arcee": ("arcee", "ArceeConfig",
+              dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["arcee"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "hunyuan_dense": ("hunyuan-dense", "HunYuanDenseV1Config",
+                      dict(SMALL, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                      ["hunyuan_v1_dense"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # partial rotary (half the head), sandwich norms, the fused gate_up as ffn_up
+    "glm4": ("glm4", "Glm4Config",
+             dict(SMALL, head_dim=32, attention_bias=True, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+             ["glm4"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # LayerNorm, learned positions, Conv1D weights stored transposed
+    "gpt2": ("gpt2", "GPT2Config",
+             dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, tie_word_embeddings=True,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
+             ["gpt2"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    # partial rotary, parallel residual, query_key_value stored part-major
+    "gpt_neox": ("gptneox", "GPTNeoXConfig",
+                 dict(SMALL, tie_word_embeddings=False, use_parallel_residual=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                 ["gpt_neox"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    "starcoder2": ("starcoder2", "Starcoder2Config",
+                   dict(SMALL, use_bias=True, sliding_window=None, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+                   ["starcoder2"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # StableLM 2 1.6B's form: sequential residual, q/k/v biases, a quarter of each head rotated
+    "stablelm": ("stablelm", "StableLmConfig",
+                 dict(SMALL, use_parallel_residual=False, use_qkv_bias=True, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+                 ["stablelm"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    # every 4th layer full and without RoPE (no pattern in the file), window 4 < the positions checked
+    "cohere2": ("cohere2", "Cohere2Config",
+                dict(SMALL, num_hidden_layers=4, sliding_window=4, logit_scale=0.25, tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
+                ["cohere"], {"blk.3.ffn_up.weight": Q.Q8_0}),
+    # layernorm1p stored as 1 + w, partial rotary, ReLU^2 up / down
+    "nemotron": ("nemotron", "NemotronConfig",
+                 dict(SMALL, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                 ["nemotron"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    "mamba": ("mamba", "MambaConfig",
+              dict(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                   time_step_rank=8, use_conv_bias=True, use_bias=False, tie_word_embeddings=True,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              ["mamba"], {"blk.1.ssm_in.weight": Q.Q8_0}),
+    # one epsilon in the file: llama.cpp's dt / B / C norms use it too
+    "falcon_mamba": ("mamba", "FalconMambaConfig",
+                     dict(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                          time_step_rank=8, use_conv_bias=True, use_bias=False, tie_word_embeddings=False,
+                          layer_norm_epsilon=1e-5, mixer_rms_eps=1e-5,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                     ["mamba"], {"blk.0.ssm_out.weight": Q.Q8_0}),
+    "mamba2": ("mamba2", "Mamba2Config",
+               dict(vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, state_size=8, n_groups=2, expand=2,
+                    num_hidden_layers=2, conv_kernel=4, chunk_size=4, use_conv_bias=True, use_bias=False,
+                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+               ["mamba2"], {"blk.1.ssm_out.weight": Q.Q8_0}),
+    # parameter-free LayerNorms, q/k/v clamped
+    "olmo": ("olmo", "OlmoConfig",
+             dict(SMALL, clip_qkv=0.5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+             ["olmo"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
 }
 
 
@@ -221,6 +309,16 @@ def test_tensor_shape_disagreeing_with_metadata(tmp_path):
     with pytest.raises(CheckpointError, match=r"shape") as err:
         zoo.from_pretrained(str(path), compile=False)
     assert str(path) in str(err.value) and "ffn" in str(err.value)
+
+
+def test_olmo3_sliding_rope_base_of_its_own_is_refused(tmp_path):
+    """llama.cpp rotates Olmo 3's sliding layers with rope.freq_base: a file whose freq_base_swa
+    differs would be another model in transformers, so it is refused, naming both keys."""
+    ref = twin("Olmo3Config", FAMILIES["olmo3"][2])
+    path = write_gguf(tmp_path / "o3.gguf", ref, LAYOUTS["olmo3"], extra={"{arch}.rope.freq_base_swa": 1e4})
+    with pytest.raises(CheckpointError, match=rf"{path}.*separate rope base for the sliding layers is not supported "
+                                              rf"\(olmo2.rope.freq_base_swa = 10000.0, olmo2.rope.freq_base = 500000.0\)"):
+        zoo.from_pretrained(str(path), compile=False)
 
 
 def test_llama_moe_file_with_a_window_is_refused(tmp_path):

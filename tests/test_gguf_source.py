@@ -300,8 +300,8 @@ def test_synthetic_config_and_rope_scaling(tmp_path):
 def test_config_rejects_what_it_cannot_express(tmp_path):
     from tests.gguf_writer import MAPPED_ARCHITECTURES
 
-    with pytest.raises(CheckpointError, match=rf"unsupported GGUF architecture 'gpt2' \(supported: {MAPPED_ARCHITECTURES}\)"):
-        GGUFSource(write_gguf(tmp_path / "g.gguf", arch="gpt2")).config()
+    with pytest.raises(CheckpointError, match=rf"unsupported GGUF architecture 'dbrx' \(supported: {MAPPED_ARCHITECTURES}\)"):
+        GGUFSource(write_gguf(tmp_path / "g.gguf", arch="dbrx")).config()
     freqs = {"x": np.zeros((2, 32), np.float32), "rope_freqs.weight": np.ones(8, np.float32)}
     with pytest.raises(CheckpointError, match="rope_freqs"):
         GGUFSource(write_gguf(tmp_path / "f.gguf", kv=LLAMA_KV, tensors=freqs)).config()

@@ -126,6 +126,11 @@ class GGUFSource(Source):
         for key, (limit, why) in reject.get("above", {}).items():
             if (value := self.metadata(key.format(arch=arch), 0)) > limit:
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value})")
+        for key, (other, why) in reject.get("differs", {}).items():
+            value, expected = self.metadata(key.format(arch=arch)), self.metadata(other.format(arch=arch))
+            if value is not None and value != expected:
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value}, "
+                                      f"{other.format(arch=arch)} = {expected})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
@@ -140,12 +145,16 @@ class GGUFSource(Source):
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
                 value = field["default"]
-            elif isinstance(field, dict) and ("minus" in field or "over" in field):
+            elif isinstance(field, dict) and "each" in field:
+                value = self._each(key, value, field["each"])
+            elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
                 # partial_rotary_factor * head_dim); an absent `minus` key is 0
                 if "minus" in field:
                     value = value - self.metadata(field["minus"].format(arch=arch), 0)
+                if "times" in field:  # GPT-NeoX's rotary fraction: dimension_count * head_count / embedding_length
+                    value = value * self._required(field["times"].format(arch=arch))
                 if "over" in field:  # a whole quotient stays an integer (a width), else a fraction
                     d = self._required(field["over"].format(arch=arch))
                     value = value // d if value % d == 0 else value / d
@@ -156,8 +165,10 @@ class GGUFSource(Source):
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
-        # config.json gets it only where the map has the field (some import maps have no head_dim)
-        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        # config.json gets it only where the map has the field (some import maps have no head_dim;
+        # GPT-2's config.json has other names for the sizes and no rotary)
+        if "head_dim" in mapping.get("fields", {}) or "rotary_dim" in reject:
+            head_dim = cfg["head_dim"] if "head_dim" in cfg else cfg["hidden_size"] // cfg["num_attention_heads"]
         if "head_dim" in mapping.get("fields", {}):
             cfg["head_dim"] = head_dim
         if "rotary_dim" in reject:
@@ -219,6 +230,16 @@ class GGUFSource(Source):
                 return arch, variant["map"], _load_yaml(path)
         return arch, arch, mapping
 
+
+    def _each(self, key: str, value: Any, table: dict) -> list:
+        """A per-layer metadata array (e.g. llama.cpp's sliding_window_pattern [bool] * n_layers)
+        as config.json's list, element by element through `table` (e.g. {true: sliding_attention,
+        false: full_attention}); an element outside it is an error naming the key and the value."""
+        values = value if isinstance(value, list) else [value]
+        if bad := [v for v in values if v not in table]:
+            raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
+                                  f"{', '.join(repr(k) for k in table)}")
+        return [table[v] for v in values]
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""

@@ -175,10 +175,12 @@ def _unsqueeze(xs, dim: int):
     return xs[0].unsqueeze(dim)
 
 
-@op("log_neg", 1, lambda shapes: shapes[0])
-def _log_neg(xs):
-    """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32 rounding."""
-    return torch.log(-xs[0].float())
+@op("log_neg", 1, lambda shapes, flat=False: (math.prod(shapes[0]),) if flat else shapes[0])
+def _log_neg(xs, flat: bool = False):
+    """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32
+    rounding; flat: as one vector (Mamba-2's A is stored [H, 1])."""
+    a = torch.log(-xs[0].float())
+    return a.reshape(-1) if flat else a
 
 
 # ---------------------------------------------------------------------------- dequantization
@@ -214,7 +216,7 @@ def _fp8_block_dequant(xs, block=(128, 128)):
 
 # ops that move whole rows (dim 0) and leave each row as it is: they apply unchanged to a block-
 # quantized tensor's stored bytes [rows, bytes per row] (loader.py keeps such weights quantized)
-_ROW_OPS = {"identity", "unpermute_rope", "split_groups"}
+_ROW_OPS = {"identity", "unpermute_rope", "split_groups", "join_groups"}
 _ROW_OPS_ON_DIM = {"cat", "split"}  # with dim 0
 
 
@@ -298,6 +300,28 @@ def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None, 
     if order is not None:
         parts = [parts[i] for i in order]
     return parts[index] if index is not None else torch.cat(parts, dim=0)
+
+
+def _join_groups_shape(shapes, groups: int, sizes):
+    (rows, *rest), = shapes
+    parts = [int(p) for p in sizes]
+    if groups <= 0 or rows != groups * sum(parts):
+        raise ValueError(f"{rows} rows are not {groups} groups of {parts} (= {groups * sum(parts)} rows)")
+    return (rows, *rest)
+
+
+@op("join_groups", 1, _join_groups_shape)
+def _join_groups(xs, groups: int, sizes):
+    """Part-major rows -> group-major rows: split_groups undone for one input.
+
+    The rows are the parts `sizes` in turn, each across all `groups` ([q of every head | k ... |
+    v ...], as llama.cpp stores GPT-NeoX's query_key_value); the output has each group's parts
+    together ([q k v of head 0 | of head 1 | ...], as config.json's checkpoint has them).
+    """
+    x, = xs
+    parts = [int(p) for p in sizes]
+    split = x.split([groups * p for p in parts], dim=0)
+    return torch.cat([t.reshape(groups, p, *x.shape[1:]) for t, p in zip(split, parts)], dim=1).reshape(x.shape)
 
 
 # ---------------------------------------------------------------------------- E8M0-scaled formats
