@@ -146,7 +146,8 @@ class StepPackages:
         self.step = step
         self.built: list[str] = []  # packages compiled here (the rest were on disk)
         self.keys: set[str] = set()
-        self._layers: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+        # per layer: its loaded package, its state, its cache's field names and the cache it was made with
+        self._layers: list[tuple[Any, list[torch.Tensor], list[str], list[torch.Tensor]]] = []
         for block, cache in zip(layers, caches):
             names, state = _state(block)
             keys = sorted(cache)
@@ -161,7 +162,7 @@ class StepPackages:
                     self.built.append(key)
                 loaders[path] = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
             self.keys.add(key)
-            self._layers.append((loaders[path], state, [cache[k] for k in keys]))
+            self._layers.append((loaders[path], state, keys, [cache[k] for k in keys]))
 
     def _build(self, path: Path, step: _Step, args: tuple, dims: list, max_length: Optional[int], what: str) -> None:
         # the compilers are imported on a miss only: a process whose packages are all on disk
@@ -202,8 +203,19 @@ class StepPackages:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def run(self, h: torch.Tensor, ctx_tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Every layer's step in order: h [B, L, ...D] -> the same shape; writes the caches."""
-        for runner, state, cache in self._layers:
-            h = runner.run([*state, h, *cache, *ctx_tensors])[0]
+    def run(self, h: torch.Tensor, ctx_tensors: list[torch.Tensor], caches: Optional[list[dict]] = None) -> torch.Tensor:
+        """Every layer's step in order: h [B, L, ...D] -> the same shape; writes the caches (those
+        it was made with, or `caches`: other tensors of the same layout, one dict per layer, as an
+        extend's rows' views or copies)."""
+        if caches is None:
+            for runner, state, _, cache in self._layers:
+                h = runner.run([*state, h, *cache, *ctx_tensors])[0]
+            return h
+        for (runner, state, keys, made), cache in zip(self._layers, caches, strict=True):
+            fields = [cache[k] for k in keys]
+            for k, t, m in zip(keys, fields, made):  # a package reads its inputs with the strides it was made for
+                if t.shape != m.shape or t.stride() != m.stride() or t.dtype != m.dtype:
+                    raise ValueError(f"{self.step} packages made for cache field {k!r} of shape {tuple(m.shape)}, "
+                                     f"strides {m.stride()}, {m.dtype}; got {tuple(t.shape)}, {t.stride()}, {t.dtype}")
+            h = runner.run([*state, h, *fields, *ctx_tensors])[0]
         return h
