@@ -157,11 +157,10 @@ class Scheduler:
         # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
         self.spec = model.speculator(speculative, draft_tokens)
         if self.spec is not None and not self.engine.can_extend:
-            # under torchrun rank 0's LeaderEngine does not send extend_rows to the other ranks
-            # yet; the packages of runtime.aot cannot extend
+            # under torchrun rank 0's LeaderEngine does not send extend_rows to the other ranks yet
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name}: speculative serving extends "
                               f"rows, which this engine cannot ({type(self.engine).__name__}: under torchrun the "
-                              f"other ranks do not follow extend_rows yet; runtime.aot packages do not extend); "
+                              f"other ranks do not follow extend_rows yet); "
                               f"serve with runtime.speculative.drafter=null")
         if self.spec is not None and self.spec.drafter.wants_hidden and self.step_tokens:
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name} with runtime.step_tokens="
@@ -178,7 +177,7 @@ class Scheduler:
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
         self.engine.reset() if self.spec is None else self.spec.reset()
-        # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
+        # None: no reuse (0 bytes asked for, or an engine that cannot extend rows: torchrun's leader)
         self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
             if prefix_cache_bytes > 0 and self.engine.can_extend else None
 
