@@ -83,10 +83,11 @@ class RuntimeSchema:
     step_tokens: Optional[int] = None
     compile: bool = True
     cuda_graph: bool = True  # capture the decode step as a CUDA graph (CUDA only)
-    # CPU: both graphs' layers as AOTInductor packages run by torch's C++ runner instead of
-    # compiled functions entered through dynamo (compiler/engine/aot.py). false | true (needs
-    # device=cpu, compile, one process) | auto (true where that holds, else false)
-    aot: str = "false"
+    # CPU: the steps' layers (prefill, decode, extend) as AOTInductor packages run by torch's C++
+    # runner instead of compiled functions entered through dynamo (compiler/engine/aot.py).
+    # false | true (needs device=cpu, compile, one process) | auto (true where that holds, else
+    # false: the default)
+    aot: str = "auto"
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
     # weight-only quantization of the linears (compiler/quant): null (float), int8 (per output
     # channel) or int4 (groups of quant_group inputs, asymmetric)
@@ -162,10 +163,9 @@ AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
 
 
 def aot_applies(rt: RuntimeSchema) -> bool:
-    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process, and no
-    speculative decoding (its verify step extends rows, which the packages do not)."""
-    return (rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
-            and rt.speculative.drafter is None)
+    """Whether the graphs can be AOTInductor packages: CPU, compiled, one process (a package
+    holds no collectives)."""
+    return rt.device == "cpu" and rt.compile and rt.parallel.tp * rt.parallel.ep == 1
 
 
 def use_aot(rt: RuntimeSchema) -> bool:
@@ -302,10 +302,6 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string
     if rt.aot not in AOT_MODES:
         raise _fail(source, f"runtime.aot: expected one of {list(AOT_MODES)}, got {rt.aot!r}")
-    if rt.aot == "true" and rt.speculative.drafter is not None:
-        raise _fail(source, f"runtime.aot=true and runtime.speculative.drafter={rt.speculative.drafter}: the "
-                            f"AOTInductor packages cannot extend rows, which speculative verification does; "
-                            f"expected runtime.aot=false or auto (auto builds compiled graphs instead)")
     if rt.aot == "true" and not aot_applies(rt):
         raise _fail(source, f"runtime.aot=true needs runtime.device=cpu, runtime.compile=true and one "
                             f"process (got device={rt.device!r}, compile={rt.compile}, "

@@ -179,7 +179,8 @@ class Families:
         _, path = self.reference(name)
         # compiled: one decode bucket, max_batch's (CI time: each bucket is one more decode graph per
         # layer kind; the buckets are tests/test_buckets.py's); eager runs the default buckets
-        buckets = [f"runtime.decode_buckets=[{family.batch}]"] if compile else []
+        # and compiled regions, not runtime.aot's packages (tests/test_aot.py's)
+        buckets = [f"runtime.decode_buckets=[{family.batch}]", "runtime.aot=false"] if compile else []
         return zoo.from_pretrained(str(path), compile=compile, max_batch=family.batch, max_seq=family.max_seq,
                                    overrides=[*family.overrides, *buckets])
 

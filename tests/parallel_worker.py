@@ -47,7 +47,7 @@ def main(job_path: str) -> int:
             # rank_overrides / rank_path: what one rank gets differently (the disagreement tests)
             overrides = case["overrides"] + case.get("rank_overrides", {}).get(str(rank), [])
             if case["compile"]:  # one decode bucket (the batch's): graph counts are per bucket
-                overrides = [f"runtime.decode_buckets=[{len(case['seq'])}]", *overrides]
+                overrides = [f"runtime.decode_buckets=[{len(case['seq'])}]", "runtime.aot=false", *overrides]
             path = case.get("rank_path", {}).get(str(rank), case["path"])
             m = zoo.from_pretrained(path, compile=case["compile"], max_batch=len(case["seq"]),
                                     max_seq=case.get("max_seq", 48), overrides=overrides,

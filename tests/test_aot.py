@@ -128,3 +128,30 @@ def test_auto_uses_packages_only_where_they_apply(llama):
     assert not eager.engine.aot and eager.engine.graph_counts() == {"prefill": 0, "decode": 0}
     with pytest.raises(ConfigError, match=r"runtime\.aot: expected one of \['false', 'true', 'auto'\], got 'maybe'"):
         zoo.from_pretrained(str(llama), max_seq=32, overrides=["runtime.aot=maybe"])
+
+
+def test_the_packages_are_the_default_on_a_cpu(llama, tmp_path):
+    """runtime.aot=auto by default: on a CPU, from_pretrained (a checkpoint directory, a GGUF
+    file), `zoo generate` and `zoo serve` (conf= or weights=, with a drafter too) resolve to the
+    packages without a flag, and to compiled regions with runtime.aot=false (dry builds: the runner
+    stage is asked, nothing is compiled)."""
+    from tests.test_gguf_load import write_llama_gguf
+    from zoo.cli import _load, _speculative, parse_args
+    from zoo.compiler.build import runner_stage
+
+    def kind(m) -> str:
+        return runner_stage(m.spec, torch.device("cpu"), dry=False).runner
+
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", transformers.LlamaForCausalLM.from_pretrained(str(llama)))
+    for path in (str(llama), str(gguf)):
+        # from_pretrained's own defaults (compile=True), as the API passes them
+        assert kind(zoo.runtime.from_pretrained_config(path, dry=True, compile=True, max_seq=32)) == "aot", path
+        assert kind(zoo.runtime.from_pretrained_config(path, ["runtime.aot=false"], dry=True, compile=True,
+                                                       max_seq=32)) == "compiled", path
+    for command in ("generate", "serve"):
+        for source in (f"weights={gguf}", "conf=llama3_8b_tiny"):
+            for extra in ([], ["speculative=ngram"]):
+                opts, overrides = parse_args([source, *extra], command)
+                got = kind(_load(opts, _speculative(opts, overrides), dry=True, progress=False))
+                assert got == "aot", (command, source, extra)
+    # where packages do not apply (tp / ep: tests/test_build_stages.py's runner stage)

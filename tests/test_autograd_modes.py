@@ -16,7 +16,7 @@ import zoo
 CONF, MAX_BATCH, MAX_SEQ = "llama3_8b_tiny", 2, 16
 RUNNERS = {  # name -> (build keywords, the engine's runner)
     "eager": (dict(compile=False), "eager"),
-    "compiled": (dict(compile=True), "compiled"),
+    "compiled": (dict(compile=True, overrides=["runtime.aot=false"]), "compiled"),
     "aot": (dict(compile=True, overrides=["runtime.aot=true"]), "aot"),
     "cuda_graph": (dict(compile=False, device="cuda"), "cuda_graph+eager"),
     "cuda_graph_compiled": (dict(compile=True, device="cuda"), "cuda_graph+compiled"),

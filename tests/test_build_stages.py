@@ -156,7 +156,9 @@ def test_weights_that_are_no_source_are_refused(weights):
 
 @pytest.mark.parametrize("overrides, device, dry, want", [
     (["runtime.compile=false"], "cpu", False, ("eager", False, False, False)),
-    (["runtime.compile=true"], "cpu", False, ("compiled", True, False, False)),
+    (["runtime.compile=true"], "cpu", False, ("aot", True, False, True)),  # runtime.aot=auto by default
+    (["runtime.compile=true", "runtime.aot=false"], "cpu", False, ("compiled", True, False, False)),
+    (["runtime.compile=true", "runtime.parallel.tp=2"], "cpu", False, ("compiled", True, False, False)),
     (["runtime.compile=true", "runtime.aot=true"], "cpu", False, ("aot", True, False, True)),
     (["runtime.compile=true", "runtime.aot=auto"], "cpu", False, ("aot", True, False, True)),
     (["runtime.compile=true", "runtime.device=cuda"], "cuda", False, ("cuda_graph", True, True, False)),

@@ -16,11 +16,12 @@ import zoo
 # on the graphs its parity test compiles anyway (CI time)
 FAMILIES = ["llama3_8b_tiny", "deepseek_v3_tiny", "qwen3_next_tiny", "glm5_tiny"]
 MAX_SEQ = 32
+COMPILED = ["runtime.aot=false"]  # compiled regions (runtime.aot packages: tests/test_aot.py)
 
 
 @pytest.mark.parametrize("conf", FAMILIES)
 def test_no_recompiles_over_lengths_and_steps(conf):
-    m = zoo.build(conf, compile=True, max_seq=MAX_SEQ, seed=0)
+    m = zoo.build(conf, COMPILED, compile=True, max_seq=MAX_SEQ, seed=0)
     after_warmup = m.engine.graph_counts()
     for length in (2, 3, 9, 17, MAX_SEQ - 1, MAX_SEQ):
         m.prefill(torch.randint(0, m.spec.vocab_size, (1, length)))
@@ -39,9 +40,9 @@ def test_no_recompiles_over_lengths_and_steps(conf):
 def test_cached_graphs_shared_across_max_seq():
     """Layers whose graphs do not depend on max_seq (recurrent state) compiled for one prompt-length
     range must not be served to an engine with another range (a hard error before the fix)."""
-    small = zoo.build("qwen3_next_tiny", compile=True, max_seq=24, seed=0)
+    small = zoo.build("qwen3_next_tiny", COMPILED, compile=True, max_seq=24, seed=0)
     small.prefill(torch.randint(0, 256, (1, 20)))
-    large = zoo.build("qwen3_next_tiny", compile=True, max_seq=40, seed=0)
+    large = zoo.build("qwen3_next_tiny", COMPILED, compile=True, max_seq=40, seed=0)
     eager = zoo.build("qwen3_next_tiny", compile=False, max_seq=40, seed=0)
     ids = torch.randint(0, 256, (1, 37))
     torch.testing.assert_close(large.prefill(ids), eager.prefill(ids), rtol=1e-5, atol=1e-5)
@@ -50,7 +51,7 @@ def test_cached_graphs_shared_across_max_seq():
 def test_long_prompt_past_inductor_thresholds():
     """Prompts past a size threshold inductor specialises on (CPU reductions over > 4096
     positions) compile one more graph instead of failing."""
-    m = zoo.build("llama3_8b_tiny", compile=True, max_seq=4200, seed=0)
+    m = zoo.build("llama3_8b_tiny", COMPILED, compile=True, max_seq=4200, seed=0)
     eager = zoo.build("llama3_8b_tiny", compile=False, max_seq=4200, seed=0)
     ids = torch.randint(0, 256, (1, 4150))
     torch.testing.assert_close(m.prefill(ids, last_only=True), eager.prefill(ids, last_only=True),
@@ -61,7 +62,7 @@ _BUILD_AND_REPORT = """
 import json, torch, zoo
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
-m = zoo.build("llama3_8b_tiny", compile=True, max_seq=16, seed=0)
+m = zoo.build("llama3_8b_tiny", ["runtime.aot=false"], compile=True, max_seq=16, seed=0)
 print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"], "compile": m.info.compile_seconds}))
 """

@@ -140,17 +140,22 @@ def test_extend_refusals(families):
         e.truncate_row(0, 9)
 
 
-def test_compiled_extend(families):
-    """Compiled: chunked extends == eager, one graph per layer kind for every chunk length >= 2
-    and position (1-token chunks: one more, as dynamo specialises a size-1 dimension)."""
+@pytest.mark.parametrize("runner", ["compiled", "aot"])
+def test_compiled_extend(families, runner):
+    """Compiled regions and AOTInductor packages: chunked extends == eager, one graph (package)
+    per layer kind for every chunk length >= 2 and position (1-token chunks: one more, as dynamo
+    and export specialise a size-1 dimension); rows given as a run (views) or out of order
+    (gathered copies) share them."""
     import zoo
 
     name = "llama/gqa"
     eager = families.eager(name)
     _, path = families.reference(name)
     fam = families.family(name)
-    model = zoo.from_pretrained(str(path), compile=True, max_batch=fam.batch, max_seq=fam.max_seq)
+    model = zoo.from_pretrained(str(path), compile=True, max_batch=fam.batch, max_seq=fam.max_seq,
+                                overrides=[f"runtime.aot={runner == 'aot'}"])
     e = model.engine
+    assert e.runner_kind == runner
     seq = sequence(eager, 2, 30, 4)
     want = whole(eager, seq)
     for split in ([11, 9, 6, 4], [5, 3, 17, 5], [2, 1, 1, 26]):
@@ -159,6 +164,15 @@ def test_compiled_extend(families):
             e.prefill_row(r, seq[r, :split[0]])
         at = split[0]
         for c in split[1:]:
-            close(e.extend_rows([0, 1], seq[:, at:at + c]), want[:, at:at + c], 1e-4, f"compiled {split} at {at}")
+            close(e.extend_rows([0, 1], seq[:, at:at + c]), want[:, at:at + c], 1e-4, f"{runner} {split} at {at}")
             at += c
-    assert e.graph_counts()["extend"] == 2  # L >= 2, and L = 1
+    e.reset()
+    for r in range(2):
+        e.prefill_row(r, seq[r, :7])
+    got = e.extend_rows([1, 0], seq[[1, 0], 7:12])  # out of order: gathered copies, written back
+    close(got, want[[1, 0], 7:12], 1e-4, f"{runner} rows [1, 0]")
+    close(e.extend_rows([0, 1], seq[:, 12:14]), want[:, 12:14], 1e-4, f"{runner} after the write-back")
+    if runner == "compiled":
+        assert e.graph_counts()["extend"] == 2  # L >= 2, and L = 1
+    else:
+        assert e.graph_counts()["extend_packages"] == 2

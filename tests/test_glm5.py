@@ -209,7 +209,7 @@ def test_gather_threshold_switches_path(monkeypatch):
     """Prompts up to `gather_from` tokens run the masked dense kernel, longer ones attend over
     gathered latents; on the same prompt each path gives the other's logits, and one compiled
     prefill graph serves both sides of the threshold."""
-    m = zoo.build("glm5_tiny", compile=True, max_seq=64, seed=0)
+    m = zoo.build("glm5_tiny", ["runtime.aot=false"], compile=True, max_seq=64, seed=0)
     eager = zoo.build("glm5_tiny", compile=False, max_seq=64, seed=0)
     n = m.module.layers[0].mixer.gather_from
     assert 2 < n < 63 and {layer.mixer.gather_from for layer in m.module.layers} == {n}

@@ -148,3 +148,36 @@ def test_scheduler_reuses_prefixes_and_reports_them(families):
     assert "zoo_prefix_cache_tokens_reused_total 20.0" in text
     assert 'zoo_prefix_cache_reuse{mode="any_prefix"} 1.0' in text
     assert f"zoo_prefix_cache_bytes {float(sched.prefix.bytes)}" in text
+
+
+def test_scheduler_on_the_packages_reuses_prefixes_and_chunks_prompts(families):
+    """runtime.aot: prefix reuse (a stored prompt's cache imported, the rest extended) and chunked
+    prefill (runtime.step_tokens: a prompt extended in chunks between decode steps) run through
+    the packages' extend; the greedy tokens equal the eager model's whole prefills. Same
+    checkpoint, max_batch and max_seq as tests/test_extend.py's aot case (shared packages)."""
+    import zoo
+    from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
+
+    eager = families.eager("llama/gqa")
+    fam, (_, path) = families.family("llama/gqa"), families.reference("llama/gqa")
+    model = zoo.from_pretrained(str(path), max_batch=fam.batch, max_seq=fam.max_seq, overrides=["runtime.aot=true"])
+    seq = sequence(eager, 2, 30, 8)
+    system = seq[0, :20].tolist()
+    prompts = [system + seq[0, 20:24].tolist(), system + seq[1, 20:27].tolist()]
+
+    def run(m, **kw):
+        sched = Scheduler(m, eos_ids=[], **kw)
+        outs = []
+        for p in prompts:  # one after the other: the second admission finds the first stored
+            s = Sequence(p, SamplingParams(max_tokens=5, temperature=0.0), sink=lambda ev: None)
+            sched.submit([s])
+            while sched.step():
+                pass
+            outs.append(s.tokens)
+        return outs, sched
+
+    want, _ = run(eager, prefix_cache_bytes=0, step_tokens=0)
+    got, sched = run(model, prefix_cache_bytes=1 << 26, step_tokens=4)
+    assert got == want
+    assert sched.prefix.hits == 1 and sched.prefix.tokens_reused == 20
+    assert model.engine.runner_kind == "aot" and model.engine.graph_counts()["extend_packages"] >= 1

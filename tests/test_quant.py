@@ -260,7 +260,7 @@ def q4_reference(q4_gguf):
 def q4_zoo(q4_gguf):
     # one decode bucket (CI time: another would be one more decode graph; tests/test_buckets.py)
     return zoo.from_pretrained(str(q4_gguf), compile=True, max_seq=48, max_batch=2, quant="int4",
-                               overrides=["runtime.decode_buckets=[2]"])
+                               overrides=["runtime.decode_buckets=[2]", "runtime.aot=false"])
 
 
 def test_q4_gguf_is_kept_and_reported_per_tensor(q4_zoo):

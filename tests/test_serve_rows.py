@@ -27,7 +27,7 @@ PLAN = [(7, 9, 0, 5), (1, 4, 0, 2), (33, 3, 1, 0), (2, 12, 2, 7), (13, 5, 3, 3),
 def model(request):
     # two decode buckets (CI time): the batch API at batch 1 and decode_rows with row 0 alone in
     # use run bucket 1, the rest bucket 8
-    return zoo.build(request.param, ["runtime.decode_buckets=[1,8]"], max_batch=MAX_BATCH, max_seq=MAX_SEQ,
+    return zoo.build(request.param, ["runtime.decode_buckets=[1,8]", "runtime.aot=false"], max_batch=MAX_BATCH, max_seq=MAX_SEQ,
                      compile=request.param in COMPILED)
 
 

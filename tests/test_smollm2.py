@@ -71,7 +71,7 @@ def eager(gguf_path):
 
 @pytest.fixture(scope="module")
 def compiled(gguf_path):
-    return zoo.from_pretrained(str(gguf_path), compile=True, max_seq=MAX_SEQ)
+    return zoo.from_pretrained(str(gguf_path), compile=True, max_seq=MAX_SEQ, overrides=["runtime.aot=false"])
 
 
 @pytest.fixture(scope="module")

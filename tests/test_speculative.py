@@ -124,6 +124,22 @@ def test_greedy_ngram_equals_plain_batch_rows_accept_different_counts():
     assert any(len(set(r.values())) > 1 for r in rounds), "no round had rows keeping different counts"
 
 
+def test_greedy_ngram_on_the_packages_equals_plain(families):
+    """runtime.aot: the verify step (k+1 tokens over 2 rows) and the rollback's re-extend run
+    through the packages' extend (those of tests/test_extend.py's aot case: the same checkpoint,
+    max_batch and max_seq, so the on-disk packages are shared); greedy output equals plain
+    decoding on the eager model."""
+    fam = families.family("llama/gqa")
+    _, path = families.reference("llama/gqa")
+    model = zoo.from_pretrained(str(path), max_batch=fam.batch, max_seq=fam.max_seq, overrides=["runtime.aot=true"])
+    assert model.engine.runner_kind == "aot"
+    prompts = _prompts(model.spec.vocab_size, 2, 16)
+    plain = families.eager("llama/gqa").generate(prompts, 12, speculative="off")
+    _, stats = _check_greedy(model, "ngram", prompts, 12, 3, plain)
+    assert stats.accepted > 0
+    assert model.engine.graph_counts()["extend_packages"] >= 1
+
+
 def test_sampled_rule_end_to_end_at_a_vanishing_temperature():
     """Sampled rounds (the rejection rule, row generators) through generate: at a temperature so
     low that the target's distribution is one-hot, they must give plain greedy's tokens."""
@@ -288,7 +304,6 @@ def test_scheduler_speculative_greedy_equals_plain_and_reports_acceptance():
      r"ngram_min=3, ngram_max=2; expected 1 <= ngram_min <= ngram_max"),
     (["runtime.speculative.drafter=mtp"], r"drafter=mtp needs the model's multi-token-prediction layers: "
                                           r"checkpoint.mtp=true and mtp.n_layers > 0 \(got checkpoint.mtp=False"),
-    (["runtime.speculative.drafter=ngram", "runtime.aot=true"], r"the AOTInductor packages cannot extend rows"),
 ])
 def test_speculative_settings_are_checked(overrides, match):
     from zoo.compiler.build import spec_stage
@@ -299,13 +314,15 @@ def test_speculative_settings_are_checked(overrides, match):
         spec_stage(compose("deepseek_v3_tiny", overrides), "conf/deepseek_v3_tiny.yaml")
 
 
-def test_speculative_aot_auto_builds_compiled_graphs():
+def test_speculative_decoding_keeps_the_packages():
+    """The packages extend rows (the k+1 verify step): runtime.aot=auto keeps them under a drafter."""
     from zoo.compiler.spec import use_aot
     from zoo.compiler.build import spec_stage
     from zoo.compiler.config import compose
 
     rt = lambda o: spec_stage(compose("smollm2_135m", o), "conf/smollm2_135m.yaml").spec.runtime
-    assert use_aot(rt([])) and not use_aot(rt(["runtime.speculative.drafter=ngram"]))
+    assert use_aot(rt([])) and use_aot(rt(["runtime.speculative.drafter=ngram"]))
+    assert use_aot(rt(["runtime.speculative.drafter=ngram", "runtime.aot=true"]))
 
 
 def test_cli_speculative_keys():

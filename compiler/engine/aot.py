@@ -1,7 +1,8 @@
 """CPU layers as AOTInductor packages run by torch's C++ runner (runtime.aot).
 
     StepPackages(step, layers, caches, h, ctx, loaders, length_dims=None, max_length=None)
-    .run(h, ctx_tensors) -> h      every layer's `step` (prefill | decode), in order
+    .run(h, ctx_tensors, caches=None) -> h   every layer's `step` (prefill | decode | extend), in
+                                             order, on the caches it was made with or `caches`
 
 Why: a layer compiled by torch.compile is entered through a dynamo frame, a compiled-entry lookup
 and inductor's Python wrapper (one Python call and size assert per op) on every layer of every
@@ -10,13 +11,14 @@ call per layer. And a process that only loads packages imports neither dynamo no
 (seconds of torch's Python) and traces nothing. Measurements: scripts/results/design-measurements.md
 (warm start, packages against compiled layers) and scripts/results/quant_smollm2_aot.json.
 
-What a package is: the layer's `prefill(h, cache, ctx)` or `decode(h, cache, ctx)` exported
+What a package is: the layer's `prefill(h, cache, ctx)`, `decode(h, cache, ctx)` or
+`extend(h, cache, ctx)` (rows that hold tokens take L more, each at its own ctx["start"]) exported
 (torch.export, non-strict) with everything it reads as *inputs*: the layer's parameters and
 buffers, its cache fields, h and the tensors of the step context. So all layers of one structure
 (compiling.structure) share a package, weights changed in place are seen, and the caches are
 written in place by the package itself (the exported index_put_ / copy_ on its inputs). The
-context's non-tensor values (flags) are fixed at export and part of the key. A prefill package
-takes every prompt length in [2, max_length]: h's position dimension and the context tensors'
+context's non-tensor values (flags) are fixed at export and part of the key. A prefill or an
+extend package takes every length in [2, max_length] (a 1-token extend is a package of its own): h's position dimension and the context tensors'
 `length_dims` are one exported dimension (a layer that specialises on the length is refused at
 export, never served a wrong length).
 
@@ -125,12 +127,13 @@ def _length_range(ep, at: int, dim: int) -> Optional[tuple]:
 
 
 class StepPackages:
-    """See the module docstring. step: "prefill" or "decode"; layers / caches: blocks and their
-    cache dicts (views are fine: their strides are part of the key); h: the residual state the
-    first layer gets, [B, L, ...D] ([B, 1, ...D] in decode); ctx: one call's context (its layout
+    """See the module docstring. step: "prefill", "decode" or "extend"; layers / caches: blocks
+    and their cache dicts (views are fine: their strides are part of the key; an extend's run
+    gets each call's rows, of the same layout, as `caches`); h: the residual state the first
+    layer gets, [B, L, ...D] ([B, 1, ...D] in decode); ctx: one call's context (its layout
     and flags are those of every call); loaders: package path -> loaded runner, shared by the
     engine's StepPackages; length_dims: per context tensor (context_tensors order), its
-    prompt-length dimension or None; max_length: the longest prompt (prefill only)."""
+    length dimension or None; max_length: the longest prompt or extend (dynamic lengths only)."""
 
     def __init__(self, step: str, layers, caches: list[dict], h: torch.Tensor, ctx: dict, loaders: dict,
                  length_dims: Optional[list[Optional[int]]] = None, max_length: Optional[int] = None):
@@ -146,7 +149,8 @@ class StepPackages:
         self.step = step
         self.built: list[str] = []  # packages compiled here (the rest were on disk)
         self.keys: set[str] = set()
-        self._layers: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+        # per layer: its loaded package, its state, its cache's field names and the cache it was made with
+        self._layers: list[tuple[Any, list[torch.Tensor], list[str], list[torch.Tensor]]] = []
         for block, cache in zip(layers, caches):
             names, state = _state(block)
             keys = sorted(cache)
@@ -161,7 +165,7 @@ class StepPackages:
                     self.built.append(key)
                 loaders[path] = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
             self.keys.add(key)
-            self._layers.append((loaders[path], state, [cache[k] for k in keys]))
+            self._layers.append((loaders[path], state, keys, [cache[k] for k in keys]))
 
     def _build(self, path: Path, step: _Step, args: tuple, dims: list, max_length: Optional[int], what: str) -> None:
         # the compilers are imported on a miss only: a process whose packages are all on disk
@@ -202,8 +206,19 @@ class StepPackages:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def run(self, h: torch.Tensor, ctx_tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Every layer's step in order: h [B, L, ...D] -> the same shape; writes the caches."""
-        for runner, state, cache in self._layers:
-            h = runner.run([*state, h, *cache, *ctx_tensors])[0]
+    def run(self, h: torch.Tensor, ctx_tensors: list[torch.Tensor], caches: Optional[list[dict]] = None) -> torch.Tensor:
+        """Every layer's step in order: h [B, L, ...D] -> the same shape; writes the caches (those
+        it was made with, or `caches`: other tensors of the same layout, one dict per layer, as an
+        extend's rows' views or copies)."""
+        if caches is None:
+            for runner, state, _, cache in self._layers:
+                h = runner.run([*state, h, *cache, *ctx_tensors])[0]
+            return h
+        for (runner, state, keys, made), cache in zip(self._layers, caches, strict=True):
+            fields = [cache[k] for k in keys]
+            for k, t, m in zip(keys, fields, made):  # a package reads its inputs with the strides it was made for
+                if t.shape != m.shape or t.stride() != m.stride() or t.dtype != m.dtype:
+                    raise ValueError(f"{self.step} packages made for cache field {k!r} of shape {tuple(m.shape)}, "
+                                     f"strides {m.stride()}, {m.dtype}; got {tuple(t.shape)}, {t.stride()}, {t.dtype}")
+            h = runner.run([*state, h, *fields, *ctx_tensors])[0]
         return h

@@ -498,7 +498,7 @@ class Engine:
 
     @property
     def can_extend(self) -> bool:
-        """Whether this engine's runner extends rows (runtime.aot does not)."""
+        """Whether this engine's runner extends rows (every runner here does; Runner.extends)."""
         return self._runner.extends
 
     @_engine_mode

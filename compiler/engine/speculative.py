@@ -72,7 +72,7 @@ class Speculator:
             raise InputError(f"runtime.speculative.draft_tokens={draft_tokens}: expected >= 1")
         if not engine.can_extend:
             raise InputError(f"speculative decoding verifies drafts by extending rows, which the {engine.runner} "
-                             f"runner cannot; build with runtime.aot=false (or auto)")
+                             f"runner cannot; build with another runner (runtime.compile / runtime.aot)")
         self.engine, self.drafter, self.kd = engine, drafter, draft_tokens
         # constant-state fields (recurrent and conv states, sliding-window rings) cannot be
         # truncated: a rollback restores them and re-extends the kept tokens

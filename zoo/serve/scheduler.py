@@ -157,10 +157,10 @@ class Scheduler:
         self._chunk: Optional[Chunking] = None
         # speculative / draft_tokens: None follows runtime.speculative ("off": plain decoding)
         self.spec = model.speculator(speculative, draft_tokens)
-        if self.spec is not None and not self.engine.can_extend:  # runtime.aot: packages do not extend
+        if self.spec is not None and not self.engine.can_extend:
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name}: speculative serving extends "
-                              f"rows, which this engine's {self.engine.runner} runner cannot (runtime.aot packages "
-                              f"do not extend); serve with runtime.speculative.drafter=null")
+                              f"rows, which this engine's {self.engine.runner} runner cannot; "
+                              f"serve with runtime.speculative.drafter=null")
         if self.spec is not None and self.spec.drafter.wants_hidden and self.step_tokens:
             raise ConfigError(f"runtime.speculative.drafter={self.spec.drafter.name} with runtime.step_tokens="
                               f"{self.step_tokens}: the drafter starts from a whole prompt's hidden states, which a "
@@ -176,7 +176,7 @@ class Scheduler:
         self._stopping = False
         self._tok = torch.zeros(self.engine.max_batch, dtype=torch.long)
         self.engine.reset() if self.spec is None else self.spec.reset()
-        # None: no reuse (0 bytes asked for, or a runner that cannot extend rows: runtime.aot)
+        # None: no reuse (0 bytes asked for, or an engine that cannot extend rows: torchrun's leader)
         self.prefix = PrefixCache(self.engine, prefix_cache_bytes) \
             if prefix_cache_bytes > 0 and self.engine.can_extend else None
 
