@@ -76,6 +76,13 @@ FAMILIES = {
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # GLM-4.5's code under Sarvam's own tensor names (fused query_key_value, expert_bias), a dense first layer
+    "sarvam_moe": dict(COMMON, head_dim=12, intermediate_size=72, moe_intermediate_size=20, n_routed_experts=8,
+                       num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=1.5),
+    # DeepSeek-V3's code: MLA with a full-rank q_proj, one group of experts, a dense first layer
+    "sarvam_mla": dict(COMMON, num_key_value_heads=4, intermediate_size=72, moe_intermediate_size=20,
+                       n_routed_experts=8, num_experts_per_tok=3, kv_lora_rank=16, qk_nope_head_dim=12,
+                       qk_rope_head_dim=8, v_head_dim=14, routed_scaling_factor=1.5),
 }
 
 
@@ -126,6 +133,8 @@ FLAGSHIPS = {
     "minicpm3_4b": ("minicpm3", dict()),  # MiniCPM3Config's defaults are openbmb/MiniCPM3-4B's
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
+    "sarvam_30b": ("sarvam_moe", dict()),  # SarvamMoEConfig's defaults ("a Sarvam-30B style configuration")
+    "sarvam_mla": ("sarvam_mla", dict()),
 }
 
 
