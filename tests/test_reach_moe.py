@@ -83,7 +83,14 @@ FAMILIES = {
     "sarvam_mla": dict(COMMON, num_key_value_heads=4, intermediate_size=72, moe_intermediate_size=20,
                        n_routed_experts=8, num_experts_per_tok=3, kv_lora_rank=16, qk_nope_head_dim=12,
                        qk_rope_head_dim=8, v_head_dim=14, routed_scaling_factor=1.5),
+    # interleaved RoPE; softmax scores selected with a [1, E] bias; MoE on layers 1..3 every 2nd: 1, 3
+    "ernie4_5_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=72, moe_intermediate_size=20,
+                         moe_num_experts=8, moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         moe_layer_end_index=3, moe_layer_interval=2),
 }
+
+
+SELECTION_BIAS = "e_score_correction_bias"
 
 
 def make_config(name: str, **kw):
@@ -95,12 +102,14 @@ def randomize(model: torch.nn.Module) -> None:
     """Every constant-initialised vector (norm weights at 1, biases and sinks at 0) and the
     selection biases made random, so that a misplaced or missing one shows."""
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if SELECTION_BIAS in name:  # a [E] or [1, E] parameter (ERNIE's moe_statics)
+            p.uniform_(-0.3, 0.3)
+        elif "norm" in name:
             p.uniform_(0.5, 1.5)
         elif p.dim() == 1 and torch.all(p == p.flatten()[0]):
             p.normal_(0.0, 0.3)
     for name, b in model.named_buffers():
-        if "e_score_correction_bias" in name:
+        if SELECTION_BIAS in name:
             b.uniform_(-0.3, 0.3)
 
 
@@ -135,6 +144,7 @@ FLAGSHIPS = {
                                                         "partial_rotary_factor": 0.5})),
     "sarvam_30b": ("sarvam_moe", dict()),  # SarvamMoEConfig's defaults ("a Sarvam-30B style configuration")
     "sarvam_mla": ("sarvam_mla", dict()),
+    "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
 }
 
 
