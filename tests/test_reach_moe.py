@@ -87,6 +87,12 @@ FAMILIES = {
     "ernie4_5_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=72, moe_intermediate_size=20,
                          moe_num_experts=8, moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=1,
                          moe_layer_end_index=3, moe_layer_interval=2),
+    # a window of 5 with RoPE, NoPE full layers, a gate_proj output gate joined to q per head, sandwich
+    # norms, a dense first layer, sigmoid + selection bias x route_scale, embeddings * sqrt(d)
+    "afmoe": dict(COMMON, num_hidden_layers=4, num_key_value_heads=4, head_dim=12, intermediate_size=72,
+                  moe_intermediate_size=20, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
+                  num_dense_layers=1, route_scale=1.7, mup_enabled=True, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
 }
 
 
@@ -144,7 +150,8 @@ FLAGSHIPS = {
                                                         "partial_rotary_factor": 0.5})),
     "sarvam_30b": ("sarvam_moe", dict()),  # SarvamMoEConfig's defaults ("a Sarvam-30B style configuration")
     "sarvam_mla": ("sarvam_mla", dict()),
-    "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
+    "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
+    "afmoe": ("afmoe", dict()),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
 }
 
 
@@ -192,3 +199,25 @@ def test_deepseek_v4_loads_what_transformers_saves(tmp_path):
     ids = torch.randint(0, v4.VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         check_parity(ref, m, ids, steps=8, rtol=1e-4)
+
+
+def test_join_groups_inverts_split_groups():
+    """join_groups (conf/rules/afmoe.yaml, dbrx.yaml) puts part-major rows back group-major:
+    split_groups of its output gives the inputs back; stack / transpose give an expert stack."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    join, split = get_op("join_groups", "test"), get_op("split_groups", "test")
+    q, gate, k = torch.randn(6, 5), torch.randn(6, 5), torch.randn(4, 5)  # 3 heads of 2 rows; k whole
+    out = join.apply([q, gate, k], groups=3, whole=[2])
+    assert join.shape([(6, 5), (6, 5), (4, 5)], groups=3, whole=[2]) == tuple(out.shape) == (16, 5)
+    assert torch.equal(split.apply([out[:12]], groups=3, sizes=[2, 2]), torch.cat([q, gate]))
+    assert torch.equal(out[12:], k)
+    w1, v1, w2 = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 5)  # 2 experts of 4 rows
+    w13 = join.apply([w1, v1], groups=2, stack=True)
+    assert w13.shape == join.shape([(8, 5), (8, 5)], groups=2, stack=True) == (2, 8, 5)
+    assert torch.equal(w13[1], torch.cat([w1[4:], v1[4:]]))
+    down = join.apply([w2], groups=2, stack=True, transpose=True)
+    assert down.shape == join.shape([(8, 5)], groups=2, stack=True, transpose=True) == (2, 5, 4)
+    assert torch.equal(down[1], w2[4:].t())
+    with pytest.raises(ValueError, match="not 3 equal groups"):
+        join.shape([(7, 5)], groups=3)

@@ -300,6 +300,51 @@ def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None, 
     return parts[index] if index is not None else torch.cat(parts, dim=0)
 
 
+def _join_groups_shape(shapes, groups: int, whole=(), stack: bool = False, transpose: bool = False):
+    if any(not 0 <= i < len(shapes) for i in whole):
+        raise ValueError(f"whole {list(whole)} names inputs beyond the {len(shapes)} given")
+    joined = [s for i, s in enumerate(shapes) if i not in whole]
+    if not joined:
+        raise ValueError("every input is whole: nothing to join per group")
+    rest = tuple(joined[0][1:])
+    for shape in shapes:
+        if tuple(shape[1:]) != rest:
+            raise ValueError(f"inputs {[list(s) for s in shapes]} differ beyond dim 0")
+    for shape in joined:
+        if groups <= 0 or shape[0] % groups:
+            raise ValueError(f"{shape[0]} rows are not {groups} equal groups")
+    rows = sum(s[0] for s in joined) // groups
+    if transpose:
+        if len(rest) != 1:
+            raise ValueError(f"transpose takes 2-D inputs, got {[list(s) for s in joined]}")
+        rest, rows = (rows,), rest[0]
+    if stack:
+        if whole:
+            raise ValueError("stack makes one [groups, rows, ...] block: it takes no whole inputs")
+        return (groups, rows, *rest)
+    return (groups * rows + sum(shapes[i][0] for i in whole), *rest)
+
+
+@op("join_groups", None, _join_groups_shape)
+def _join_groups(xs, groups: int, whole=(), stack: bool = False, transpose: bool = False):
+    """Part-major rows -> group-major rows (split_groups' inverse).
+
+    Each input not in `whole` is `groups` equal row blocks (one per head or per expert); the
+    output holds group after group, each the inputs' blocks in input order ([q_h | gate_h] per
+    head from separate q_proj / gate_proj: AFMoE's gated attention; [w1_e | v1_e] per expert from
+    DBRX's fused expert matrices). `transpose`: each group's [rows, I] block as [I, rows] (DBRX's
+    w2, stored [F, D] per expert for x @ w2). `stack`: [groups, rows, ...] (an expert stack)
+    instead of the rows flat. `whole` inputs are appended as they are (k and v after the gated q).
+    """
+    joined = [x for i, x in enumerate(xs) if i not in whole]
+    blocks = torch.cat([x.reshape(groups, x.shape[0] // groups, *x.shape[1:]) for x in joined], dim=1)
+    if transpose:
+        blocks = blocks.transpose(1, 2)
+    if stack:
+        return blocks.contiguous()
+    return torch.cat([blocks.reshape(-1, *blocks.shape[2:]), *(xs[i] for i in whole)], dim=0)
+
+
 # ---------------------------------------------------------------------------- E8M0-scaled formats
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
