@@ -93,6 +93,10 @@ FAMILIES = {
                   moe_intermediate_size=20, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                   num_dense_layers=1, route_scale=1.7, mup_enabled=True, sliding_window=5,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    # fused Wqkv clamped (0.02: the clamp bites), bias-free LayerNorm, every expert in one [E * F, D] tensor
+    "dbrx": dict(vocab_size=VOCAB, d_model=48, n_heads=4, n_layers=3, max_seq_len=128,
+                 attn_config=dict(kv_n_heads=2, clip_qkv=0.02, rope_theta=10000.0),
+                 ffn_config=dict(ffn_hidden_size=20, moe_num_experts=7, moe_top_k=3)),
 }
 
 
@@ -151,7 +155,12 @@ FLAGSHIPS = {
     "sarvam_30b": ("sarvam_moe", dict()),  # SarvamMoEConfig's defaults ("a Sarvam-30B style configuration")
     "sarvam_mla": ("sarvam_mla", dict()),
     "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
-    "afmoe": ("afmoe", dict()),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
+    "afmoe": ("afmoe", dict()),
+    "dbrx": ("dbrx", dict(  # databricks/dbrx-base
+        d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
+        attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
+        ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
 }
 
 
