@@ -97,6 +97,16 @@ FAMILIES = {
     "dbrx": dict(vocab_size=VOCAB, d_model=48, n_heads=4, n_layers=3, max_seq_len=128,
                  attn_config=dict(kv_n_heads=2, clip_qkv=0.02, rope_theta=10000.0),
                  ffn_config=dict(ffn_hidden_size=20, moe_num_experts=7, moe_top_k=3)),
+    # Cohere's parallel block; a dense full-attention first layer with forced RoPE, then sliding (window 5,
+    # RoPE) / full (NoPE) MoE layers; softmax over the chosen logits, a shared expert averaged in
+    "cohere2_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=20, num_experts=7,
+                        num_experts_per_tok=3, num_shared_experts=1, first_k_dense_replace=1,
+                        prefix_dense_intermediate_size=72, sliding_window=5, sliding_window_pattern=2),
+    # sigmoid scores renormalised, the shared expert summed
+    "cohere2_moe/sigmoid_sum": dict(COMMON, head_dim=12, intermediate_size=20, num_experts=7, num_experts_per_tok=3,
+                                    num_shared_experts=1, expert_selection_fn="sigmoid",
+                                    shared_expert_combination_strategy="sum", sliding_window=5,
+                                    sliding_window_pattern=2),
 }
 
 
@@ -156,6 +166,7 @@ FLAGSHIPS = {
     "sarvam_mla": ("sarvam_mla", dict()),
     "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
     "afmoe": ("afmoe", dict()),
+    "cohere2_moe": ("cohere2_moe", dict()),
     "dbrx": ("dbrx", dict(  # databricks/dbrx-base
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
