@@ -76,7 +76,41 @@ FAMILIES = {
     # partial rotary (half of 16 channels), q/k norm over the projection, sigmoid + bias routing
     "minimax_m2": dict(COMMON, head_dim=16, intermediate_size=20, num_local_experts=8, num_experts_per_tok=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # GLM-4.5's code under Sarvam's own tensor names (fused query_key_value, expert_bias), a dense first layer
+    "sarvam_moe": dict(COMMON, head_dim=12, intermediate_size=72, moe_intermediate_size=20, n_routed_experts=8,
+                       num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=1.5),
+    # DeepSeek-V3's code: MLA with a full-rank q_proj, one group of experts, a dense first layer
+    "sarvam_mla": dict(COMMON, num_key_value_heads=4, intermediate_size=72, moe_intermediate_size=20,
+                       n_routed_experts=8, num_experts_per_tok=3, kv_lora_rank=16, qk_nope_head_dim=12,
+                       qk_rope_head_dim=8, v_head_dim=14, routed_scaling_factor=1.5),
+    # interleaved RoPE; softmax scores selected with a [1, E] bias; MoE on layers 1..3 every 2nd: 1, 3
+    "ernie4_5_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=72, moe_intermediate_size=20,
+                         moe_num_experts=8, moe_k=3, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         moe_layer_end_index=3, moe_layer_interval=2),
+    # a window of 5 with RoPE, NoPE full layers, a gate_proj output gate joined to q per head, sandwich
+    # norms, a dense first layer, sigmoid + selection bias x route_scale, embeddings * sqrt(d)
+    "afmoe": dict(COMMON, num_hidden_layers=4, num_key_value_heads=4, head_dim=12, intermediate_size=72,
+                  moe_intermediate_size=20, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
+                  num_dense_layers=1, route_scale=1.7, mup_enabled=True, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    # fused Wqkv clamped (0.02: the clamp bites), bias-free LayerNorm, every expert in one [E * F, D] tensor
+    "dbrx": dict(vocab_size=VOCAB, d_model=48, n_heads=4, n_layers=3, max_seq_len=128,
+                 attn_config=dict(kv_n_heads=2, clip_qkv=0.02, rope_theta=10000.0),
+                 ffn_config=dict(ffn_hidden_size=20, moe_num_experts=7, moe_top_k=3)),
+    # Cohere's parallel block; a dense full-attention first layer with forced RoPE, then sliding (window 5,
+    # RoPE) / full (NoPE) MoE layers; softmax over the chosen logits, a shared expert averaged in
+    "cohere2_moe": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=20, num_experts=7,
+                        num_experts_per_tok=3, num_shared_experts=1, first_k_dense_replace=1,
+                        prefix_dense_intermediate_size=72, sliding_window=5, sliding_window_pattern=2),
+    # sigmoid scores renormalised, the shared expert summed
+    "cohere2_moe/sigmoid_sum": dict(COMMON, head_dim=12, intermediate_size=20, num_experts=7, num_experts_per_tok=3,
+                                    num_shared_experts=1, expert_selection_fn="sigmoid",
+                                    shared_expert_combination_strategy="sum", sliding_window=5,
+                                    sliding_window_pattern=2),
 }
+
+
+SELECTION_BIAS = "e_score_correction_bias"
 
 
 def make_config(name: str, **kw):
@@ -88,12 +122,14 @@ def randomize(model: torch.nn.Module) -> None:
     """Every constant-initialised vector (norm weights at 1, biases and sinks at 0) and the
     selection biases made random, so that a misplaced or missing one shows."""
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if SELECTION_BIAS in name:  # a [E] or [1, E] parameter (ERNIE's moe_statics)
+            p.uniform_(-0.3, 0.3)
+        elif "norm" in name:
             p.uniform_(0.5, 1.5)
         elif p.dim() == 1 and torch.all(p == p.flatten()[0]):
             p.normal_(0.0, 0.3)
     for name, b in model.named_buffers():
-        if "e_score_correction_bias" in name:
+        if SELECTION_BIAS in name:
             b.uniform_(-0.3, 0.3)
 
 
@@ -126,6 +162,16 @@ FLAGSHIPS = {
     "minicpm3_4b": ("minicpm3", dict()),  # MiniCPM3Config's defaults are openbmb/MiniCPM3-4B's
     "minimax_m2": ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                         "partial_rotary_factor": 0.5})),
+    "sarvam_30b": ("sarvam_moe", dict()),  # SarvamMoEConfig's defaults ("a Sarvam-30B style configuration")
+    "sarvam_mla": ("sarvam_mla", dict()),
+    "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
+    "afmoe": ("afmoe", dict()),
+    "cohere2_moe": ("cohere2_moe", dict()),
+    "dbrx": ("dbrx", dict(  # databricks/dbrx-base
+        d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
+        attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
+        ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),  # Ernie4_5_MoeConfig's defaults are ERNIE-4.5-21B-A3B's
 }
 
 
@@ -173,3 +219,25 @@ def test_deepseek_v4_loads_what_transformers_saves(tmp_path):
     ids = torch.randint(0, v4.VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         check_parity(ref, m, ids, steps=8, rtol=1e-4)
+
+
+def test_join_groups_inverts_split_groups():
+    """join_groups (conf/rules/afmoe.yaml, dbrx.yaml) puts part-major rows back group-major:
+    split_groups of its output gives the inputs back; stack / transpose give an expert stack."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    join, split = get_op("join_groups", "test"), get_op("split_groups", "test")
+    q, gate, k = torch.randn(6, 5), torch.randn(6, 5), torch.randn(4, 5)  # 3 heads of 2 rows; k whole
+    out = join.apply([q, gate, k], groups=3, whole=[2])
+    assert join.shape([(6, 5), (6, 5), (4, 5)], groups=3, whole=[2]) == tuple(out.shape) == (16, 5)
+    assert torch.equal(split.apply([out[:12]], groups=3, sizes=[2, 2]), torch.cat([q, gate]))
+    assert torch.equal(out[12:], k)
+    w1, v1, w2 = torch.randn(8, 5), torch.randn(8, 5), torch.randn(8, 5)  # 2 experts of 4 rows
+    w13 = join.apply([w1, v1], groups=2, stack=True)
+    assert w13.shape == join.shape([(8, 5), (8, 5)], groups=2, stack=True) == (2, 8, 5)
+    assert torch.equal(w13[1], torch.cat([w1[4:], v1[4:]]))
+    down = join.apply([w2], groups=2, stack=True, transpose=True)
+    assert down.shape == join.shape([(8, 5)], groups=2, stack=True, transpose=True) == (2, 5, 4)
+    assert torch.equal(down[1], w2[4:].t())
+    with pytest.raises(ValueError, match="not 3 equal groups"):
+        join.shape([(7, 5)], groups=3)

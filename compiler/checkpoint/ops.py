@@ -221,6 +221,8 @@ _ROW_OPS_ON_DIM = {"cat", "split"}  # with dim 0
 
 
 def is_row_op(name: str, args: dict) -> bool:
+    if name == "join_groups" and (args.get("stack") or args.get("transpose")):
+        return False  # those move data across rows
     return name in _ROW_OPS or (name in _ROW_OPS_ON_DIM and args.get("dim", 0) == 0)
 
 
@@ -302,26 +304,67 @@ def _split_groups(xs, groups: int, sizes, index: int | None = None, order=None, 
     return parts[index] if index is not None else torch.cat(parts, dim=0)
 
 
-def _join_groups_shape(shapes, groups: int, sizes):
+def _join_groups_parts(shapes, groups: int, sizes):
+    """One input's rows, part-major (`sizes` parts, each across all groups): the parts' row counts."""
     (rows, *rest), = shapes
     parts = [int(p) for p in sizes]
     if groups <= 0 or rows != groups * sum(parts):
         raise ValueError(f"{rows} rows are not {groups} groups of {parts} (= {groups * sum(parts)} rows)")
-    return (rows, *rest)
+    return [groups * p for p in parts]
 
 
-@op("join_groups", 1, _join_groups_shape)
-def _join_groups(xs, groups: int, sizes):
-    """Part-major rows -> group-major rows: split_groups undone for one input.
+def _join_groups_shape(shapes, groups: int, sizes=None, whole=(), stack: bool = False, transpose: bool = False):
+    if sizes is not None:
+        if len(shapes) != 1 or whole:
+            raise ValueError(f"sizes splits one input into its parts: got {len(shapes)} inputs, whole {list(whole)}")
+        rest = tuple(shapes[0][1:])
+        shapes = [(n, *rest) for n in _join_groups_parts(shapes, groups, sizes)]
+    if any(not 0 <= i < len(shapes) for i in whole):
+        raise ValueError(f"whole {list(whole)} names inputs beyond the {len(shapes)} given")
+    joined = [s for i, s in enumerate(shapes) if i not in whole]
+    if not joined:
+        raise ValueError("every input is whole: nothing to join per group")
+    rest = tuple(joined[0][1:])
+    for shape in shapes:
+        if tuple(shape[1:]) != rest:
+            raise ValueError(f"inputs {[list(s) for s in shapes]} differ beyond dim 0")
+    for shape in joined:
+        if groups <= 0 or shape[0] % groups:
+            raise ValueError(f"{shape[0]} rows are not {groups} equal groups")
+    rows = sum(s[0] for s in joined) // groups
+    if transpose:
+        if len(rest) != 1:
+            raise ValueError(f"transpose takes 2-D inputs, got {[list(s) for s in joined]}")
+        rest, rows = (rows,), rest[0]
+    if stack:
+        if whole:
+            raise ValueError("stack makes one [groups, rows, ...] block: it takes no whole inputs")
+        return (groups, rows, *rest)
+    return (groups * rows + sum(shapes[i][0] for i in whole), *rest)
 
-    The rows are the parts `sizes` in turn, each across all `groups` ([q of every head | k ... |
-    v ...], as llama.cpp stores GPT-NeoX's query_key_value); the output has each group's parts
-    together ([q k v of head 0 | of head 1 | ...], as config.json's checkpoint has them).
+
+@op("join_groups", None, _join_groups_shape)
+def _join_groups(xs, groups: int, sizes=None, whole=(), stack: bool = False, transpose: bool = False):
+    """Part-major rows -> group-major rows (split_groups' inverse).
+
+    Each input not in `whole` is `groups` equal row blocks (one per head or per expert); the
+    output holds group after group, each the inputs' blocks in input order ([q_h | gate_h] per
+    head from separate q_proj / gate_proj: AFMoE's gated attention; [w1_e | v1_e] per expert from
+    DBRX's fused expert matrices). `sizes`: one input that is those parts one after the other, each
+    `groups` blocks of its size ([q of every head | k ... | v ...], as llama.cpp stores GPT-NeoX's
+    query_key_value). `transpose`: each group's [rows, I] block as [I, rows] (DBRX's w2, stored
+    [F, D] per expert for x @ w2). `stack`: [groups, rows, ...] (an expert stack) instead of the
+    rows flat. `whole` inputs are appended as they are (k and v after the gated q).
     """
-    x, = xs
-    parts = [int(p) for p in sizes]
-    split = x.split([groups * p for p in parts], dim=0)
-    return torch.cat([t.reshape(groups, p, *x.shape[1:]) for t, p in zip(split, parts)], dim=1).reshape(x.shape)
+    if sizes is not None:
+        xs = xs[0].split(_join_groups_parts([xs[0].shape], groups, sizes), dim=0)
+    joined = [x for i, x in enumerate(xs) if i not in whole]
+    blocks = torch.cat([x.reshape(groups, x.shape[0] // groups, *x.shape[1:]) for x in joined], dim=1)
+    if transpose:
+        blocks = blocks.transpose(1, 2)
+    if stack:
+        return blocks.contiguous()
+    return torch.cat([blocks.reshape(-1, *blocks.shape[2:]), *(xs[i] for i in whole)], dim=0)
 
 
 # ---------------------------------------------------------------------------- E8M0-scaled formats

@@ -4,7 +4,7 @@ optional always-on shared experts.
     x [T, D] --router (float32)--> scores [T, E] --select--> idx [T, K], weights [T, K]
       routed:  sum_k weights[t, k] * expert_{idx[t, k]}(x[t])
       shared:  shared(x) (* sigmoid(x @ shared_gate) when shared_expert_gate)
-    y = routed + shared
+    y = routed + shared     ((routed + shared) / 2 with shared_combine mean: Cohere2-MoE's "average")
 
 Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
   routing               learned: the top_k experts by score (below); hash: a fixed table
@@ -66,6 +66,7 @@ from ..registry import register
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 ROUTINGS = ("learned", "hash")
 GROUP_SCORES = ("top2_sum", "max")
+SHARED_COMBINES = ("sum", "mean")
 
 
 # ---------------------------------------------------------------------------- grouped matmul
@@ -162,6 +163,7 @@ class MoE(FFN, QuantStacks):
         n_shared_experts: int = 0
         shared_ffn_dim: Optional[int] = None  # None: n_shared_experts * ffn_dim
         shared_expert_gate: bool = False  # shared output * sigmoid(x @ shared_gate^T)
+        shared_combine: str = "sum"  # sum | mean: routed + shared, or their mean (Cohere2-MoE's "average")
         swiglu_limit: Optional[float] = None  # clamp of every expert's pre-activations (DeepSeek-V4)
         router_bias: bool = False  # learned bias on the router logits (gpt-oss)
         expert_bias: bool = False  # routed experts' projections with biases (gpt-oss)
@@ -206,6 +208,8 @@ class MoE(FFN, QuantStacks):
                 return f"n_shared_experts and shared_ffn_dim must be >= 0"
             if self.shared_expert_gate and not self.shared_ffn_dim:
                 return "shared_expert_gate needs a shared expert (n_shared_experts or shared_ffn_dim)"
+            if self.shared_combine not in SHARED_COMBINES:
+                return f"shared_combine={self.shared_combine!r}: expected one of {list(SHARED_COMBINES)}"
             return None
 
     def __init__(self, spec: "MoE.Spec", model):
@@ -344,7 +348,10 @@ class MoE(FFN, QuantStacks):
     def _finish(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """routed [T, D] float32 -> y [..., D] in x's dtype, plus the shared experts."""
         y = routed.to(x.dtype).view(x.shape)
-        return y if self.shared is None else y + self._shared(x)
+        if self.shared is None:
+            return y
+        y = y + self._shared(x)
+        return y / 2 if self.spec.shared_combine == "mean" else y
 
     # ------------------------------------------------------------------ entry points
 
