@@ -86,6 +86,11 @@ FAMILIES = {
                                                         max_position_embeddings=64,
                                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                          "partial_rotary_factor": 0.5})),
+    # Mistral with YaRN and Llama 4's attention temperature: period 4, so it grows within the prompt
+    "ministral3": ("Ministral3Config", dict(DIMS, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.3})),
 }
 
 
@@ -112,6 +117,7 @@ FLAGSHIPS = {
     "gpt_neo_1_3b": ("GPTNeoConfig", dict()),  # GPTNeoConfig's defaults are EleutherAI/gpt-neo-1.3B's
     "biogpt": ("BioGptConfig", dict()),  # BioGptConfig's defaults are microsoft/biogpt's
     "gpt_neox_japanese_2_7b": ("GPTNeoXJapaneseConfig", dict()),  # the defaults are abeja/gpt-neox-japanese-2.7b's
+    "ministral3_8b": ("Ministral3Config", dict()),  # the defaults are Ministral-3-8B-Base-2512's text model
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
