@@ -91,6 +91,9 @@ FAMILIES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
         "max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.3})),
+    # weightless RMSNorms (also on the embeddings), RoPE by the negative angle then q/k norms, relu2 MLP,
+    # soft-capped logits
+    "nanochat": ("NanoChatConfig", dict(DIMS, num_key_value_heads=4, final_logit_softcapping=3.0)),
 }
 
 
@@ -118,6 +121,7 @@ FLAGSHIPS = {
     "biogpt": ("BioGptConfig", dict()),  # BioGptConfig's defaults are microsoft/biogpt's
     "gpt_neox_japanese_2_7b": ("GPTNeoXJapaneseConfig", dict()),  # the defaults are abeja/gpt-neox-japanese-2.7b's
     "ministral3_8b": ("Ministral3Config", dict()),  # the defaults are Ministral-3-8B-Base-2512's text model
+    "nanochat_d12": ("NanoChatConfig", dict()),  # NanoChatConfig's defaults (the preset's sizes)
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 

@@ -33,6 +33,9 @@ Options:
                1 + beta * log(1 + floor((p + offset) / period)), so that long contexts sharpen
                the softmax (Llama 4's attn_temperature_tuning, Ministral 3's llama_4_scaling_beta)
 
+  rope_reversed
+               RoPE rotates by the negative angle (NanoChat's rotate_half is (x2, -x1)): sin negated
+
 rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin table asked for.
 
 Without softcap or sinks both entry points call SDPA (a window is a boolean mask); with either,
@@ -90,6 +93,7 @@ class Attention(Mixer):
         head_dim: Optional[int] = None  # None: dim // n_heads
         rotary_fraction: float = 1.0  # share of head_dim that RoPE rotates (partial rotary; 0: NoPE)
         rope_interleaved: bool = False  # channel pairs (2i, 2i+1) instead of rotate-half
+        rope_reversed: bool = False  # rotate by -angle (sin negated: NanoChat's rotate_half)
         qkv_bias: bool = False
         out_bias: bool = False
         softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
@@ -243,6 +247,8 @@ class Attention(Mixer):
         k = k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         v = v.view(B, L, Hkv, Dh).transpose(1, 2)
         il = self.spec.rope_interleaved
+        if R and self.spec.rope_reversed:
+            sin = -sin
         if R == 0:  # NoPE
             pass
         elif R == Dh:
