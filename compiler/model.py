@@ -81,7 +81,8 @@ class Decoder(nn.Module):
             self.pos_embed = LearnedPositions(spec.max_position + spec.position_offset, spec.dim,
                                               spec.position_offset)
             self.layers[0].__dict__["positions"] = self.pos_embed  # a reference: the model owns it
-        self.norm = make_norm(spec.norm, spec.dim)
+        # post-LN (sublayer_norms post_residual): the last block ends in a norm, no final one
+        self.norm = nn.Identity() if spec.sublayer_norms == "post_residual" else make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=spec.head_bias)
         self.mtp = nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers) if mtp else nn.ModuleList()
         self.tie_weights()

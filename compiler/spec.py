@@ -131,7 +131,8 @@ class ConfigSchema:
     ropes: Dict[str, Any] = field(default_factory=dict)
     residual: Any = "???"
     # where each block normalises: pre (x + f(norm(x))), sandwich (x + norm(f(norm(x))), Gemma),
-    # post (x + norm(f(x)), OLMo 2); see block.py
+    # post (x + norm(f(x)), OLMo 2), post_residual (norm(x + f(x)), GPT-1: the last block's norm
+    # is the final one, so the model has no separate final norm); see block.py
     sublayer_norms: str = "pre"
     # embeddings * embed_scale, the scale rounded to their dtype (Gemma: sqrt(dim); Granite's
     # embedding_multiplier); None: unscaled
@@ -155,7 +156,7 @@ class ConfigSchema:
 # ---------------------------------------------------------------------------- resolved spec
 
 DTYPES = ("float32", "bfloat16", "float16")
-SUBLAYER_NORMS = ("pre", "sandwich", "post")
+SUBLAYER_NORMS = ("pre", "sandwich", "post", "post_residual")
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
 QUANT_GROUPS = (32, 64, 128)
 AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
@@ -340,6 +341,9 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
 
     if top.sublayer_norms not in SUBLAYER_NORMS:
         raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")
+    if top.sublayer_norms == "post_residual" and OmegaConf.select(top, "residual.parallel") is not None:
+        raise _fail(source, f"sublayer_norms: post_residual normalises after each residual add, which a parallel "
+                            f"residual (residual.parallel={OmegaConf.select(top, 'residual.parallel')!r}) does not have")
     if top.position_offset < 0:
         raise _fail(source, f"position_offset: must be >= 0, got {top.position_offset}")
     if top.learned_positions and rt.max_seq > top.max_position:

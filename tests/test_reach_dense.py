@@ -94,6 +94,8 @@ FAMILIES = {
     # weightless RMSNorms (also on the embeddings), RoPE by the negative angle then q/k norms, relu2 MLP,
     # soft-capped logits
     "nanochat": ("NanoChatConfig", dict(DIMS, num_key_value_heads=4, final_logit_softcapping=3.0)),
+    # GPT-1: post-LN blocks (norm after each residual add, no final norm), learned positions, Conv1D layout
+    "openai-gpt": ("OpenAIGPTConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, n_positions=64)),
 }
 
 
@@ -122,6 +124,7 @@ FLAGSHIPS = {
     "gpt_neox_japanese_2_7b": ("GPTNeoXJapaneseConfig", dict()),  # the defaults are abeja/gpt-neox-japanese-2.7b's
     "ministral3_8b": ("Ministral3Config", dict()),  # the defaults are Ministral-3-8B-Base-2512's text model
     "nanochat_d12": ("NanoChatConfig", dict()),  # NanoChatConfig's defaults (the preset's sizes)
+    "openai_gpt": ("OpenAIGPTConfig", dict()),  # OpenAIGPTConfig's defaults are openai-community/openai-gpt's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
