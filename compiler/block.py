@@ -93,19 +93,19 @@ class Block(nn.Module):
     def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(torch.arange(h.shape[1], device=h.device))
+            h = h + self.positions(torch.arange(h.shape[1], device=h.device)).to(h.dtype)
         return self._run(h, lambda x: self.mixer.prefill(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(ctx["pos"])[:, None]
+            h = h + self.positions(ctx["pos"])[:, None].to(h.dtype)
         return self._run(h, lambda x: self.mixer.decode(x, cache, ctx), lambda x: self.ffn.decode(x, ctx))
 
     def extend(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] at positions ctx["start"][b] + 0..L-1 -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device))
+            h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device)).to(h.dtype)
         return self._run(h, lambda x: self.mixer.extend(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def _run(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:

@@ -143,6 +143,9 @@ class ConfigSchema:
     # pos_embed [max_position + position_offset, D], position p reads row p + position_offset (OPT: 2)
     learned_positions: bool = False
     position_offset: int = 0
+    # fixed sinusoidal positions added the same way (position/sinusoidal.py): null, tensor2tensor
+    # (XGLM, with position_offset 2) or transformer (CTRL)
+    sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False  # a norm (the model's kind) right after the embedding (Bloom)
     head_bias: bool = False  # the output projection has a bias (GPT-J, Phi-1/2)
     mixers: Dict[str, Any] = field(default_factory=dict)
@@ -157,6 +160,7 @@ class ConfigSchema:
 
 DTYPES = ("float32", "bfloat16", "float16")
 SUBLAYER_NORMS = ("pre", "sandwich", "post", "post_residual")
+SINUSOID_STYLES = ("tensor2tensor", "transformer")  # position/sinusoidal.py's frequency schedules
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
 QUANT_GROUPS = (32, 64, 128)
 AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
@@ -211,6 +215,7 @@ class ModelSpec:
     logit_softcap: Optional[float] = None
     learned_positions: bool = False
     position_offset: int = 0
+    sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False
     head_bias: bool = False
 
@@ -346,6 +351,11 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
                             f"residual (residual.parallel={OmegaConf.select(top, 'residual.parallel')!r}) does not have")
     if top.position_offset < 0:
         raise _fail(source, f"position_offset: must be >= 0, got {top.position_offset}")
+    if top.sinusoidal_positions is not None and (top.sinusoidal_positions not in SINUSOID_STYLES
+                                                 or top.learned_positions or top.dim % 2):
+        raise _fail(source, f"sinusoidal_positions={top.sinusoidal_positions!r}: expected one of "
+                            f"{list(SINUSOID_STYLES)} or null, without learned_positions, over an even dim "
+                            f"(got learned_positions={top.learned_positions}, dim={top.dim})")
     if top.learned_positions and rt.max_seq > top.max_position:
         raise _fail(source, f"runtime.max_seq={rt.max_seq}: learned_positions has rows for max_position="
                             f"{top.max_position} positions only; expected runtime.max_seq <= {top.max_position}")
@@ -384,6 +394,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
         sublayer_norms=top.sublayer_norms, embed_scale=top.embed_scale, logits_scaling=top.logits_scaling,
         logit_softcap=top.logit_softcap, learned_positions=top.learned_positions,
+        sinusoidal_positions=top.sinusoidal_positions,
         position_offset=top.position_offset, embed_norm=top.embed_norm, head_bias=top.head_bias,
     )
 

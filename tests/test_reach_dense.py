@@ -96,6 +96,11 @@ FAMILIES = {
     "nanochat": ("NanoChatConfig", dict(DIMS, num_key_value_heads=4, final_logit_softcapping=3.0)),
     # GPT-1: post-LN blocks (norm after each residual add, no final norm), learned positions, Conv1D layout
     "openai-gpt": ("OpenAIGPTConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, n_positions=64)),
+    # BART decoder blocks, embeddings * sqrt(d), fixed sinusoidal positions (fairseq's, offset 2)
+    "xglm": ("XGLMConfig", dict(vocab_size=VOCAB, d_model=48, num_layers=3, attention_heads=4, ffn_dim=100,
+                                max_position_embeddings=64)),
+    # sinusoidal positions ("Attention Is All You Need"'s), embeddings * sqrt(d), ReLU MLP, a biased tied head
+    "ctrl": ("CTRLConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, dff=100, n_positions=64)),
 }
 
 
@@ -125,6 +130,8 @@ FLAGSHIPS = {
     "ministral3_8b": ("Ministral3Config", dict()),  # the defaults are Ministral-3-8B-Base-2512's text model
     "nanochat_d12": ("NanoChatConfig", dict()),  # NanoChatConfig's defaults (the preset's sizes)
     "openai_gpt": ("OpenAIGPTConfig", dict()),  # OpenAIGPTConfig's defaults are openai-community/openai-gpt's
+    "xglm_564m": ("XGLMConfig", dict()),  # XGLMConfig's defaults are facebook/xglm-564M's
+    "ctrl": ("CTRLConfig", dict()),  # CTRLConfig's defaults are Salesforce/ctrl's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 

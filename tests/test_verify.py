@@ -71,10 +71,10 @@ def test_silently_different_model_is_a_mismatch():
 
 
 def test_refused_names_the_reason(capsys):
-    v = verify("ctrl")  # transformers has it; zoo ships no import map for it
+    v = verify("cpmant")  # transformers has it (CPM-Ant); zoo ships no import map for it
     assert v.status == "refused"
-    assert "model_type 'ctrl' is not supported" in v.message and "adding-a-family" in v.message
-    assert main(["verify", "ctrl"]) == 1
+    assert "model_type 'cpmant' is not supported" in v.message and "adding-a-family" in v.message
+    assert main(["verify", "cpmant"]) == 1
     assert "refused" in capsys.readouterr().out
 
 
