@@ -101,6 +101,11 @@ FAMILIES = {
                                 max_position_embeddings=64)),
     # sinusoidal positions ("Attention Is All You Need"'s), embeddings * sqrt(d), ReLU MLP, a biased tied head
     "ctrl": ("CTRLConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, dff=100, n_positions=64)),
+    # Qwen3-MoE blocks; sliding (7, its own rope theta) / full layers and dense / sparse MLPs, each per layer
+    "mellum": ("MellumConfig", dict(DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36,
+                                    sliding_window=7, layer_types=["sliding_attention", "full_attention",
+                                                                   "sliding_attention"],
+                                    mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 
 
@@ -132,6 +137,7 @@ FLAGSHIPS = {
     "openai_gpt": ("OpenAIGPTConfig", dict()),  # OpenAIGPTConfig's defaults are openai-community/openai-gpt's
     "xglm_564m": ("XGLMConfig", dict()),  # XGLMConfig's defaults are facebook/xglm-564M's
     "ctrl": ("CTRLConfig", dict()),  # CTRLConfig's defaults are Salesforce/ctrl's
+    "mellum_12b": ("MellumConfig", dict()),  # MellumConfig's defaults are Mellum2-12B-A2.5B-Base's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
