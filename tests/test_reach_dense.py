@@ -171,3 +171,18 @@ def test_bad_options_are_refused(override, words):
     with pytest.raises(zoo.ConfigError) as e:
         zoo.build("nemotron_tiny", dry=True, overrides=[override, *extra])
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("conf, overrides, words", [
+    ("openai_gpt", ["residual.parallel=shared_norm"], ["post_residual", "residual.parallel='shared_norm'"]),
+    ("xglm_564m", ["sinusoidal_positions=fairseq"], ["sinusoidal_positions='fairseq'", "tensor2tensor"]),
+    ("xglm_564m", ["learned_positions=true"], ["without learned_positions", "learned_positions=True"]),
+    ("ministral3_8b", ["mixers.attn.temperature_period=null"], ["temperature_beta=0.1", "give both"]),
+    ("nanochat_d12", ["norm.zero_centered=true"], ["zero_centered=true needs affine=true"]),
+])
+def test_new_options_bad_values_are_refused(conf, overrides, words):
+    """post_residual, sinusoidal_positions, the attention temperature and the weightless RMSNorm:
+    a bad combination is a ConfigError naming the key and the value."""
+    with pytest.raises(zoo.ConfigError) as e:
+        zoo.build(conf, dry=True, overrides=overrides)
+    assert all(w in str(e.value) for w in words), str(e.value)
