@@ -7,6 +7,8 @@ Where the norms sit is the model's `sublayer_norms`:
     sandwich  norm -> sub-layer -> norm             (+ mixer_post_norm, ffn_post_norm; Gemma 2/3)
     post      sub-layer -> norm                     (mixer_post_norm, ffn_post_norm only; OLMo 2:
               mixer_norm and ffn_norm are identities)
+    post_residual  h -> norm(h + sub-layer(h))      (the original Transformer's post-LN, GPT-1: the
+              post norms act after the residual add; the model has no final norm)
 The post norms act on the sub-layer output before the residual folds it in; absent (None) under pre.
 A layer whose FFN kind is `none` (compiler/ffn/none.py: Mamba's mixer-only layers) stops after the
 mixer's residual and has no ffn_norm / ffn_post_norm; one whose mixer kind is `none`
@@ -56,7 +58,8 @@ class Block(nn.Module):
         super().__init__()
         spec = ctx.spec
         res = residual_kind(spec.residual)
-        pre, post = spec.sublayer_norms != "post", spec.sublayer_norms != "pre"
+        pre, post = spec.sublayer_norms in ("pre", "sandwich"), spec.sublayer_norms != "pre"
+        self.after_add = spec.sublayer_norms == "post_residual"
         self.parallel = res.parallel(spec.residual)
         self.mixer_norm = make_norm(spec.norm, spec.dim) if pre else nn.Identity()
         self.mixer = lookup("mixer", layer.mixer.kind, f"mixers.{layer.mixer_name}")(layer.mixer, ctx)
@@ -90,22 +93,24 @@ class Block(nn.Module):
     def prefill(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(torch.arange(h.shape[1], device=h.device))
+            h = h + self.positions(torch.arange(h.shape[1], device=h.device)).to(h.dtype)
         return self._run(h, lambda x: self.mixer.prefill(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(ctx["pos"])[:, None]
+            h = h + self.positions(ctx["pos"])[:, None].to(h.dtype)
         return self._run(h, lambda x: self.mixer.decode(x, cache, ctx), lambda x: self.ffn.decode(x, ctx))
 
     def extend(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] at positions ctx["start"][b] + 0..L-1 -> same shape."""
         if self.positions is not None:
-            h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device))
+            h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device)).to(h.dtype)
         return self._run(h, lambda x: self.mixer.extend(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
 
     def _run(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:
+        if self.after_add:  # post-LN: h = norm(h + f(h)), each sub-layer in turn
+            return self._run_post_residual(h, mixer, ffn)
         if self.mixer_absent:  # an FFN-only layer: its one norm is mixer_norm
             x, aux = self.ffn_residual.enter(h)
             y = self._out(ffn(self.mixer_norm(x)), self.ffn_reduce, self.ffn_post_norm)
@@ -123,3 +128,13 @@ class Block(nn.Module):
         x, aux = self.ffn_residual.enter(h)
         y = self._out(ffn(self.ffn_norm(x)), self.ffn_reduce, self.ffn_post_norm)
         return self.ffn_residual.exit(h, y, aux)
+
+    def _run_post_residual(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:
+        """sublayer_norms post_residual: h [B, L, D] -> norm2(n + ffn(n)), n = norm1(h + mixer(h))."""
+        if not self.mixer_absent:
+            x, aux = self.mixer_residual.enter(h)
+            h = self.mixer_post_norm(self.mixer_residual.exit(h, self._out(mixer(x), self.mixer_reduce, None), aux))
+        if self.ffn_absent:
+            return h
+        x, aux = self.ffn_residual.enter(h)
+        return self.ffn_post_norm(self.ffn_residual.exit(h, self._out(ffn(x), self.ffn_reduce, None), aux))

@@ -63,6 +63,7 @@ from .import_expr import ABSENT as _ABSENT, Expr, lookup as _get, parse, parse_r
 # conf/hf/ files that are not import maps: the quantization table and the keys every config has
 QUANTIZATION_TABLE = "quantization"  # quant_method -> rule stages
 COMMON_KEYS = "common"  # config.json keys of every PretrainedConfig, covered for every family
+LACKS_TABLE = "_lacks"  # model_type -> the concept zoo lacks, for types with no import map
 IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "require", "set", "rope", "ropes", "verify",
                    "layout_from", "irrelevant", "cases"}
 # a `layout_from` rule: `key` (config.json's per-layer list) and at most one fill, used when
@@ -93,7 +94,7 @@ def import_specs() -> dict[str, dict]:
 
     out: dict[str, dict] = {}
     for name, path in conf_files("hf").items():
-        if name in (QUANTIZATION_TABLE, COMMON_KEYS):
+        if name in (QUANTIZATION_TABLE, COMMON_KEYS, LACKS_TABLE):
             continue
         data = OmegaConf.to_container(OmegaConf.load(path)) or {}
         label = conf_label(path)
@@ -110,6 +111,15 @@ def import_specs() -> dict[str, dict]:
         check_import_map(data, label)
         out[data["model_type"]] = data
     return out
+
+
+def lacks() -> dict[str, str]:
+    """model_type -> the concept zoo lacks for it (conf/hf/_lacks.yaml): why a transformers type
+    has no import map, for refusals and docs/coverage.md."""
+    from .config import find_conf
+
+    data = OmegaConf.to_container(OmegaConf.load(find_conf("hf", LACKS_TABLE))) or {}
+    return dict(data.get("lacks") or {})
 
 
 def check_import_map(spec: dict, file: str) -> None:
@@ -657,7 +667,9 @@ def import_config(config: dict, where: str, overrides: Sequence[str] = ()) -> Di
     specs = import_specs()
     model_type = config.get("model_type")
     if model_type not in specs:
-        raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(specs))}. "
+        missing = lacks().get(model_type)
+        why = f" (zoo lacks: {missing}, conf/hf/{LACKS_TABLE}.yaml)" if missing else ""
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported{why}; supported: {', '.join(sorted(specs))}. "
                           f"A new family is a preset, an import map and rules, in the user conf dir "
                           f"if you like: see {ADDING_A_FAMILY}")
     spec = specs[model_type]

@@ -8,7 +8,7 @@ scalar in the embedding dtype, as transformers does; Granite's embedding_multipl
 softcap * tanh(logits / softcap) (Gemma 2), `embed_norm` normalises the embeddings (Bloom:
 embed.norm), `head_bias` gives the head a bias (GPT-J), `learned_positions` adds a learned
 absolute position embedding pos_embed [max_position + position_offset, D] (GPT-2, OPT) to the
-first block's input.
+first block's input, `sinusoidal_positions` fixed sinusoidal ones (XGLM, CTRL; position/sinusoidal.py).
 
 Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in mtp.py.
 """
@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .mtp import MTPLayer
 from .norm.norms import make_norm
 from .position.rope import make_rope
+from .position.sinusoidal import SinusoidalPositions
 from .residual.prenorm import residual_kind
 from .spec import DTYPES, ModelSpec
 
@@ -81,7 +82,15 @@ class Decoder(nn.Module):
             self.pos_embed = LearnedPositions(spec.max_position + spec.position_offset, spec.dim,
                                               spec.position_offset)
             self.layers[0].__dict__["positions"] = self.pos_embed  # a reference: the model owns it
-        self.norm = make_norm(spec.norm, spec.dim)
+        elif spec.sinusoidal_positions is not None:
+            if res.n_streams(spec.residual) != 1:
+                raise ConfigError(f"{spec.source}: sinusoidal_positions needs a one-stream residual, not "
+                                  f"residual kind {spec.residual.kind!r}")
+            # no parameters: the first block computes them from its positions
+            self.layers[0].__dict__["positions"] = SinusoidalPositions(spec.dim, spec.sinusoidal_positions,
+                                                                       spec.position_offset)
+        # post-LN (sublayer_norms post_residual): the last block ends in a norm, no final one
+        self.norm = nn.Identity() if spec.sublayer_norms == "post_residual" else make_norm(spec.norm, spec.dim)
         self.head = nn.Linear(spec.dim, spec.vocab_size, bias=spec.head_bias)
         self.mtp = nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers) if mtp else nn.ModuleList()
         self.tie_weights()

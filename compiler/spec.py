@@ -132,7 +132,8 @@ class ConfigSchema:
     ropes: Dict[str, Any] = field(default_factory=dict)
     residual: Any = "???"
     # where each block normalises: pre (x + f(norm(x))), sandwich (x + norm(f(norm(x))), Gemma),
-    # post (x + norm(f(x)), OLMo 2); see block.py
+    # post (x + norm(f(x)), OLMo 2), post_residual (norm(x + f(x)), GPT-1: the last block's norm
+    # is the final one, so the model has no separate final norm); see block.py
     sublayer_norms: str = "pre"
     # embeddings * embed_scale, the scale rounded to their dtype (Gemma: sqrt(dim); Granite's
     # embedding_multiplier); None: unscaled
@@ -143,6 +144,9 @@ class ConfigSchema:
     # pos_embed [max_position + position_offset, D], position p reads row p + position_offset (OPT: 2)
     learned_positions: bool = False
     position_offset: int = 0
+    # fixed sinusoidal positions added the same way (position/sinusoidal.py): null, tensor2tensor
+    # (XGLM, with position_offset 2) or transformer (CTRL)
+    sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False  # a norm (the model's kind) right after the embedding (Bloom)
     head_bias: bool = False  # the output projection has a bias (GPT-J, Phi-1/2)
     mixers: Dict[str, Any] = field(default_factory=dict)
@@ -156,7 +160,8 @@ class ConfigSchema:
 # ---------------------------------------------------------------------------- resolved spec
 
 DTYPES = ("float32", "bfloat16", "float16")
-SUBLAYER_NORMS = ("pre", "sandwich", "post")
+SUBLAYER_NORMS = ("pre", "sandwich", "post", "post_residual")
+SINUSOID_STYLES = ("tensor2tensor", "transformer")  # position/sinusoidal.py's frequency schedules
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
 QUANT_GROUPS = (32, 64, 128)
 AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
@@ -210,6 +215,7 @@ class ModelSpec:
     logit_softcap: Optional[float] = None
     learned_positions: bool = False
     position_offset: int = 0
+    sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False
     head_bias: bool = False
 
@@ -336,8 +342,16 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
 
     if top.sublayer_norms not in SUBLAYER_NORMS:
         raise _fail(source, f"sublayer_norms: expected one of {list(SUBLAYER_NORMS)}, got {top.sublayer_norms!r}")
+    if top.sublayer_norms == "post_residual" and OmegaConf.select(top, "residual.parallel") is not None:
+        raise _fail(source, f"sublayer_norms: post_residual normalises after each residual add, which a parallel "
+                            f"residual (residual.parallel={OmegaConf.select(top, 'residual.parallel')!r}) does not have")
     if top.position_offset < 0:
         raise _fail(source, f"position_offset: must be >= 0, got {top.position_offset}")
+    if top.sinusoidal_positions is not None and (top.sinusoidal_positions not in SINUSOID_STYLES
+                                                 or top.learned_positions or top.dim % 2):
+        raise _fail(source, f"sinusoidal_positions={top.sinusoidal_positions!r}: expected one of "
+                            f"{list(SINUSOID_STYLES)} or null, without learned_positions, over an even dim "
+                            f"(got learned_positions={top.learned_positions}, dim={top.dim})")
     if top.learned_positions and rt.max_seq > top.max_position:
         raise _fail(source, f"runtime.max_seq={rt.max_seq}: learned_positions has rows for max_position="
                             f"{top.max_position} positions only; expected runtime.max_seq <= {top.max_position}")
@@ -377,6 +391,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         source=source, config=top, mtp=mtp, mtp_layers=mtp_layers, ropes=ropes,
         sublayer_norms=top.sublayer_norms, embed_scale=top.embed_scale, logits_scaling=top.logits_scaling,
         logit_softcap=top.logit_softcap, learned_positions=top.learned_positions,
+        sinusoidal_positions=top.sinusoidal_positions,
         position_offset=top.position_offset, embed_norm=top.embed_norm, head_bias=top.head_bias,
     )
 

@@ -58,25 +58,33 @@ def not_decoder_reason(model_type: str):
     return None
 
 
+# a refused type with neither an import map nor a conf/hf/_lacks.yaml entry
+NO_MAP = "no import map (conf/hf/<model_type>.yaml) and no conf/hf/_lacks.yaml entry naming the concept it lacks"
+
+
 def concept(message: str) -> str:
     """zoo's refusal, one line, without the temp dir that named the twin."""
     text = re.sub(r"\s+", " ", message).strip()
     text = re.sub(r"/\S*zoo-verify-\S+ \(\d+ safetensors files?\): ", "", text)
     text = re.sub(r"^\S+ twin: ", "", text)
+    missing = re.search(r"is not supported \(zoo lacks: (.*?), conf/hf/_lacks\.yaml\); supported:", text)
+    if missing:
+        return f"lacks {missing.group(1)}"
     if "is not supported; supported:" in text and "model_type" in text:
-        return "no import map (conf/hf/<model_type>.yaml)"
+        return NO_MAP
     return text if len(text) <= 200 else text[:197] + "..."
 
 
 def static(model_type: str):
     """The row transformers' config and zoo's import maps decide without a twin, or None."""
-    from zoo.compiler.hf_import import import_specs
+    from zoo.compiler.hf_import import import_specs, lacks
 
     reason = not_decoder_reason(model_type)
     if reason:
         return {"model_type": model_type, "status": "not a decoder LM", "detail": reason}
     if model_type not in import_specs():
-        return {"model_type": model_type, "status": "refused", "detail": "no import map (conf/hf/<model_type>.yaml)"}
+        missing = lacks().get(model_type)
+        return {"model_type": model_type, "status": "refused", "detail": f"lacks {missing}" if missing else NO_MAP}
     return None
 
 

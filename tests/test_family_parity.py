@@ -167,7 +167,9 @@ for _i, _name in enumerate(gpt2era.FAMILIES):
 
 # ------------------------------------------- dense families through data (issue 26; test_reach_dense.py)
 
-REACH_DENSE_COMPILED = {"apertus": 1}  # one compiled sample: the learned xIELU activation
+REACH_DENSE_COMPILED = {"apertus": 1, "ministral3": 1, "nanochat": 1, "xglm": 2, "openai-gpt": 2}  # compiled: xIELU;
+# attention temperature; weightless RMSNorm + reversed RoPE; sinusoidal positions and post-LN (2 graphs each:
+# the first layer adds the positions)
 for _i, _name in enumerate(reach_dense.FAMILIES):
     FAMILIES[f"reach_dense/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,

@@ -86,6 +86,26 @@ FAMILIES = {
                                                         max_position_embeddings=64,
                                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                          "partial_rotary_factor": 0.5})),
+    # Mistral with YaRN and Llama 4's attention temperature: period 4, so it grows within the prompt
+    "ministral3": ("Ministral3Config", dict(DIMS, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.3})),
+    # weightless RMSNorms (also on the embeddings), RoPE by the negative angle then q/k norms, relu2 MLP,
+    # soft-capped logits
+    "nanochat": ("NanoChatConfig", dict(DIMS, num_key_value_heads=4, final_logit_softcapping=3.0)),
+    # GPT-1: post-LN blocks (norm after each residual add, no final norm), learned positions, Conv1D layout
+    "openai-gpt": ("OpenAIGPTConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, n_positions=64)),
+    # BART decoder blocks, embeddings * sqrt(d), fixed sinusoidal positions (fairseq's, offset 2)
+    "xglm": ("XGLMConfig", dict(vocab_size=VOCAB, d_model=48, num_layers=3, attention_heads=4, ffn_dim=100,
+                                max_position_embeddings=64)),
+    # sinusoidal positions ("Attention Is All You Need"'s), embeddings * sqrt(d), ReLU MLP, a biased tied head
+    "ctrl": ("CTRLConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, dff=100, n_positions=64)),
+    # Qwen3-MoE blocks; sliding (7, its own rope theta) / full layers and dense / sparse MLPs, each per layer
+    "mellum": ("MellumConfig", dict(DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36,
+                                    sliding_window=7, layer_types=["sliding_attention", "full_attention",
+                                                                   "sliding_attention"],
+                                    mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 
 
@@ -112,6 +132,12 @@ FLAGSHIPS = {
     "gpt_neo_1_3b": ("GPTNeoConfig", dict()),  # GPTNeoConfig's defaults are EleutherAI/gpt-neo-1.3B's
     "biogpt": ("BioGptConfig", dict()),  # BioGptConfig's defaults are microsoft/biogpt's
     "gpt_neox_japanese_2_7b": ("GPTNeoXJapaneseConfig", dict()),  # the defaults are abeja/gpt-neox-japanese-2.7b's
+    "ministral3_8b": ("Ministral3Config", dict()),  # the defaults are Ministral-3-8B-Base-2512's text model
+    "nanochat_d12": ("NanoChatConfig", dict()),  # NanoChatConfig's defaults (the preset's sizes)
+    "openai_gpt": ("OpenAIGPTConfig", dict()),  # OpenAIGPTConfig's defaults are openai-community/openai-gpt's
+    "xglm_564m": ("XGLMConfig", dict()),  # XGLMConfig's defaults are facebook/xglm-564M's
+    "ctrl": ("CTRLConfig", dict()),  # CTRLConfig's defaults are Salesforce/ctrl's
+    "mellum_12b": ("MellumConfig", dict()),  # MellumConfig's defaults are Mellum2-12B-A2.5B-Base's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
@@ -144,4 +170,19 @@ def test_bad_options_are_refused(override, words):
     extra = ["norm.affine=false", "norm.bias=false"] if override.startswith("norm.") else []
     with pytest.raises(zoo.ConfigError) as e:
         zoo.build("nemotron_tiny", dry=True, overrides=[override, *extra])
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("conf, overrides, words", [
+    ("openai_gpt", ["residual.parallel=shared_norm"], ["post_residual", "residual.parallel='shared_norm'"]),
+    ("xglm_564m", ["sinusoidal_positions=fairseq"], ["sinusoidal_positions='fairseq'", "tensor2tensor"]),
+    ("xglm_564m", ["learned_positions=true"], ["without learned_positions", "learned_positions=True"]),
+    ("ministral3_8b", ["mixers.attn.temperature_period=null"], ["temperature_beta=0.1", "give both"]),
+    ("nanochat_d12", ["norm.zero_centered=true"], ["zero_centered=true needs affine=true"]),
+])
+def test_new_options_bad_values_are_refused(conf, overrides, words):
+    """post_residual, sinusoidal_positions, the attention temperature and the weightless RMSNorm:
+    a bad combination is a ConfigError naming the key and the value."""
+    with pytest.raises(zoo.ConfigError) as e:
+        zoo.build(conf, dry=True, overrides=overrides)
     assert all(w in str(e.value) for w in words), str(e.value)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import zoo
 from zoo.cli import main
+from zoo.compiler.hf_import import import_config
 from zoo.verify import OK_RTOL, STEPS, resolve, verify
 
 pytest.importorskip("transformers")
@@ -71,10 +73,10 @@ def test_silently_different_model_is_a_mismatch():
 
 
 def test_refused_names_the_reason(capsys):
-    v = verify("ctrl")  # transformers has it; zoo ships no import map for it
+    v = verify("cpmant")  # transformers has it (CPM-Ant); zoo ships no import map for it
     assert v.status == "refused"
-    assert "model_type 'ctrl' is not supported" in v.message and "adding-a-family" in v.message
-    assert main(["verify", "ctrl"]) == 1
+    assert "model_type 'cpmant' is not supported" in v.message and "adding-a-family" in v.message
+    assert main(["verify", "cpmant"]) == 1
     assert "refused" in capsys.readouterr().out
 
 
@@ -136,6 +138,24 @@ def test_coverage_table_agrees_with_shipped_import_maps():
     assert f"**{len(ok)} of the" in readme
 
 
+def test_lacks_table_names_only_unmapped_types():
+    """conf/hf/_lacks.yaml: each entry a transformers causal-LM type with no import map, and the
+    coverage table's refused row for it gives that concept; refusing such a type names it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from zoo.compiler.hf_import import import_specs, lacks
+
+    table = lacks()
+    assert table and not set(table) & set(import_specs()), sorted(set(table) & set(import_specs()))
+    assert set(table) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), sorted(set(table) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    rows = _coverage_rows()
+    for t, phrase in table.items():
+        if rows[t][0] == "refused":
+            assert rows[t][1] == f"lacks {phrase}", (t, rows[t])
+    with pytest.raises(zoo.ConfigError, match=r"'cpmant' is not supported \(zoo lacks: segment-relative"):
+        import_config({"model_type": "cpmant"}, "test")
+
+
 def _coverage_script():
     import importlib.util
 
@@ -155,6 +175,8 @@ def test_coverage_sample():
     assert "is_decoder" in cov.not_decoder_reason("bert")
     assert "vision_config" in cov.not_decoder_reason("gemma3")
     assert cov.not_decoder_reason("llama") is None
-    assert cov.static("ctrl")["detail"].startswith("no import map")
+    assert cov.static("cpmant")["detail"].startswith("lacks segment-relative position buckets")
+    assert cov.concept("/tmp/zoo-verify-x-abc (1 safetensors file): model_type 'cpmant' is not supported (zoo lacks: "
+                       "a thing, conf/hf/_lacks.yaml); supported: llama. A new family ...") == "lacks a thing"
     assert cov.concept("/tmp/zoo-verify-x-abc (1 safetensors file): mixers.swa: o_groups=8\n does not divide") == \
         "mixers.swa: o_groups=8 does not divide"

@@ -28,6 +28,13 @@ Options:
   rope_slot    which rope schedule the layer reads (Gemma 3: local layers their own theta)
   scale_dim    softmax scale scale_dim ** -0.5 instead of head_dim ** -0.5 (Gemma's
                query_pre_attn_scalar); softmax_scale, when given, wins
+  temperature_beta, temperature_period, temperature_offset
+               attention temperature by position: the query at position p (after RoPE) times
+               1 + beta * log(1 + floor((p + offset) / period)), so that long contexts sharpen
+               the softmax (Llama 4's attn_temperature_tuning, Ministral 3's llama_4_scaling_beta)
+
+  rope_reversed
+               RoPE rotates by the negative angle (NanoChat's rotate_half is (x2, -x1)): sin negated
 
 rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin table asked for.
 
@@ -56,7 +63,7 @@ from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm
 from ..registry import register
-from ..position.rope import apply_rotary, make_rope, rope_key
+from ..position.rope import apply_rotary, rope_key
 
 QK_NORM_OVER = ("head", "projection")
 QK_NORM_AT = ("before_rope", "after_rope")
@@ -86,6 +93,7 @@ class Attention(Mixer):
         head_dim: Optional[int] = None  # None: dim // n_heads
         rotary_fraction: float = 1.0  # share of head_dim that RoPE rotates (partial rotary; 0: NoPE)
         rope_interleaved: bool = False  # channel pairs (2i, 2i+1) instead of rotate-half
+        rope_reversed: bool = False  # rotate by -angle (sin negated: NanoChat's rotate_half)
         qkv_bias: bool = False
         out_bias: bool = False
         softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
@@ -100,6 +108,9 @@ class Attention(Mixer):
         sinks: bool = False  # a learned per-head logit in every softmax (sink.weight [H])
         rope_slot: str = "rope"  # which rope schedule: `rope`, or a name in the model's `ropes`
         scale_dim: Optional[float] = None  # softmax scale scale_dim ** -0.5; None: head_dim
+        temperature_beta: Optional[float] = None  # q * (1 + beta log(1 + floor((p + offset) / period)))
+        temperature_period: Optional[float] = None
+        temperature_offset: int = 0
 
         def resolve(self, model: dict) -> "Attention.Spec":
             head_dim = self.head_dim
@@ -130,6 +141,11 @@ class Attention(Mixer):
                 return f"softcap must be positive (or null), got {self.softcap}"
             if self.scale_dim is not None and self.scale_dim <= 0:
                 return f"scale_dim must be positive (or null), got {self.scale_dim}"
+            if (self.temperature_beta is None) != (self.temperature_period is None):
+                return (f"temperature_beta={self.temperature_beta} and temperature_period={self.temperature_period}: "
+                        f"give both (the position temperature) or neither")
+            if self.temperature_period is not None and self.temperature_period <= 0:
+                return f"temperature_period must be positive (or null), got {self.temperature_period}"
             slots = model.get("rope_slots", ["rope"])
             if self.rope_slot not in slots:
                 return f"rope_slot={self.rope_slot!r} is not one of the model's rope slots {list(slots)}"
@@ -150,8 +166,9 @@ class Attention(Mixer):
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
         self.rope_slot, self.window = s.rope_slot, s.window
         self.rope = rope_key(self.rot_dim, s.rope_slot)
-        rope_impl = model.rope_impl if s.rope_slot == "rope" else make_rope(model.spec.ropes[s.rope_slot])
-        self.scale = (s.softmax_scale or (s.scale_dim or s.head_dim) ** -0.5) * rope_impl.softmax_scale_factor()
+        # no rope softmax_scale_factor (YaRN's mscale^2): that is MLA's (DeepSeek); every GQA
+        # attention in transformers keeps head_dim ** -0.5 under YaRN (Ministral 3, gpt-oss)
+        self.scale = s.softmax_scale or (s.scale_dim or s.head_dim) ** -0.5
         self.explicit = s.softcap is not None or s.sinks or s.alibi  # SDPA's causal path has none of them
         self.slopes = alibi_slopes(s.n_heads) if s.alibi else None  # a list: no buffer to load
         q_rows = (2 if s.output_gate else 1) * s.n_heads
@@ -230,6 +247,8 @@ class Attention(Mixer):
         k = k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         v = v.view(B, L, Hkv, Dh).transpose(1, 2)
         il = self.spec.rope_interleaved
+        if R and self.spec.rope_reversed:
+            sin = -sin
         if R == 0:  # NoPE
             pass
         elif R == Dh:
@@ -241,6 +260,16 @@ class Attention(Mixer):
             q, k = self._qk_norm(q.transpose(1, 2), k.transpose(1, 2))
             q, k = q.reshape(B, L, H, Dh).transpose(1, 2), k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         return q, k, v, gate
+
+    def _temper(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, Dh] at positions pos ([L], or [B, L]) -> q times its position temperature
+        1 + beta * log(1 + floor((pos + offset) / period)) (unchanged without temperature_beta)."""
+        s = self.spec
+        if s.temperature_beta is None:
+            return q
+        p = torch.floor((pos.float() + s.temperature_offset) / s.temperature_period)
+        t = 1 + s.temperature_beta * torch.log1p(p)
+        return q * (t[:, None, :, None] if t.dim() == 2 else t[:, None]).to(q.dtype)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """q [B, L, H*Dh or H, Dh], k [B, L, Hkv*Dh or Hkv, Dh] -> q [B, L, H, Dh], k [B, L, Hkv, Dh]
@@ -326,6 +355,7 @@ class Attention(Mixer):
         last Sw positions)."""
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)  # [L, R/2]
         q, k, v, gate = self._project(x, cos, sin)
+        q = self._temper(q, torch.arange(x.shape[1], device=x.device))
         write = write_prefill if self.window is None else write_ring
         write(cache["k"], k)
         write(cache["v"], v)
@@ -342,6 +372,7 @@ class Attention(Mixer):
         (extras "sink" [B, h, L] with learned sinks); query head j reads KV head j // (H / Hkv)."""
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)
         q, k, _, _ = self._project(x, cos, sin)
+        q = self._temper(q, torch.arange(x.shape[1], device=x.device))
         rows = head_rows(heads, self.n_heads)
         kv = torch.arange(rows.start, rows.stop, device=x.device) // (self.n_heads // self.n_kv_heads)
         logits = dot_scores(q[:, rows.start:rows.stop], k[:, kv], self.scale)
@@ -365,6 +396,7 @@ class Attention(Mixer):
             cos = sin = None
         q, k, v, gate = self._project(x, cos, sin)
         pos = ctx["pos"]
+        q = self._temper(q, pos[:, None])
         S = cache["k"].shape[2]
         slot = pos if self.window is None else pos % S
         write_decode(cache["k"], k, slot)
@@ -389,6 +421,7 @@ class Attention(Mixer):
         q, k, v, gate = self._project(x, cos, sin)
         start = ctx["start"]
         qpos = extend_positions(start, x.shape[1])  # [B, L]
+        q = self._temper(q, qpos)
         if self.window is None:
             write_extend(cache["k"], k, qpos)
             write_extend(cache["v"], v, qpos)

@@ -12,7 +12,8 @@ from ..registry import lookup, register
 
 @register("norm", "rmsnorm")
 class RMSNorm(Norm):
-    """y = x / rms(x) * w (or * (1 + w) when zero_centered), computed in float32.
+    """y = x / rms(x) * w (or * (1 + w) when zero_centered; no weight when affine is false:
+    NanoChat's, Llama 4's L2 norm), computed in float32.
 
     x: [..., D] -> [..., D]
     """
@@ -22,19 +23,28 @@ class RMSNorm(Norm):
         kind: str = "rmsnorm"
         eps: float = 1e-6
         zero_centered: bool = False  # checkpoint stores w - 1 (Qwen3-Next)
+        affine: bool = True  # false: no weight (x / rms(x) alone)
+
+        def check(self, model: dict):
+            if not self.affine and self.zero_centered:
+                return "zero_centered=true needs affine=true (an RMSNorm without weight has none to centre)"
+            return None
 
     def __init__(self, spec: "RMSNorm.Spec", dim: int):
         super().__init__()
         self.eps = spec.eps
         self.zero_centered = spec.zero_centered
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.empty(dim)) if spec.affine else None
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
+        if self.weight is not None:
+            nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return y.to(x.dtype)
         if self.zero_centered:
             # the reference scales in float32, then casts back
             return (y * (1.0 + self.weight.float())).to(x.dtype)
