@@ -293,11 +293,19 @@ inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const floa
 
 // ds[2b], ds[2b + 1]: the scales of inputs 32b..32b+15 and 32b+16..32b+31 (groups of 16 or more)
 // times the activation scale dx[b]
+// (no integer division per block: at a few hundred inputs a row, two divisions a block cost more
+// than the block's dot product)
 inline void half_block_scales(const float* d, int64_t group, const float* dx, int64_t nb, float* ds) {
-  for (int64_t b = 0; b < nb; ++b) {
-    ds[2 * b] = d[(b * kBlock) / group] * dx[b];
-    ds[2 * b + 1] = d[(b * kBlock + 16) / group] * dx[b];
+  if (group == 16) {
+    for (int64_t b = 0; b < nb; ++b) {
+      ds[2 * b] = d[2 * b] * dx[b];
+      ds[2 * b + 1] = d[2 * b + 1] * dx[b];
+    }
+    return;
   }
+  const int64_t per = group / kBlock;  // blocks per group
+  for (int64_t b = 0, g = 0; b < nb; ++g)
+    for (int64_t k = 0; k < per && b < nb; ++k, ++b) ds[2 * b] = ds[2 * b + 1] = d[g] * dx[b];
 }
 
 // One output of a grouped int8 row over one int8-rounded row of x:
