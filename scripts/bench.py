@@ -138,6 +138,21 @@ NO_STATIC_CACHE = {"qwen3_next_tiny", "deepseek_v4_tiny"}
 
 # ----------------------------------------------------------------------------- measurements
 
+def machine() -> dict:
+    """What every result records of the machine: lscpu's model name and L3 ("cpu"), its flags,
+    the instruction set zoo's CPU kernels run at, torch's version and threads."""
+    from zoo.compiler import native
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        out = ""
+    cpu = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+    return {"cpu": " / ".join(cpu[k] for k in ("Model name", "L3 cache") if k in cpu) or "unknown",
+            "cpu_flags": cpu.get("Flags", ""), "kernel_isa": native.isa(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -13,8 +13,12 @@ a free reasoning block.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (scripts/bench.py: machine())
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -151,7 +155,7 @@ def main():
 
     tok = tokenizer()
     ids = tok.encode(DOC, add_special_tokens=False)
-    out = {"tokens": len(ids), "vocab": tok.vocab_size, "machine": "2-core shared CPU, one run", "engines": {}}
+    out = {"tokens": len(ids), "vocab": tok.vocab_size, "machine": bench.machine(), "engines": {}}
     for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
         try:
             setup, compile_s, times = fn(tok, ids)

@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # noqa: E402  (scripts/bench.py: machine())
 
 import zoo  # noqa: E402
 from zoo.serve.scheduler import PREFIX_CACHE_BYTES, SamplingParams, Scheduler, Sequence  # noqa: E402
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = zoo.build(args.conf, quant=args.quant or None, compile=not args.no_compile, max_batch=4,
                       max_seq=args.prefix + args.question + 8)
-    result = {"conf": args.conf, "quant": args.quant, "runner": model.engine.runner,
+    result = {**bench.machine(), "conf": args.conf, "quant": args.quant, "runner": model.engine.runner,
               **scenario(model, args.prefix, args.question, args.rounds)}
     print(json.dumps(result, indent=1))
     if args.json:
