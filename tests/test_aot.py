@@ -47,7 +47,8 @@ def test_llama_int4_packages_equal_the_compiled_layers(llama):
     int8 activation codes, as test_quant)."""
     kw = dict(quant="int4", max_batch=1, max_seq=32)
     m = zoo.from_pretrained(str(llama), overrides=AOT, **kw)
-    compiled = zoo.from_pretrained(str(llama), **kw)
+    compiled = zoo.from_pretrained(str(llama), overrides=["runtime.aot=false"], **kw)
+    assert compiled.engine.runner_kind == "compiled"
     eager = zoo.from_pretrained(str(llama), compile=False, **kw)
     assert m.engine.graph_counts() == {"prefill_packages": 1, "decode_packages": 1}
     gen = torch.Generator().manual_seed(1)

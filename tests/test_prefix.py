@@ -118,9 +118,24 @@ def test_conversation_is_stored_for_its_next_turn(families):
     close(got, want, rtol, "next turn")
 
 
+def one_after_another(model, prompts, **kw):
+    """Each prompt served to 5 greedy tokens by a fresh Scheduler(model, **kw), one after the
+    other (the second admission finds the first stored): (their tokens, the scheduler)."""
+    from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
+
+    sched = Scheduler(model, eos_ids=[], **kw)
+    outs = []
+    for p in prompts:
+        s = Sequence(p, SamplingParams(max_tokens=5, temperature=0.0), sink=lambda ev: None)
+        sched.submit([s])
+        while sched.step():
+            pass
+        outs.append(s.tokens)
+    return outs, sched
+
+
 def test_scheduler_reuses_prefixes_and_reports_them(families):
     from zoo.serve.metrics import Metrics
-    from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
 
     model = families.eager("llama/gqa")
     seq = sequence(model, 2, 30, 8)
@@ -129,14 +144,7 @@ def test_scheduler_reuses_prefixes_and_reports_them(families):
 
     def run(prefix_bytes):
         metrics = Metrics()
-        sched = Scheduler(model, eos_ids=[], metrics=metrics, prefix_cache_bytes=prefix_bytes)
-        outs = []
-        for p in prompts:  # one after the other: the second admission finds the first stored
-            s = Sequence(p, SamplingParams(max_tokens=5, temperature=0.0), sink=lambda ev: None)
-            sched.submit([s])
-            while sched.step():
-                pass
-            outs.append(s.tokens)
+        outs, sched = one_after_another(model, prompts, metrics=metrics, prefix_cache_bytes=prefix_bytes)
         return outs, sched, metrics.render().decode()
 
     want, sched, _ = run(0)
@@ -156,7 +164,6 @@ def test_scheduler_on_the_packages_reuses_prefixes_and_chunks_prompts(families):
     the packages' extend; the greedy tokens equal the eager model's whole prefills. Same
     checkpoint, max_batch and max_seq as tests/test_extend.py's aot case (shared packages)."""
     import zoo
-    from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
 
     eager = families.eager("llama/gqa")
     fam, (_, path) = families.family("llama/gqa"), families.reference("llama/gqa")
@@ -165,19 +172,8 @@ def test_scheduler_on_the_packages_reuses_prefixes_and_chunks_prompts(families):
     system = seq[0, :20].tolist()
     prompts = [system + seq[0, 20:24].tolist(), system + seq[1, 20:27].tolist()]
 
-    def run(m, **kw):
-        sched = Scheduler(m, eos_ids=[], **kw)
-        outs = []
-        for p in prompts:  # one after the other: the second admission finds the first stored
-            s = Sequence(p, SamplingParams(max_tokens=5, temperature=0.0), sink=lambda ev: None)
-            sched.submit([s])
-            while sched.step():
-                pass
-            outs.append(s.tokens)
-        return outs, sched
-
-    want, _ = run(eager, prefix_cache_bytes=0, step_tokens=0)
-    got, sched = run(model, prefix_cache_bytes=1 << 26, step_tokens=4)
+    want, _ = one_after_another(eager, prompts, prefix_cache_bytes=0, step_tokens=0)
+    got, sched = one_after_another(model, prompts, prefix_cache_bytes=1 << 26, step_tokens=4)
     assert got == want
     assert sched.prefix.hits == 1 and sched.prefix.tokens_reused == 20
     assert model.engine.runner_kind == "aot" and model.engine.graph_counts()["extend_packages"] >= 1

@@ -12,6 +12,7 @@
     zoo serve (conf=NAME | weights=...) [host=127.0.0.1] [port=8000] [max_batch=8] [max_seq=...]
               [api_key=KEY] [max_queue=64] [model_name=NAME] [step_tokens=N]
                                                                    (OpenAI-compatible HTTP server)
+              [prefix_cache_mib=1024]            (host memory for reused prompt caches; 0: off)
               [tool_format=hermes|llama3_json|mistral|...]      (else the chat template's, zoo/tools)
     zoo configs
     zoo families [markdown=true]                        (every model_type zoo imports, and its kinds)
@@ -48,7 +49,7 @@ COMMAND_KEYS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "check": {"conf", "weights", "revision"},
     "patterns": _LOAD_KEYS | {"text", "repeat", "output", "plot"},
     "serve": _LOAD_KEYS | {"host", "port", "api_key", "max_queue", "model_name", "log_level", "tool_format",
-                           "speculative", "draft_tokens"},
+                           "speculative", "draft_tokens", "prefix_cache_mib"},
     "configs": set(),
     "families": {"markdown"},
     "cache": set(),
@@ -196,7 +197,12 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
 
 def cmd_serve(opts: dict, overrides: list[str]) -> int:
     from .serve.api import serve
+    from .serve.scheduler import PREFIX_CACHE_BYTES
 
+    mib = opts.get("prefix_cache_mib", str(PREFIX_CACHE_BYTES >> 20))
+    if not mib.isdigit():  # checked before the model loads
+        raise ZooError(f"prefix_cache_mib={mib!r}: expected a whole number of MiB >= 0 (host memory for "
+                       f"reused prompt caches; 0 turns prefix reuse off)")
     if not any(o.startswith("runtime.max_batch=") for o in overrides):
         overrides = [*overrides, "runtime.max_batch=8"]  # rows of the continuous batch
     model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
@@ -204,7 +210,7 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
     api_key = opts.get("api_key") or None
     serve(model, model_name=name, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 8000)),
           api_key=api_key, max_queue=int(opts.get("max_queue", 64)), log_level=opts.get("log_level", "info"),
-          tool_format=opts.get("tool_format") or None)
+          tool_format=opts.get("tool_format") or None, prefix_cache_bytes=int(mib) << 20)
     return 0
 
 

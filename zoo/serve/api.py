@@ -28,7 +28,7 @@ from ..constrain import Grammar, GrammarError, Grammars
 from ..tools import ToolError, by_name
 from .chat import ChatOutput, ChatPlan
 from .metrics import Metrics
-from .scheduler import Event, QueueFull, SamplingParams, Scheduler, Sequence
+from .scheduler import PREFIX_CACHE_BYTES, Event, QueueFull, SamplingParams, Scheduler, Sequence
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -79,14 +79,15 @@ class Server:
     """What the endpoints share: the model, its scheduler and metrics, the served name."""
 
     def __init__(self, model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64,
-                 tool_format: Optional[str] = None):
+                 tool_format: Optional[str] = None, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         self.model, self.name, self.api_key = model, model_name, api_key
         self.tool_format = by_name(tool_format).name if tool_format else None  # else the template's (zoo.tools)
         self.tokenizer = model.tokenizer
         self.max_seq, self.vocab = model.engine.max_seq, model.engine.vocab_size
         self.max_batch = model.engine.max_batch
         self.metrics = Metrics()
-        self.scheduler = Scheduler(model, max_queue=max_queue, metrics=self.metrics)
+        self.scheduler = Scheduler(model, max_queue=max_queue, metrics=self.metrics,
+                                   prefix_cache_bytes=prefix_cache_bytes)
         self.created = int(time.time())
         # the grammar engine reads the tokenizer once (~1 s for a 50k vocabulary), here and not
         # in the first constrained request
@@ -393,8 +394,9 @@ def _sse(obj) -> str:
 # ---------------------------------------------------------------------------- the app
 
 def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue: int = 64,
-               tool_format: Optional[str] = None) -> FastAPI:
-    server = Server(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format)
+               tool_format: Optional[str] = None, prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> FastAPI:
+    server = Server(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format,
+                    prefix_cache_bytes=prefix_cache_bytes)
     server.scheduler.warmup()
 
     @asynccontextmanager
@@ -578,7 +580,8 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
 
 
 def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-          max_queue: int = 64, log_level: str = "info", tool_format: Optional[str] = None) -> None:
+          max_queue: int = 64, log_level: str = "info", tool_format: Optional[str] = None,
+          prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> None:
     """Build the app and run it with uvicorn until interrupted (SIGINT/SIGTERM). Under torchrun
     (runtime.parallel) rank 0 serves and the other ranks follow its engine calls (parallel.py)."""
     import uvicorn
@@ -594,7 +597,8 @@ def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
         leader = model.engine = LeaderEngine(model.engine, group,
                                              on_failure=lambda e: signal.raise_signal(signal.SIGINT))
     try:
-        app = create_app(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format)
+        app = create_app(model, model_name, api_key=api_key, max_queue=max_queue, tool_format=tool_format,
+                         prefix_cache_bytes=prefix_cache_bytes)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         if leader is not None:
