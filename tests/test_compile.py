@@ -86,8 +86,9 @@ def test_compiled_graphs_persist_in_the_zoo_cache(tmp_path):
     assert cold["misses"] > 0 and (root / "fxgraph").is_dir()
     warm = _build_in_fresh_process(env)
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
-    if (root / "vec_isa.json").exists():  # x86: the ISA probe ran once, in the cold process
-        assert warm["compile"]["setup"] < 0.5
+    if (root / "vec_isa.json").exists():  # x86: the ISA probe (compiling test programs) ran once, in the cold process
+        # (a fixed bound alone failed on a machine shared with other test runs: half the cold setup too)
+        assert warm["compile"]["setup"] < max(0.5, cold["compile"]["setup"] / 2), (cold["compile"], warm["compile"])
 
 
 def test_explicit_inductor_cache_dir_wins(tmp_path):
