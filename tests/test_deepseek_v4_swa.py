@@ -10,7 +10,6 @@ have one.
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -164,16 +163,8 @@ def test_parity_eager(references, streams):
     check_parity(ref, m, torch.randint(0, VOCAB, (batch, 13)), steps=8)
 
 
-def test_parity_compiled(references):
-    ref, path, batch = references[4]
-    m = zoo.from_pretrained(str(path), compile=True, max_batch=batch, max_seq=MAX_SEQ,
-                           overrides=["runtime.aot=false", f"runtime.decode_buckets=[{batch}]"])  # one decode bucket: one graph each
-    check_parity(ref, m, torch.randint(0, VOCAB, (batch, 13)), steps=8)
-    for length in (2, 5, 20):  # shorter than, within and beyond two windows: the same graphs
-        check_parity(ref, m, torch.randint(0, VOCAB, (batch, length)), steps=2)
-    # one graph per layer kind (hash-routed, learned) and entry point
-    assert m.engine.graph_counts() == {"prefill": 2, "decode": 2}
-    check_decode_equals_prefill(m, torch.randint(0, VOCAB, (batch, 27)), prompt_len=6)
+# compiled: the family harness's deepseek_v4 sample (tests/test_family_parity.py) has these sliding-window
+# layers with 4 streams and both routings beside the compressed kinds (one compile of them: CI time)
 
 
 def test_decode_equals_prefill(references):

@@ -54,9 +54,9 @@ def _llama(**kw):
 
 
 LLAMA_COMPILED = (P(11, 8), P(2, 2), P(5, 2), P(17, 2), P(40, 2))  # other prompt lengths: the same graphs
-LLAMA_MORE = {  # variant: (eager checks after P(11, 8), compiled checks)
-    "gqa": ((), LLAMA_COMPILED), "llama3_1_rope": ((), LLAMA_COMPILED), "sharded": ((), LLAMA_COMPILED),
-    "batch3": ((DEP(30, 9),), (DEP(30, 9),)),
+LLAMA_MORE = {  # variant: (eager checks after P(11, 8), compiled checks); the other variants differ in
+    # data the graphs take as inputs (rope tables, shards, batch: tests/test_buckets.py), compiled once
+    "gqa": ((), LLAMA_COMPILED), "batch3": ((DEP(30, 9),), ()),
 }
 FAMILIES = {}
 for _name, (_kw, _batch, _save) in llama.VARIANTS.items():
@@ -66,34 +66,38 @@ for _name, (_kw, _batch, _save) in llama.VARIANTS.items():
 
 # ------------------------------------------------------------- qwen2, qwen3, smollm3, granite, phi3 (test_dense_families.py)
 
+DENSE_COMPILED = {"qwen3": 1, "smollm3": 2}  # compiled samples: q/k norm; RoPE and NoPE layers (a graph each)
+
 for _i, _name in enumerate(dense.FAMILIES):
     FAMILIES[f"dense/{_name}"] = Family(
         (lambda n=_name, i=_i: tiny_reference(_cls(dense.FAMILIES[n][0]), dense.make_config(n), randomize_norms, i)),
-        model_type=_name, max_seq=40, hub=True, eager=(P(9, 6),), compiled=(P(9, 4), P(17, 2), DEP(20, 7)),
-        graphs=2 if _name == "smollm3" else 1)  # one graph per layer kind: SmolLM3 has RoPE and NoPE layers
+        model_type=_name, max_seq=40, hub=True, eager=(P(9, 6),),
+        compiled=(P(9, 4), P(17, 2), DEP(20, 7)) if _name in DENSE_COMPILED else (), graphs=DENSE_COMPILED.get(_name))
 
 # ------------------------------------------------- gemma2, gemma3_text, olmo2, gpt_oss, mistral (test_attn_families.py)
 
-ATTN_GRAPHS = {"gemma2": 2, "gemma3_text": 2, "olmo2": 1, "gpt_oss": 2, "mistral": 1}  # sliding / global layers
+ATTN_GRAPHS = {"gemma2": 2, "gpt_oss": 2}  # compiled samples (sliding / global layers): windows, soft-capping and
+# sandwich norms; sinks
 for _i, _name in enumerate(attn.FAMILIES):
     FAMILIES[f"attn/{_name}"] = Family(
         (lambda n=_name, i=_i: tiny_reference(_auto, attn.hf_config(n), attn.randomize, i)),
         rtol=1e-4, hub=True, eager=(P(attn.PROMPT, attn.STEPS, seed=0), DEP(20, 3, seed=1)),
         # within, at and far past the window: the same graphs
         compiled=(P(attn.PROMPT, attn.STEPS, seed=0), P(2, 2, seed=2), P(5, 2, seed=5), P(23, 2, seed=23),
-                  DEP(16, 4, seed=2)),
-        graphs=ATTN_GRAPHS[_name])
+                  DEP(16, 4, seed=2)) if _name in ATTN_GRAPHS else (),
+        graphs=ATTN_GRAPHS.get(_name))
 
 # ------------------------------------------------- qwen3_moe, mixtral, deepseek_v2, glm4_moe (test_moe_families.py)
 
-MOE_GRAPHS = {"qwen3_moe": 1, "mixtral": 1, "deepseek_v2": 2, "glm4_moe": 2}  # layer kinds (dense, MoE)
+MOE_GRAPHS = {"qwen3_moe": 1}  # compiled sample: softmax top-k routing (MLA + dense / MoE layers: deepseek_v3/main)
+HUB_MOE = ("qwen3_moe", "mixtral", "deepseek_v2", "glm4_moe")
 for _name, (_config, _kw, _batch, _save) in moe.VARIANTS.items():
     FAMILIES[f"moe/{_name}"] = Family(
         (lambda c=_config, kw=_kw: tiny_reference(_auto, c(**kw), moe.randomize)),
         batch=_batch, save_kwargs=_save, max_seq=64, rtol=1e-4,
         eager=(P(11, 6), P(1, 2), DEP(25, 9)),  # a 1-token prompt: the decode graph
         compiled=(P(11, 5), DEP(25, 9)) if _name in MOE_GRAPHS else (), graphs=MOE_GRAPHS.get(_name),
-        hub=_name in MOE_GRAPHS)
+        hub=_name in HUB_MOE)
 
 # ---------------------------------------------------------------------------- DeepSeek-V3 (test_deepseek_v3.py)
 
@@ -116,7 +120,7 @@ FAMILIES["qwen3_next"] = Family(
 # a prompt over several chunks and a 1-token prompt (the decode graph), then other lengths: the same graphs
 FAMILIES["qwen3_5"] = Family(
     lambda: tiny_reference(_cls("Qwen3_5ForCausalLM"), qwen3_5.tiny_config(), qwen3_next.randomize), **LINEAR,
-    eager=(P(37, 4), P(1, 2), DEP(43, 32)), compiled=(P(33, 4), P(1, 2), DEP(39, 28), P(19, 2)), graphs=2)
+    eager=(P(37, 4), P(1, 2), DEP(43, 32)))  # the kinds of qwen3_next: compiled there
 FAMILIES["kimi_linear"] = Family(
     lambda: tiny_reference(_cls("KimiLinearForCausalLM"), kimi.tiny_config(), kimi.randomize), **LINEAR,
     eager=(P(37, 4), P(1, 2), DEP(43, 32)), compiled=(P(33, 4), P(1, 2), DEP(39, 28), P(19, 2)),
@@ -125,17 +129,12 @@ FAMILIES["kimi_linear"] = Family(
 # ------------------------------------------------------------------------------ DeepSeek-V4 (test_deepseek_v4.py)
 
 
-def _v4_trusted(model) -> None:
-    """The decode steps ran without guard checks (one entry per layer structure)."""
-    assert model.engine._trusted is True
-
-
 # 20 tokens: entries in both compressed kinds at prefill, decode completes CSA blocks at positions
 # 23, 27, 31 and HCA ones at 23, 31; 3 and 8: no entry / exactly one complete block at the end
 FAMILIES["deepseek_v4"] = Family(
     lambda: v4.make_reference(seed=1), save=lambda ref, path: v4.save_checkpoint(ref, path), max_seq=v4.MAX_SEQ,
     eager=(P(20, 12), P(3, 6), P(8, 6), DEP(32, 5)), compiled=(P(20, 12), P(9, 3), DEP(30, 6)),
-    graphs=4, after_compiled=_v4_trusted)  # (swa, csa, hca) x (hash MoE, MoE) as the layers pair them
+    graphs=4)  # (swa, csa, hca) x (hash MoE, MoE) as the layers pair them
 
 # ------------------------------------------------------------------- GLM-5 / DeepSeek-V3.2 (test_glm5.py)
 
@@ -167,9 +166,7 @@ for _i, _name in enumerate(gpt2era.FAMILIES):
 
 # ------------------------------------------- dense families through data (issue 26; test_reach_dense.py)
 
-REACH_DENSE_COMPILED = {"apertus": 1, "ministral3": 1, "nanochat": 1, "xglm": 2, "openai-gpt": 2}  # compiled: xIELU;
-# attention temperature; weightless RMSNorm + reversed RoPE; sinusoidal positions and post-LN (2 graphs each:
-# the first layer adds the positions)
+REACH_DENSE_COMPILED = {"apertus": 1, "ministral3": 1}  # compiled samples: xIELU; attention temperature
 for _i, _name in enumerate(reach_dense.FAMILIES):
     FAMILIES[f"reach_dense/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
@@ -179,8 +176,8 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
 
 # ------------------------------------------- MoE families through data, eager only (test_reach_moe.py)
 
-REACH_MOE_COMPILED = {"granitemoe_swa": 2,  # compiled samples: sinks + window + MoE (local, global graphs);
-                      "cohere2_moe": 3}  # shared_combine mean (dense + RoPE full, local + MoE, NoPE + MoE)
+REACH_MOE_COMPILED = {"cohere2_moe": 3}  # compiled sample: shared_combine mean (dense + RoPE full, local + MoE,
+# NoPE + MoE)
 for _i, _name in enumerate(reach_moe.FAMILIES):
     FAMILIES[f"reach_moe/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,
@@ -222,19 +219,47 @@ def test_parity_compiled(families, name):
     ref, _ = families.reference(name)
     m = families.load(name, compile=True)
     run_checks(family, family.compiled, ref, m)
-    assert m.engine.graph_counts() == {"prefill": family.graphs, "decode": family.graphs}
+    counts = {"prefill": family.graphs, "decode": family.graphs}
+    assert m.engine.graph_counts() == counts
+    # then every prompt length from 1 to max_seq and every decode step up to a full cache: the same graphs
+    gen = torch.Generator().manual_seed(0)
+    for length in (1, 2, 3, family.max_seq - 1, family.max_seq):
+        m.prefill(torch.randint(0, m.spec.vocab_size, (family.batch, length), generator=gen))
+    tok = torch.zeros(family.batch, dtype=torch.long)
+    m.prefill(torch.randint(0, m.spec.vocab_size, (family.batch, 2), generator=gen))
+    for _ in range(family.max_seq - 2):
+        tok = m.decode(tok).argmax(-1)
+    assert m.engine.graph_counts() == counts
+    assert m.engine._trusted is True  # one decode function per layer structure: the steps skipped the guards
     if family.after_compiled is not None:
         family.after_compiled(m)
 
 
-def test_every_family_is_checked_at_batch_two_and_compiled():
-    """Each family (the part before '/') has a batch >= 2 parity check and a compiled one."""
+def test_every_family_is_checked_at_batch_two():
+    """Each family (the part before '/') has a batch >= 2 parity check."""
     groups: dict[str, list] = {}
     for name, family in FAMILIES.items():
         groups.setdefault(name.split("/")[0], []).append(family)
     for group, members in groups.items():
         assert any((c.batch or f.batch) >= 2 for f in members for c in f.eager if isinstance(c, P)), group
-        assert any(f.compiled for f in members), group
+
+
+def _zoo_classes(model) -> set[type]:
+    """zoo's module classes in a model's layers (kinds, norms, positions, residuals, quant), by class."""
+    return {type(mod) for mod in model.module.modules() if type(mod).__module__.startswith("zoo.")}
+
+
+def test_every_module_class_runs_compiled_somewhere(families):
+    """The compiled samples are chosen per concept, not per family: each zoo module class that
+    any family's model holds is in at least one compiled sample's model (eager models compared:
+    the same classes a compiled build holds), so no kind, norm, position or residual is only
+    ever run eagerly."""
+    compiled = set().union(*(_zoo_classes(families.eager(n)) for n, f in FAMILIES.items() if f.compiled))
+    missing = {}
+    for name in FAMILIES:
+        for cls in _zoo_classes(families.eager(name)) - compiled:
+            missing.setdefault(f"{cls.__module__}.{cls.__qualname__}", name)
+    assert not missing, f"module classes no compiled sample runs (class: a family holding it): {missing}"
 
 
 HUB_SCRIPT = """
