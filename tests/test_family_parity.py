@@ -180,7 +180,8 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
 # ------------------------------------------- MoE families through data, eager only (test_reach_moe.py)
 
 REACH_MOE_COMPILED = {"granitemoe_swa": 2,  # compiled samples: sinks + window + MoE (local, global graphs);
-                      "cohere2_moe": 3}  # shared_combine mean (dense + RoPE full, local + MoE, NoPE + MoE)
+                      "cohere2_moe": 3,  # shared_combine mean (dense + RoPE full, local + MoE, NoPE + MoE)
+                      "llama4_text/compiled": 2}  # chunked + L2 q/k norm, NoPE + temperature; MoE scale_input
 for _i, _name in enumerate(reach_moe.FAMILIES):
     FAMILIES[f"reach_moe/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,
