@@ -252,3 +252,20 @@ def test_join_groups_inverts_split_groups():
     assert torch.equal(down[1], w2[4:].t())
     with pytest.raises(ValueError, match="not 3 equal groups"):
         join.shape([(7, 5)], groups=3)
+
+
+def test_llama4_chunked_layers_keep_a_ring_of_one_chunk():
+    """A chunked layer's cache is the window's ring of min(C, max_seq) slots (constant per
+    sequence); the NoPE layer's grows one slot per position. A chunk beside a window is refused,
+    naming the mixer and both values."""
+    from zoo.compiler.errors import ConfigError
+
+    m = zoo.build("llama4_scout_tiny", dry=True)
+    rope, nope = m.module.layers[0].mixer, m.module.layers[1].mixer
+    k = rope.cache_fields(2, 48, torch.float32)["k"]
+    assert tuple(k.shape) == (2, 2, 8, 16) and not k.grows
+    assert tuple(rope.cache_fields(2, 5, torch.float32)["k"].shape) == (2, 2, 5, 16)  # max_seq under a chunk
+    k = nope.cache_fields(2, 48, torch.float32)["k"]
+    assert tuple(k.shape) == (2, 2, 48, 16) and k.grows
+    with pytest.raises(ConfigError, match=r"mixers\.rope: chunk=8: .*no window \(window=4\)"):
+        zoo.build("llama4_scout_tiny", dry=True, overrides=["mixers.rope.window=4"])
