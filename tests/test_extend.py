@@ -22,7 +22,8 @@ KINDS = {
     "qwen3_next": "gated_deltanet + gated gqa",
     "kimi_linear": "kda + mla",
 }
-MORE = {"gpt2era/gpt2": "learned absolute positions (Block.extend)", "gpt2era/bloom": "gqa with ALiBi"}
+MORE = {"gpt2era/gpt2": "learned absolute positions (Block.extend)", "gpt2era/bloom": "gqa with ALiBi",
+        "reach_moe/llama4_text": "gqa chunked (ring of 8 slots; the splits cross chunks) + NoPE with temperature"}
 SPLITS = ([11, 9, 6], [1, 1, 1, 4, 19], [5, 1, 20], [2, 24])  # first chunk by prefill_row, the rest extended
 
 
@@ -67,7 +68,8 @@ def test_chunked_prefill_equals_whole(families, name):
             close(e.decode_rows(tok)[:n], want[:, t], rtol, f"{name} {split}: decode at {t}")
 
 
-@pytest.mark.parametrize("name", ["llama/gqa", "attn/gpt_oss", "glm5/glm", "deepseek_v4", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama/gqa", "attn/gpt_oss", "glm5/glm", "deepseek_v4", "qwen3_next",
+                                  "reach_moe/llama4_text"])
 def test_rows_at_different_positions(families, name):
     """One extend of rows holding different lengths, each at its own position, last_only, rows
     given out of order."""

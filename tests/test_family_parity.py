@@ -176,8 +176,9 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
 
 # ------------------------------------------- MoE families through data, eager only (test_reach_moe.py)
 
-REACH_MOE_COMPILED = {"cohere2_moe": 3}  # compiled sample: shared_combine mean (dense + RoPE full, local + MoE,
-# NoPE + MoE)
+REACH_MOE_COMPILED = {"cohere2_moe": 3,  # compiled samples: shared_combine mean (dense + RoPE full, local + MoE,
+                      # NoPE + MoE); chunked + L2 q/k norm, NoPE + temperature, MoE scale_input
+                      "llama4_text/compiled": 2}
 for _i, _name in enumerate(reach_moe.FAMILIES):
     FAMILIES[f"reach_moe/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,

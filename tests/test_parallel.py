@@ -6,7 +6,7 @@ torchrun launch (gloo, CPU, spawned processes: tests/parallel_worker.py), each r
 slices; prefill and every decode step must equal the single-process logits (<= 1e-5 relative,
 float32) on every rank, eager and compiled (the all-reduces inside the block graphs, one graph
 per entry point). 2 ranks only, eagerly (CI time): Kimi Linear (KDA + MLA), DeepSeek-V4 (sink,
-compressed and sparse-compressed attention) and Llama with runtime.quant=int8 / int4, whose
+compressed and sparse-compressed attention), Llama 4 (chunked attention, experts fed weight * x) and Llama with runtime.quant=int8 / int4, whose
 quantized kernel weights equal the slices of one process's bit for bit and whose logits agree to
 bfloat16 rounding (the kernels' compute dtype). The sharding plan and its errors are also checked
 without processes, on meta.
@@ -93,6 +93,17 @@ def _deepseek_v4(path):
     save_checkpoint(make_reference(seed=1), Path(path))
 
 
+def _llama4(path):
+    from tests.test_reach_moe import make_config, randomize
+
+    # chunked RoPE layers (chunks of 8: the 9-token prompt crosses one), NoPE layers, and the MoE
+    # whose experts take weight * x (scale_input), 8 experts: 4 a rank under ep=2
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(make_config("llama4_text", num_local_experts=8)).eval()
+    randomize(ref)
+    save_reference(ref, path)
+
+
 def _glm5(path):
     from tests.test_glm5 import make_reference
 
@@ -103,7 +114,7 @@ MODELS = {"llama": (_llama, []), "deepseek_v3": (_deepseek_v3, []),
           "qwen3_next": (_qwen3_next, ["mixers.linear.chunk_size=4"]), "glm5": (_glm5, []),
           "llama_int8": (_llama_quant, []), "llama_int4": (_llama_quant, []),
           "kimi_linear": (_kimi_linear, ["mixers.linear.chunk_size=4"]),
-          "deepseek_v4": (_deepseek_v4, ["checkpoint.mtp=false"])}
+          "deepseek_v4": (_deepseek_v4, ["checkpoint.mtp=false"]), "llama4": (_llama4, [])}
 QUANT = {"llama_int8": "int8", "llama_int4": "int4"}  # runtime.quant
 # measured on the CPU kernels (float32): int8 equals one process to 1e-6 at every step, int4
 # prefill too; int4 decode steps differ by up to 3.5e-3 (the decode path rounds activations to
@@ -116,7 +127,8 @@ LAYOUTS = {
         "glm5": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
         "llama_int8": ["runtime.parallel.tp=2"], "llama_int4": ["runtime.parallel.tp=2"],
         "kimi_linear": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
-        "deepseek_v4": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
+        "deepseek_v4": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"],
+        "llama4": ["runtime.parallel.tp=2", "runtime.parallel.ep=2"]},
     # ep=2 of 4 ranks: each expert's hidden width split over 2 ranks too
     4: {"llama": ["runtime.parallel.tp=4"], "deepseek_v3": ["runtime.parallel.tp=4", "runtime.parallel.ep=2"],
         "qwen3_next": ["runtime.parallel.tp=4", "runtime.parallel.ep=4"],

@@ -7,7 +7,8 @@
   batch 2), decode through the caches == a full prefill under the same quantization; compiled
   (one family per mode, to keep compile time small): one graph per layer kind and entry point.
 - The quantized experts compute exactly their dequantized weights: a random build against the
-  float model holding the weights read back through the kernels (bfloat16 activations aside).
+  float model holding the weights read back through the kernels (bfloat16 activations aside);
+  also for Llama 4's experts fed weight * x (scale_input: the scaled rows through the kernels).
 - GGUF blocks per expert: Q4_0 / Q4_1 kept as int4 g32 (the reference dequantization through
   the kernel), Q8_0 converted to int8 per channel.
 """
@@ -122,10 +123,11 @@ def kernel_weight(q: QuantExperts, e: int) -> torch.Tensor:
     return q.grouped_mm(eye, offs).float().t()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_quantized_experts_compute_their_dequantized_weights(mode):
-    m = zoo.build("deepseek_v3_tiny", compile=False, max_batch=2, max_seq=32, quant=mode)
-    f = zoo.build("deepseek_v3_tiny", compile=False, max_batch=2, max_seq=32)
+# llama4_scout_tiny: experts fed weight * x (scale_input), the scaled rows through the kernels
+@pytest.mark.parametrize("conf, mode", [("deepseek_v3_tiny", m) for m in MODES] + [("llama4_scout_tiny", "int8")])
+def test_quantized_experts_compute_their_dequantized_weights(conf, mode):
+    m = zoo.build(conf, compile=False, max_batch=2, max_seq=32, quant=mode)
+    f = zoo.build(conf, compile=False, max_batch=2, max_seq=32)
     with torch.no_grad():
         for name, p in m.module.named_parameters():  # drawn in another order: experts are new children
             f.module.get_parameter(name).copy_(p)

@@ -107,6 +107,16 @@ FAMILIES = {
                                     num_shared_experts=1, expert_selection_fn="sigmoid",
                                     shared_expert_combination_strategy="sum", sliding_window=5,
                                     sliding_window_pattern=2),
+    # Llama 4: RoPE layers chunked (8 positions: the prompts cross chunks) with a weightless q/k L2 norm after
+    # RoPE, NoPE layers global with the position temperature (floor_scale 4: it grows within the prompt); a MoE
+    # whose experts take sigmoid(logit) * x, plus a shared expert, on layers 1 and 2, dense SwiGLUs on 0 and 3
+    "llama4_text": dict(COMMON, num_hidden_layers=4, head_dim=12, intermediate_size=20, intermediate_size_mlp=72,
+                        num_local_experts=7, num_experts_per_tok=2, attention_chunk_size=8, floor_scale=4,
+                        no_rope_layer_interval=2, moe_layers=[1, 2]),
+    # the compiled sample of those concepts: a chunked RoPE layer and a NoPE one, both with the MoE (2 graphs)
+    "llama4_text/compiled": dict(COMMON, num_hidden_layers=2, head_dim=12, intermediate_size=20,
+                                 num_local_experts=7, num_experts_per_tok=2, attention_chunk_size=8, floor_scale=4,
+                                 no_rope_layer_interval=2),
 }
 
 
@@ -167,6 +177,7 @@ FLAGSHIPS = {
     "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
     "afmoe": ("afmoe", dict()),
     "cohere2_moe": ("cohere2_moe", dict()),
+    "llama4_scout": ("llama4_text", dict()),  # Llama4TextConfig's defaults are Llama-4-Scout-17B-16E's text part
     "dbrx": ("dbrx", dict(  # databricks/dbrx-base
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
         attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0),
@@ -241,3 +252,20 @@ def test_join_groups_inverts_split_groups():
     assert torch.equal(down[1], w2[4:].t())
     with pytest.raises(ValueError, match="not 3 equal groups"):
         join.shape([(7, 5)], groups=3)
+
+
+def test_llama4_chunked_layers_keep_a_ring_of_one_chunk():
+    """A chunked layer's cache is the window's ring of min(C, max_seq) slots (constant per
+    sequence); the NoPE layer's grows one slot per position. A chunk beside a window is refused,
+    naming the mixer and both values."""
+    from zoo.compiler.errors import ConfigError
+
+    m = zoo.build("llama4_scout_tiny", dry=True)
+    rope, nope = m.module.layers[0].mixer, m.module.layers[1].mixer
+    k = rope.cache_fields(2, 48, torch.float32)["k"]
+    assert tuple(k.shape) == (2, 2, 8, 16) and not k.grows
+    assert tuple(rope.cache_fields(2, 5, torch.float32)["k"].shape) == (2, 2, 5, 16)  # max_seq under a chunk
+    k = nope.cache_fields(2, 48, torch.float32)["k"]
+    assert tuple(k.shape) == (2, 2, 48, 16) and k.grows
+    with pytest.raises(ConfigError, match=r"mixers\.rope: chunk=8: .*no window \(window=4\)"):
+        zoo.build("llama4_scout_tiny", dry=True, overrides=["mixers.rope.window=4"])

@@ -19,6 +19,11 @@ Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
                         topk_group groups compete for the top_k experts
   norm_topk_prob        weights renormalised to sum to 1 over the chosen experts
   routed_scaling_factor weights multiplied by it
+  scale_input           each chosen expert's *input* multiplied by its weight instead of its
+                        output: expert(w * x), not w * expert(x) (Llama 4; the experts are
+                        nonlinear, so the two differ). Every backend (gathered, grouped, quantized
+                        stacks) takes the scaled rows; under expert parallelism an expert held
+                        elsewhere still contributes 0
   swiglu_limit          experts (routed and shared) clamp their pre-activations (see ffn.py)
 
 The routings the shipped families use, as combinations of these options:
@@ -169,6 +174,7 @@ class MoE(FFN, QuantStacks):
         expert_bias: bool = False  # routed experts' projections with biases (gpt-oss)
         swiglu_alpha: Optional[float] = None  # experts' gate * sigmoid(alpha * gate) instead of silu (gpt-oss)
         swiglu_up_offset: float = 0.0  # experts' (up + offset) (gpt-oss: 1)
+        scale_input: bool = False  # expert(weight * x) instead of weight * expert(x) (Llama 4)
 
         def resolve(self, model: dict) -> "MoE.Spec":
             shared = self.shared_ffn_dim
@@ -333,6 +339,13 @@ class MoE(FFN, QuantStacks):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * s.routed_scaling_factor, idx
 
+    def _split_weights(self, weights: torch.Tensor, own: Optional[torch.Tensor]):
+        """Routing weights [T, K] -> (on the expert's input, on its output): (None, weights), or
+        with scale_input (weights, 1 where the expert is held here, 0 elsewhere)."""
+        if not self.spec.scale_input:
+            return None, weights
+        return weights, (torch.ones_like(weights) if own is None else own.to(weights.dtype))
+
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         """Experts' pre-activations [..., 2F] (gate | up) -> [..., F]."""
         s = self.spec
@@ -364,8 +377,10 @@ class MoE(FFN, QuantStacks):
         idx, weights, own = self._local(idx, weights)
         if own is not None:
             idx = idx.clamp(max=self.w13.shape[0] - 1)  # any local expert: its output weighs 0
+        w_in, weights = self._split_weights(weights, own)
+        xk = xt[:, None, :, None] if w_in is None else (xt[:, None, :] * w_in[..., None].to(xt.dtype))[..., None]
         w13 = self.w13[idx]  # [T, K, 2F, D]
-        h = torch.matmul(w13, xt[:, None, :, None]).squeeze(-1)  # [T, K, 2F]
+        h = torch.matmul(w13, xk).squeeze(-1)  # [T, K, 2F]
         if self.w13_bias is not None:
             h = h + self.w13_bias[idx]
         a = self._act(h)  # [T, K, F]
@@ -387,7 +402,9 @@ class MoE(FFN, QuantStacks):
         counts = torch.zeros(E + (own is not None), dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         offs = counts[:E].cumsum(0)
-        h = _grouped(xt[token], self.w13, offs)  # [T*K, 2F]
+        w_in, weights = self._split_weights(weights, own)
+        rows = xt[token] if w_in is None else xt[token] * w_in.reshape(-1)[order, None].to(xt.dtype)
+        h = _grouped(rows, self.w13, offs)  # [T*K, 2F]
         expert = flat[order].clamp(max=E - 1)  # expert of each sorted pair (others: discarded)
         if self.w13_bias is not None:
             h = h + self.w13_bias[expert]

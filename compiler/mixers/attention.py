@@ -13,7 +13,7 @@ Options:
                layout, split by a view); the attention output is multiplied by sigmoid(gate)
                before wo: wqkv [(2H + 2Hkv) * Dh, D] (Qwen3-Next)
   qk_norm      q and k normalised by the model's norm kind (zero-centred when the model's norm
-               is): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3, Gemma 3) or
+               is; without a weight when qk_norm_affine is false: Llama 4's L2 norm): per head over Dh (qk_norm_over: head; q_norm, k_norm [Dh]; Qwen3, Gemma 3) or
                over the whole projection (projection; q_norm [H*Dh], k_norm [Hkv*Dh]; OLMo 2),
                before RoPE (qk_norm_at: before_rope) or after it (after_rope)
   clip_qkv     q, k and v clamped to [-clip_qkv, clip_qkv] right after the projection (OLMo 1.7)
@@ -22,6 +22,10 @@ Options:
   window       sliding window W: a token sees itself and the W - 1 before it (Mistral, Gemma,
                gpt-oss local layers). The cache is then a ring of Sw = min(W, max_seq) slots
                (kv_cache.py): O(W) per layer whatever the context, and a decode step reads Sw slots
+  chunk        chunked attention C: a token at position p sees the keys k <= p of its own chunk,
+               k // C == p // C (Llama 4's RoPE layers; block-diagonal causal). The cache is the
+               window's ring of Sw = min(C, max_seq) slots: a chunk starts at slot 0, so the keys a
+               decode step sees are slots 0..p % C; older slots (the previous chunk) are masked
   softcap      attention logits squashed to softcap * tanh(logits / softcap) (Gemma 2)
   sinks        one learned logit per head joins each softmax, with no value (gpt-oss; the softmax
                of sink_attention.py): sink.weight [H], float32
@@ -61,7 +65,7 @@ from .kv_cache import (decode_mask, extend_positions, ring_positions, write_deco
                        write_ring, write_ring_extend)
 from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
-from ..norm.norms import make_norm
+from ..norm.norms import make_norm, weightless
 from ..registry import register
 from ..position.rope import apply_rotary, rope_key
 
@@ -104,6 +108,8 @@ class Attention(Mixer):
         alibi: bool = False  # ALiBi biases instead of rotary (set rotary_fraction: 0)
         clip_qkv: Optional[float] = None  # clamp q, k, v to [-clip_qkv, clip_qkv] after the projection
         window: Optional[int] = None  # sliding window W (itself + W - 1 before); None: full causal
+        chunk: Optional[int] = None  # chunked attention C: keys k <= p with k // C == p // C; None: off
+        qk_norm_affine: bool = True  # false: the q/k norms carry no weight (Llama 4's L2 norm)
         softcap: Optional[float] = None  # attention logits -> softcap * tanh(logits / softcap)
         sinks: bool = False  # a learned per-head logit in every softmax (sink.weight [H])
         rope_slot: str = "rope"  # which rope schedule: `rope`, or a name in the model's `ropes`
@@ -137,6 +143,9 @@ class Attention(Mixer):
                 return f"clip_qkv must be positive (or null), got {self.clip_qkv}"
             if self.window is not None and self.window <= 0:
                 return f"window must be a positive number of tokens (or null), got {self.window}"
+            if self.chunk is not None and (self.chunk <= 0 or self.window is not None or self.alibi):
+                return (f"chunk={self.chunk}: expected a positive number of tokens (or null), and no window "
+                        f"(window={self.window}) or alibi beside it: a layer attends within its chunk or its window")
             if self.softcap is not None and self.softcap <= 0:
                 return f"softcap must be positive (or null), got {self.softcap}"
             if self.scale_dim is not None and self.scale_dim <= 0:
@@ -164,7 +173,8 @@ class Attention(Mixer):
         self.spec = spec
         s = spec
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
-        self.rope_slot, self.window = s.rope_slot, s.window
+        self.rope_slot, self.window, self.chunk = s.rope_slot, s.window, s.chunk
+        self.ring = s.window or s.chunk  # a ring cache of this many slots (at most); None: one per position
         self.rope = rope_key(self.rot_dim, s.rope_slot)
         # no rope softmax_scale_factor (YaRN's mscale^2): that is MLA's (DeepSeek); every GQA
         # attention in transformers keeps head_dim ** -0.5 under YaRN (Ministral 3, gpt-oss)
@@ -177,8 +187,9 @@ class Attention(Mixer):
         self.wo = nn.Linear(s.n_heads * s.head_dim, model.dim, bias=s.out_bias)
         if s.qk_norm:
             whole = s.qk_norm_over == "projection"
-            self.q_norm = make_norm(model.spec.norm, s.head_dim * (s.n_heads if whole else 1))
-            self.k_norm = make_norm(model.spec.norm, s.head_dim * (s.n_kv_heads if whole else 1))
+            norm = model.spec.norm if s.qk_norm_affine else weightless(model.spec.norm)
+            self.q_norm = make_norm(norm, s.head_dim * (s.n_heads if whole else 1))
+            self.k_norm = make_norm(norm, s.head_dim * (s.n_kv_heads if whole else 1))
         if s.sinks:
             self.sink = AttentionSink(s.n_heads)
 
@@ -208,20 +219,21 @@ class Attention(Mixer):
 
     def attention_flops(self, context):
         """Per token at `context` cached tokens: q.k scores and the weighted sum of v (over at
-        most `window` keys)."""
+        most `window` keys, or those of its own chunk)."""
         context = np.asarray(context)
         seen = context if self.window is None else np.minimum(context, self.window)
+        seen = seen if self.chunk is None else np.remainder(seen, self.chunk)
         return 4 * self.n_heads * self.head_dim * seen
 
     def slots(self, max_seq: int) -> int:
-        """Cache slots per sequence: max_seq, or the ring's Sw = min(window, max_seq)."""
-        return max_seq if self.window is None else min(self.window, max_seq)
+        """Cache slots per sequence: max_seq, or the ring's Sw = min(window or chunk, max_seq)."""
+        return max_seq if self.ring is None else min(self.ring, max_seq)
 
     def cache_fields(self, max_batch: int, max_seq: int, dtype: torch.dtype) -> dict[str, CacheField]:
         """k, v [B, Hkv, S, Dh]: one slot per position (grows), or a ring of Sw slots: a constant
         per-sequence state, the last Sw keys."""
         shape = (max_batch, self.n_kv_heads, self.slots(max_seq), self.head_dim)
-        grows = self.window is None
+        grows = self.ring is None
         axis = 2 if grows else None  # slot p holds position p (a ring has no such axis)
         return {"k": CacheField(shape, dtype, grows=grows, token_axis=axis),
                 "v": CacheField(shape, dtype, grows=grows, token_axis=axis)}
@@ -342,11 +354,21 @@ class Attention(Mixer):
                                               enable_gqa=self.n_heads != self.n_kv_heads)
 
     def prompt_mask(self, L: int, device) -> torch.Tensor:
-        """[L, L] bool: query t sees key s iff s <= t (and t - s < window)."""
+        """[L, L] bool: query t sees key s iff s <= t (and t - s < window, or s // C == t // C)."""
         t = torch.arange(L, device=device)
-        diff = t[:, None] - t[None, :]
+        return self.visible(t[:, None], t[None, :])
+
+    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """Query positions and key positions (broadcast against each other) -> bool: causal, within
+        the window or within the query's chunk."""
+        diff = qpos - kpos
         visible = diff >= 0
-        return visible if self.window is None else visible & (diff < self.window)
+        if self.window is not None:
+            visible = visible & (diff < self.window)
+        if self.chunk is not None:
+            visible = visible & (torch.div(qpos, self.chunk, rounding_mode="floor")
+                                 == torch.div(kpos, self.chunk, rounding_mode="floor"))
+        return visible
 
     # ------------------------------------------------------------------ entry points
 
@@ -356,10 +378,10 @@ class Attention(Mixer):
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)  # [L, R/2]
         q, k, v, gate = self._project(x, cos, sin)
         q = self._temper(q, torch.arange(x.shape[1], device=x.device))
-        write = write_prefill if self.window is None else write_ring
+        write = write_prefill if self.ring is None else write_ring
         write(cache["k"], k)
         write(cache["v"], v)
-        if self.window is None and not self.explicit:
+        if self.ring is None and not self.explicit:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         else:
@@ -388,7 +410,7 @@ class Attention(Mixer):
 
     def decode(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """x [B, 1, D] at positions ctx['pos'] [B] -> [B, 1, D]; writes one cache slot per row
-        (pos, or pos % Sw in a ring)."""
+        (pos, or pos % Sw in a ring). A chunked layer sees slots 0..pos % C (its chunk so far)."""
         if self.rot_dim:
             cos, sin = ctx["rope"][self.rope]  # [B, R/2]
             cos, sin = cos[:, None, None], sin[:, None, None]
@@ -398,14 +420,15 @@ class Attention(Mixer):
         pos = ctx["pos"]
         q = self._temper(q, pos[:, None])
         S = cache["k"].shape[2]
-        slot = pos if self.window is None else pos % S
+        slot = pos if self.ring is None else pos % S
         write_decode(cache["k"], k, slot)
         write_decode(cache["v"], v, slot)
         kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
+        last = pos if self.chunk is None else pos % self.chunk  # the last visible slot
         if self.one_query_kernel(ctx, q, kc):
-            o = one_query.decode_attention(q[:, :, 0], kc, vc, pos + 1, self.scale)[:, :, None]
+            o = one_query.decode_attention(q[:, :, 0], kc, vc, last + 1, self.scale)[:, :, None]
         else:
-            o = self.attend(q, kc, vc, decode_mask(pos, S))
+            o = self.attend(q, kc, vc, decode_mask(last, S))
         return self._out(o, gate)
 
     def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
@@ -422,7 +445,7 @@ class Attention(Mixer):
         start = ctx["start"]
         qpos = extend_positions(start, x.shape[1])  # [B, L]
         q = self._temper(q, qpos)
-        if self.window is None:
+        if self.ring is None:
             write_extend(cache["k"], k, qpos)
             write_extend(cache["v"], v, qpos)
             kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
@@ -431,8 +454,7 @@ class Attention(Mixer):
         kpos = torch.cat((ring_positions(start, cache["k"].shape[2]), qpos), dim=1)  # [B, Sw + L]
         keys = torch.cat((cache["k"].to(q.dtype), k), dim=2)
         values = torch.cat((cache["v"].to(q.dtype), v), dim=2)
-        d = qpos[:, :, None] - kpos[:, None, :]  # [B, L, Sw + L]
-        visible = (d >= 0) & (d < self.window) & (kpos[:, None, :] >= 0)
+        visible = self.visible(qpos[:, :, None], kpos[:, None, :]) & (kpos[:, None, :] >= 0)  # [B, L, Sw + L]
         o = self.attend(q, keys, values, visible[:, None])
         write_ring_extend(cache["k"], k, start)
         write_ring_extend(cache["v"], v, start)
@@ -445,8 +467,8 @@ class Attention(Mixer):
 
     def one_query_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a decode step attends through zoo's CPU kernel (one_query.py): it is built
-        (ctx "one_query_kernel", see decode_context), float32, plain softmax over slots 0..pos (no
-        window, soft-cap or sink), shapes it takes."""
+        (ctx "one_query_kernel", see decode_context), float32, plain softmax over slots 0..pos (or
+        0..pos % C: a chunk starts at slot 0; no window, soft-cap or sink), shapes it takes."""
         H, Dh, Hkv = q.shape[1], q.shape[3], k.shape[1]
         return (bool(ctx.get("one_query_kernel")) and self.one_query(q) and q.dtype == torch.float32
                 and not self.explicit and self.window is None and H % Hkv == 0 and H // Hkv <= 64

@@ -1,7 +1,7 @@
 """Normalisation layers: RMSNorm (plain or zero-centred weight) and LayerNorm."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -92,6 +92,12 @@ class LayerNorm(Norm):
             w = 1.0 + w
         b = None if self.bias is None else self.bias.float()
         return nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, self.eps).to(x.dtype)
+
+
+def weightless(spec):
+    """The same norm kind without learned parameters (a q/k norm that carries no weight: Llama 4's
+    L2 norm is an RMSNorm without weight)."""
+    return replace(spec, affine=False, **{k: False for k in ("zero_centered", "bias") if hasattr(spec, k)})
 
 
 def make_norm(spec, dim: int) -> nn.Module:
