@@ -165,6 +165,37 @@ def check_int8g_kernel(group, O, I):
                 _assert_close(want, torch.nn.functional.linear(x, cpu_kernels.int8g_dequantize(qw, sm)), "float")
 
 
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32])
+def test_int5_kernel_computes_its_reference(scales):
+    """zoo_quant.int5_linear against its torch reference: 1, 3, 16 rows (integer dots over the
+    int8-rounded x, 3 and 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
+    path), odd O, an odd number of blocks (AVX512 takes them in pairs), a zero block of x, every
+    code 0..31 and both groups of 32 and 64."""
+    from zoo.compiler.quant import cpu_kernels
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    torch.manual_seed(2)
+    for O, I, group in ((37, 416, 32), (50, 384, 64)):
+        q = torch.randint(0, 32, (O, I))
+        q[0, :32] = torch.arange(32)
+        qs, qh, sm = cpu_kernels.pack_int5(q, torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05)
+        sm = sm.to(scales)
+        w = q.float() * sm[:, 0].float().repeat_interleave(group, 1) + sm[:, 1].float().repeat_interleave(group, 1)
+        np.testing.assert_array_equal(cpu_kernels.int4_dequantize(qs, sm, qh).numpy(), w.numpy())
+        for rows in (1, 3, 16, 17, 40):
+            x = torch.randn(rows, I)
+            x[0, 32:64] = 0.0
+            want = cpu_kernels.int5_reference(x, qs, qh, sm, group)
+            _assert_close(torch.ops.zoo_quant.int5_linear(x, qs, qh, sm, group), want, f"O={O} rows={rows}")
+            if rows > cpu_kernels.FEW_ROWS:
+                _assert_close(want, torch.nn.functional.linear(x, w), "float")
+            else:  # the reference rounds x per 32 inputs, as llama.cpp's Q8 activations
+                _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w - sm[:, 1].float()
+                              .repeat_interleave(group, 1)) + x @ sm[:, 1].float().repeat_interleave(group, 1).t(), "rounded")
+    with pytest.raises(RuntimeError, match=r"int5_linear: expected qh \[O, I/8\] uint8"):
+        torch.ops.zoo_quant.int5_linear(torch.randn(1, 64), qs[:, :32], qh[:, :4], sm[:, :, :2].float(), 32)
+
+
 def test_int4_kernel_takes_float32_scales():
     from zoo.compiler.quant import cpu_kernels
 
@@ -188,8 +219,8 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
     return StoredBlocks(ggml_type, torch.from_numpy(data), (rows, blocks_per_row * gguf_blocks.LAYOUTS[ggml_type].block))
 
 
-KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int8 g32 (float32 scales)",
-        "Q5_1": "int8 g32 (float32 scales)", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
+KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
+        "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
         "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
@@ -217,12 +248,17 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         x = torch.randn(3, I)
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
+        elif q.layout == "int5":
+            ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
+            # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where
+            # Q5_0's d (q - 16) gives -0 for d < 0, q = 16: no product or sum tells them apart)
+            np.testing.assert_array_equal(cpu_kernels.int4_dequantize(q.qweight, q.scales, q.qhigh).numpy(), want.numpy())
         else:
             ref = cpu_kernels.int4_reference(x, q.qweight, q.scales, q.group)
         _assert_close(q(x), ref, "decode")
         assert (q(x) - x @ want.t()).abs().max() < 0.05 * (x.abs() @ want.abs().t()).max()
     bytes_per_weight = q.quantized_bytes() / (O * I)
-    assert bytes_per_weight <= (0.75 if q.layout == "int4" else 1.5)  # no float copy
+    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.75}.get(q.layout, 1.5)  # no float copy (int5: 24 / 32)
 
 
 def test_blocks_not_kept_say_why():
