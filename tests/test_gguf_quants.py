@@ -294,6 +294,11 @@ MIXES = {
                  ffn_down="Q6_K", token_embd="Q6_K", output="Q6_K"),
     "others": dict(attn_q="Q5_0", attn_k="Q5_1", attn_v="IQ4_NL", attn_output="IQ4_XS", ffn_gate="Q2_K", ffn_up="Q3_K",
                    ffn_down="Q8_0", token_embd="Q4_0", output="Q4_1"),
+    # what llama.cpp's Q4_K_M / Q5_K_M store where the columns are no multiple of 256 (SmolLM2's
+    # 576): Q5_0 / Q5_1, kept as int5 (q / k / v of one type join as int5 too); named to sort last
+    # (the mixes' seeds are their sorted index)
+    "q5_fallbacks": dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q5_0", attn_output="Q5_1", ffn_gate="Q5_1",
+                         ffn_up="Q5_1", ffn_down="Q8_0", token_embd="Q8_0", output="Q5_0"),
 }
 KDIMS = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -359,6 +364,10 @@ def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mi
         else:
             assert "kept" in how and "quantized ->" not in how, (name, how)
             assert how.startswith(types[part]) or f"kept {types[part]} blocks" in how, (name, how)
+    for part in ("attn_q", "attn_output", "ffn_up", "output"):  # Q5_0 / Q5_1 at their stored width
+        if types[part] in ("Q5_0", "Q5_1") and len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1:
+            name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
+            assert report[name] == f"kept {types[part]} blocks as int5 g32", (name, report[name])
     if len({types["attn_q"], types["attn_k"], types["attn_v"]}) > 1:
         assert report["blk.0.attn_v.weight"].startswith(f"{types['attn_v']} kept (with parts of other types) as int8 g")
     torch.manual_seed(1)
@@ -411,17 +420,19 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
         GGUFSource(iq2).entries()
 
 
-def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch):
+@pytest.mark.parametrize("mix, wqkv_layout", [("Q4_K_M", ("int8g", 16, torch.int8)),
+                                               ("q5_fallbacks", ("int5", 32, torch.uint8))])
+def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch, mix, wqkv_layout):
     """The buffers take the kept blocks' layout while the load is planned (on the meta model), so
-    a second build is a weight-cache hit with the same state."""
+    a second build is a weight-cache hit with the same state (int5's high bits included)."""
     import zoo
 
     monkeypatch.setenv("ZOO_WEIGHT_CACHE", str(tmp_path / "weights"))
-    path = write_mix(tmp_path / "m.gguf", kquant_llama, "Q4_K_M")
+    path = write_mix(tmp_path / "m.gguf", kquant_llama, mix)
     first = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
     assert first.info.load.cache.startswith("wrote ")
     wqkv = first.module.layers[0].mixer.wqkv
-    assert (wqkv.layout, wqkv.group, wqkv.qweight.dtype) == ("int8g", 16, torch.int8)
+    assert (wqkv.layout, wqkv.group, wqkv.qweight.dtype) == wqkv_layout
     second = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
     assert second.info.load.cache.startswith("hit ")
     a, b = first.module.state_dict(), second.module.state_dict()
