@@ -153,9 +153,11 @@ def check_int8g_kernel(group, O, I):
     torch.manual_seed(0)
     qw = torch.randint(-128, 128, (O, I), dtype=torch.int8)
     sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1)
-    for offsets in (True, False):
-        if not offsets:
+    for offsets in ("m", "zero m", "no m"):  # no m: sm [O, 1, I/g], d only (Q8_0, Q6_K, ...)
+        if offsets == "zero m":
             sm[:, 1] = 0
+        if offsets == "no m":
+            sm = sm[:, :1]
         for rows in (1, 3, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, :32] = 0.0
@@ -248,6 +250,9 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         x = torch.randn(3, I)
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
+            # the types without an offset keep d only: 4 bytes a group less to read
+            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "Q6_K", "IQ4_XS", "MXFP4")
+            assert q.scales.shape == (O, 1 if ggml_type in no_m else 2, I // q.group), q.scales.shape
         elif q.layout == "int5":
             ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
             # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where

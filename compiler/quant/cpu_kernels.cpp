@@ -19,6 +19,8 @@
 //   zoo_quant::int8g_linear(x, qw, sm, group)
 //       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
 //          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
+//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q6_K / ...:
+//          4 bytes a group less to read, and no m term)
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
@@ -363,7 +365,7 @@ inline void half_block_scales(const float* d, int64_t group, const float* dx, in
 
 // One output of a grouped int8 row over one int8-rounded row of x:
 //   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  +  sum_g m[g] xs[g]
-// ds: scratch of 2 nb floats.
+// ds: scratch of 2 nb floats; m null: no offsets (no m term).
 inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
   half_block_scales(d, group, dx, nb, ds);
@@ -382,7 +384,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     acc += hsum(_mm256_mul_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc));
   }
-  return acc + m_term(m, xs, ng);
+  return acc + (m ? m_term(m, xs, ng) : 0.f);
 #elif defined(ZOO_AVX2)
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
@@ -391,7 +393,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc, acc);
   };
-  return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
+  return hsum(sum_blocks(nb, block)) + (m ? m_term(m, xs, ng) : 0.f);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -400,19 +402,24 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
     acc += ds[2 * b] * float(lo) + ds[2 * b + 1] * float(hi);
   }
-  for (int64_t g = 0; g < ng; ++g) acc += m[g] * xs[g];
+  for (int64_t g = 0; m && g < ng; ++g) acc += m[g] * xs[g];
   return acc;
 #endif
 }
 
-void i8g_dequantize(const int8_t* qw, const float* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
+// ns: sm's rows per output, 2 (d, m) or 1 (d only)
+void i8g_dequantize(const int8_t* qw, const float* sm, int64_t ns, int64_t I, int64_t group, int64_t r0, int64_t r1,
                     float* out) {
   const int64_t ng = I / group;
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
-      const float* d = sm + o * ng * 2;
+      const float* d = sm + o * ng * ns;
       const float* m = d + ng;
-      for (int64_t i = 0; i < I; ++i) out[(o - r0) * I + i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
+      float* w = out + (o - r0) * I;
+      if (ns == 2)
+        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
+      else
+        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group];
     }
   });
 }
@@ -584,30 +591,30 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
   TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
               " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
   TORCH_CHECK(qw_.scalar_type() == at::kChar && sm_.scalar_type() == at::kFloat && sm_.dim() == 3 &&
-                  sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
-              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] float32, got ", qw_.sizes(), " ",
+                  sm_.size(0) == O && (sm_.size(1) == 2 || sm_.size(1) == 1) && sm_.size(2) == I / group,
+              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] or [O, 1, I/g] float32, got ", qw_.sizes(), " ",
               qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* s = sm.data_ptr<float>();
-  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
+  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock, ns = sm.size(1);
   if (M > kGemvRows || nb > kMaxBlocks)
-    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, I, group, r0, r1, out); });
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, ns, I, group, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * I);
   std::vector<float> dx(M * nb), xsum(M * ng, 0.f);
   quantize_rows(xp, M, I, xq.data(), dx.data());
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t r = 0; r < M && ns == 2; ++r)
     for (int64_t g = 0; g < ng; ++g)
       for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
     std::vector<float> ds(2 * nb);
     for (int64_t o = a; o < b; ++o) {
-      const float* so = s + o * ng * 2;
+      const float* so = s + o * ng * ns;
       for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = i8g_row(q + o * I, so, so + ng, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
+        yp[r * O + o] = i8g_row(q + o * I, so, ns == 2 ? so + ng : nullptr, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
                                 xsum.data() + r * ng, ds.data());
     }
   });

@@ -11,7 +11,8 @@
     int8_linear(x [M, I] f32, qw [O, I] i8, scale [O] f32) -> [M, O] f32,  W = qw * scale[:, None]
     int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32, g) -> [M, O] f32
         W[o, i] = qw * d + m per group of g = 16 or a multiple of 32 inputs: every GGUF block
-        type's integer codes with their group scales and offsets, exactly (gguf_blocks.py)
+        type's integer codes with their group scales and offsets, exactly (gguf_blocks.py);
+        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q6_K, ...)
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) stream a fraction of what a plain read does at one row (their float32
@@ -87,21 +88,20 @@ def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torc
 
 
 def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group)."""
+    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group);
+    sm [O, 1, I/g]: W = qw d."""
     g = qw.shape[1] // sm.shape[2]
-    d, m = sm.unbind(1)
-    return qw.float() * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+    w = qw.float() * sm[:, 0].repeat_interleave(g, dim=1)
+    return w + sm[:, 1].repeat_interleave(g, dim=1) if sm.shape[1] == 2 else w
 
 
 def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
     """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x up to
-    FEW_ROWS rows, the m part over x itself)."""
+    FEW_ROWS rows, the m part, if any, over x itself)."""
     if x.shape[0] > FEW_ROWS:
         return F.linear(x, int8g_dequantize(qw, sm))
-    only_d = sm.clone()
-    only_d[:, 1] = 0
-    m = sm[:, 1].repeat_interleave(group, dim=1)
-    return F.linear(round_activations(x), int8g_dequantize(qw, only_d)) + F.linear(x, m)
+    y = F.linear(round_activations(x), int8g_dequantize(qw, sm[:, :1]))
+    return y + F.linear(x, sm[:, 1].repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
 
 
 def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ the ZQ8 block format below (`mixed_format`, `to_mixed`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -259,6 +260,14 @@ def to_mixed(data: torch.Tensor, ggml_type: str, fmt: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+@functools.cache
+def has_offset(ggml_type: str) -> bool:
+    """Whether the type's codes come with an offset m per group (Q4_1, Q5_1, the K-quants but Q3_K /
+    Q6_K, ZQ8), read off the type's own decoder on one zero block."""
+    lay = layout(ggml_type)
+    return lay.codes(torch.zeros(1, lay.nbytes, dtype=torch.uint8)).m is not None
 
 
 def layout(ggml_type: str, where: str = "") -> Layout:

@@ -19,7 +19,8 @@ Two kernel families, chosen by `compute_dtype`:
         Q5_0 / Q5_1 -> int5 g32: int4's qweight and float16 scales plus qhigh [O, I/8] uint8, the
           codes' fifth bits (the blocks' bytes as they are, 24 bytes per 32 weights)
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
-          (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py)
+          (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py);
+          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q6_K, ...)
         parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
           ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
@@ -41,8 +42,8 @@ from torch import nn
 from ..contracts import Slice, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ConfigError
 from . import cpu_kernels
-from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, int4_parts, int5_parts, layout,
-                          q4_codes, q8_0_values)
+from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, has_offset, int4_parts,
+                          int5_parts, layout, q4_codes, q8_0_values)
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -275,15 +276,17 @@ class QuantLinear(nn.Module, WeightSink):
         empty ones unless they already do; returns the load report's line."""
         O, I = self.weight_shape
         dev = self.qweight.device
+        ns = 2  # scales' rows: d, m (int8g of a type without offsets: d only)
         if kind in ("int4", "int5"):
             g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
         else:
             g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
+            ns = 2 if has_offset(ggml_type) else 1
         if (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(self.scales.shape),
-                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, 2, I // g), scales):
+                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, ns, I // g), scales):
             self.layout, self.group = kind, g
             self._buffers["qweight"] = torch.empty(codes[:2], dtype=codes[2], device=dev)
-            self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=scales, device=dev)
+            self._buffers["scales"] = torch.empty(O, ns, I // g, dtype=scales, device=dev)
         if kind == "int5" and "qhigh" not in self._buffers:
             self.register_buffer("qhigh", torch.empty(O, I // 8, dtype=torch.uint8, device=dev))
         elif kind != "int5":
@@ -302,7 +305,8 @@ class QuantLinear(nn.Module, WeightSink):
         n = len(q)
         self.qweight[r:r + n].copy_(q)
         self.scales[r:r + n, 0].copy_(d)
-        self.scales[r:r + n, 1].copy_(0.0 if m is None else m)
+        if m is not None:  # (a type without offsets has no row for them)
+            self.scales[r:r + n, 1].copy_(m)
 
     def _store_values(self, r: int, w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> None:
         """Rows r.. of the weight from float values w [rows, I]."""
