@@ -24,7 +24,8 @@
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
-// in one instruction), scaled once per block; the m term of int4 uses float sums of x. That
+// in one instruction), scaled once per block; the m term of int4 uses float sums of x, int5's
+// those of the rounded x (as llama.cpp's Q5 dots). That
 // reads the codes without widening them to floats, which is what makes a matrix-vector product
 // as fast as the memory: a float32 FMA loop over the widened codes measured 2-3x slower.
 // Many rows (prefill): a chunk of weight rows at a time is dequantized into float32 and
@@ -530,9 +531,21 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uin
   std::vector<int8_t> xq(M * I);
   std::vector<float> dx(M * nb), xsum(M * ng, 0.f);  // xsum: the m term is sum_g m[g] * xsum[g]
   quantize_rows(xp, M, I, xq.data(), dx.data());
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  if constexpr (Q5) {
+    // int5's m term over the int8-rounded x, as llama.cpp's Q5_0 (signed codes) and Q5_1 (Q8_1's
+    // block sums) take it: Q5_0's m = -16 d then cancels the rounding of q d for q near 16, where
+    // over x itself decode perplexity drifted 5x further from float (SmolLM2 Q4_K_M / Q5_K_M)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int64_t t = 0; t < kBlock; ++t) sum += xq[r * I + b * kBlock + t];
+        xsum[r * ng + b * kBlock / group] += dx[r * nb + b] * float(sum);
+      }
+  } else {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  }
   int sh = 0;
   while ((kBlock << sh) < group) ++sh;
   TORCH_CHECK((kBlock << sh) == group, "int4_linear: group ", group, " must be 32 times a power of two");

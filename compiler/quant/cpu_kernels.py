@@ -73,13 +73,15 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int,
                    qh: torch.Tensor | None = None) -> torch.Tensor:
     """What int4_linear computes (int5_linear with qh), in torch ops: up to FEW_ROWS rows with the
-    q d part over the int8-rounded x and the m part over x itself; more rows with x as it is."""
+    q d part over the int8-rounded x and the m part over x itself (int5: over the rounded x too, as
+    llama.cpp's Q5_0 / Q5_1 dots); more rows with x as it is."""
     if x.shape[0] > FEW_ROWS:
         return F.linear(x, int4_dequantize(qs, sm, qh))
     only_d = sm.clone()
     only_d[:, 1] = 0
     m = sm[:, 1].float().repeat_interleave(group, dim=1)
-    return F.linear(round_activations(x), int4_dequantize(qs, only_d, qh)) + F.linear(x, m)
+    xr = round_activations(x)
+    return F.linear(xr, int4_dequantize(qs, only_d, qh)) + F.linear(x if qh is None else xr, m)
 
 
 def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
