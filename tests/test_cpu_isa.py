@@ -60,6 +60,7 @@ def test_kernels_compute_their_reference_at_each_level(level):
     subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, check=True)
     tests = ["tests/test_quant.py::test_cpu_kernel_computes_its_reference",
              "tests/test_gguf_quants.py::test_int8g_kernel_computes_its_reference",
+             "tests/test_gguf_quants.py::test_int5_kernel_computes_its_reference",
              "tests/test_gguf_quants.py::test_int4_kernel_takes_float32_scales"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env, cwd=ROOT,
                           capture_output=True, text=True)

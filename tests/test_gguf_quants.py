@@ -153,9 +153,11 @@ def check_int8g_kernel(group, O, I):
     torch.manual_seed(0)
     qw = torch.randint(-128, 128, (O, I), dtype=torch.int8)
     sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1)
-    for offsets in (True, False):
-        if not offsets:
+    for offsets in ("m", "zero m", "no m"):  # no m: sm [O, 1, I/g], d only (Q8_0, Q6_K, ...)
+        if offsets == "zero m":
             sm[:, 1] = 0
+        if offsets == "no m":
+            sm = sm[:, :1]
         for rows in (1, 3, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, :32] = 0.0
@@ -163,6 +165,36 @@ def check_int8g_kernel(group, O, I):
             _assert_close(torch.ops.zoo_quant.int8g_linear(x, qw, sm, group), want, f"g{group} rows={rows}")
             if rows > cpu_kernels.FEW_ROWS:  # the GEMM path: the float linear of the weights
                 _assert_close(want, torch.nn.functional.linear(x, cpu_kernels.int8g_dequantize(qw, sm)), "float")
+
+
+@pytest.mark.parametrize("scales", [torch.float16, torch.float32])
+def test_int5_kernel_computes_its_reference(scales):
+    """zoo_quant.int5_linear against its torch reference: 1, 3, 16 rows (integer dots over the
+    int8-rounded x, 3 and 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
+    path), odd O, an odd number of blocks (AVX512 takes them in pairs), a zero block of x, every
+    code 0..31 and both groups of 32 and 64."""
+    from zoo.compiler.quant import cpu_kernels
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    torch.manual_seed(2)
+    for O, I, group in ((37, 416, 32), (50, 384, 64)):
+        q = torch.randint(0, 32, (O, I))
+        q[0, :32] = torch.arange(32)
+        qs, qh, sm = cpu_kernels.pack_int5(q, torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05)
+        sm = sm.to(scales)
+        w = q.float() * sm[:, 0].float().repeat_interleave(group, 1) + sm[:, 1].float().repeat_interleave(group, 1)
+        np.testing.assert_array_equal(cpu_kernels.int4_dequantize(qs, sm, qh).numpy(), w.numpy())
+        for rows in (1, 3, 16, 17, 40):
+            x = torch.randn(rows, I)
+            x[0, 32:64] = 0.0
+            want = cpu_kernels.int5_reference(x, qs, qh, sm, group)
+            _assert_close(torch.ops.zoo_quant.int5_linear(x, qs, qh, sm, group), want, f"O={O} rows={rows}")
+            if rows > cpu_kernels.FEW_ROWS:
+                _assert_close(want, torch.nn.functional.linear(x, w), "float")
+            else:  # x rounded per 32 inputs, as llama.cpp's Q8 activations (the offsets' sums too)
+                _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w), "rounded")
+    with pytest.raises(RuntimeError, match=r"int5_linear: expected qh \[O, I/8\] uint8"):
+        torch.ops.zoo_quant.int5_linear(torch.randn(1, 64), qs[:, :32], qh[:, :4], sm[:, :, :2].float(), 32)
 
 
 def test_int4_kernel_takes_float32_scales():
@@ -188,8 +220,8 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
     return StoredBlocks(ggml_type, torch.from_numpy(data), (rows, blocks_per_row * gguf_blocks.LAYOUTS[ggml_type].block))
 
 
-KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int8 g32 (float32 scales)",
-        "Q5_1": "int8 g32 (float32 scales)", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
+KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
+        "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
         "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
@@ -217,12 +249,20 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         x = torch.randn(3, I)
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
+            # the types without an offset keep d only: 4 bytes a group less to read
+            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "Q6_K", "IQ4_XS", "MXFP4")
+            assert q.scales.shape == (O, 1 if ggml_type in no_m else 2, I // q.group), q.scales.shape
+        elif q.layout == "int5":
+            ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
+            # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where
+            # Q5_0's d (q - 16) gives -0 for d < 0, q = 16: no product or sum tells them apart)
+            np.testing.assert_array_equal(cpu_kernels.int4_dequantize(q.qweight, q.scales, q.qhigh).numpy(), want.numpy())
         else:
             ref = cpu_kernels.int4_reference(x, q.qweight, q.scales, q.group)
         _assert_close(q(x), ref, "decode")
         assert (q(x) - x @ want.t()).abs().max() < 0.05 * (x.abs() @ want.abs().t()).max()
     bytes_per_weight = q.quantized_bytes() / (O * I)
-    assert bytes_per_weight <= (0.75 if q.layout == "int4" else 1.5)  # no float copy
+    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.75}.get(q.layout, 1.5)  # no float copy (int5: 24 / 32)
 
 
 def test_blocks_not_kept_say_why():
@@ -258,6 +298,11 @@ MIXES = {
                  ffn_down="Q6_K", token_embd="Q6_K", output="Q6_K"),
     "others": dict(attn_q="Q5_0", attn_k="Q5_1", attn_v="IQ4_NL", attn_output="IQ4_XS", ffn_gate="Q2_K", ffn_up="Q3_K",
                    ffn_down="Q8_0", token_embd="Q4_0", output="Q4_1"),
+    # what llama.cpp's Q4_K_M / Q5_K_M store where the columns are no multiple of 256 (SmolLM2's
+    # 576): Q5_0 / Q5_1, kept as int5 (q / k / v of one type join as int5 too); named to sort last
+    # (the mixes' seeds are their sorted index)
+    "q5_fallbacks": dict(attn_q="Q5_0", attn_k="Q5_0", attn_v="Q5_0", attn_output="Q5_1", ffn_gate="Q5_1",
+                         ffn_up="Q5_1", ffn_down="Q8_0", token_embd="Q8_0", output="Q5_0"),
 }
 KDIMS = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -323,6 +368,10 @@ def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mi
         else:
             assert "kept" in how and "quantized ->" not in how, (name, how)
             assert how.startswith(types[part]) or f"kept {types[part]} blocks" in how, (name, how)
+    for part in ("attn_q", "attn_output", "ffn_up", "output"):  # Q5_0 / Q5_1 at their stored width
+        if types[part] in ("Q5_0", "Q5_1") and len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1:
+            name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
+            assert report[name] == f"kept {types[part]} blocks as int5 g32", (name, report[name])
     if len({types["attn_q"], types["attn_k"], types["attn_v"]}) > 1:
         assert report["blk.0.attn_v.weight"].startswith(f"{types['attn_v']} kept (with parts of other types) as int8 g")
     torch.manual_seed(1)
@@ -375,17 +424,19 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
         GGUFSource(iq2).entries()
 
 
-def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch):
+@pytest.mark.parametrize("mix, wqkv_layout", [("Q4_K_M", ("int8g", 16, torch.int8)),
+                                               ("q5_fallbacks", ("int5", 32, torch.uint8))])
+def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch, mix, wqkv_layout):
     """The buffers take the kept blocks' layout while the load is planned (on the meta model), so
-    a second build is a weight-cache hit with the same state."""
+    a second build is a weight-cache hit with the same state (int5's high bits included)."""
     import zoo
 
     monkeypatch.setenv("ZOO_WEIGHT_CACHE", str(tmp_path / "weights"))
-    path = write_mix(tmp_path / "m.gguf", kquant_llama, "Q4_K_M")
+    path = write_mix(tmp_path / "m.gguf", kquant_llama, mix)
     first = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
     assert first.info.load.cache.startswith("wrote ")
     wqkv = first.module.layers[0].mixer.wqkv
-    assert (wqkv.layout, wqkv.group, wqkv.qweight.dtype) == ("int8g", 16, torch.int8)
+    assert (wqkv.layout, wqkv.group, wqkv.qweight.dtype) == wqkv_layout
     second = zoo.from_pretrained(str(path), compile=False, max_seq=16, quant="int4")
     assert second.info.load.cache.startswith("hit ")
     a, b = first.module.state_dict(), second.module.state_dict()

@@ -9,15 +9,23 @@
 //       sm [O, 2, I/g] float16 or float32: d = sm[o, 0], m = sm[o, 1] per group of g inputs (g a
 //          multiple of 32): W[o, i] = q[o, i] * d[i / g] + m[i / g]
 //          (GGUF Q4_1's values; Q4_0 is m = -8 d; Q4_K's d * sc and -dmin * m need float32)
+//   zoo_quant::int5_linear(x, qs, qh, sm, group)
+//       as int4_linear with a fifth bit per code, q in 0..31 (GGUF Q5_0 / Q5_1 at their stored width):
+//       qs [O, I/2] uint8 the low nibbles as int4's, qh [O, I/8] uint8 the high bits (4 bytes per
+//          block of 32, a little-endian word: bit t is input t's), q = nibble | bit << 4
+//       (Q5_1's d, m; Q5_0 is m = -16 d)
 //   zoo_quant::int8_linear(x, qw, scale)
 //       qw [O, I] int8, scale [O] float32: W[o, i] = qw[o, i] * scale[o]
 //   zoo_quant::int8g_linear(x, qw, sm, group)
 //       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
 //          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
+//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q6_K / ...:
+//          4 bytes a group less to read, and no m term)
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
-// in one instruction), scaled once per block; the m term of int4 uses float sums of x. That
+// in one instruction), scaled once per block; the m term of int4 uses float sums of x, int5's
+// those of the rounded x (as llama.cpp's Q5 dots). That
 // reads the codes without widening them to floats, which is what makes a matrix-vector product
 // as fast as the memory: a float32 FMA loop over the widened codes measured 2-3x slower.
 // Many rows (prefill): a chunk of weight rows at a time is dequantized into float32 and
@@ -31,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -130,6 +139,28 @@ inline __m256i q4_codes(const uint8_t* qs) {
   return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
 }
 
+// the fifth bits of one Q5 block (4 bytes, bit t is input t's) as 0x10 in the bytes of the inputs
+// that have it: byte k of the word copied to bytes 8k..8k+7, each ORed with all bits but its own
+// (llama.cpp's bytes_from_bits_32), 0xFF where the bit is set
+inline __m256i q5_high(const uint8_t* qh) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(h)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// block b's 32 codes in input order: int4's nibbles, and with Q5 their fifth bits (qh)
+template <bool Q5>
+inline __m256i codes32(const uint8_t* qs, const uint8_t* qh, int64_t b) {
+  if constexpr (Q5)
+    return _mm256_or_si256(q4_codes(qs + 16 * b), q5_high(qh + 4 * b));
+  else
+    return q4_codes(qs + 16 * b);
+}
+
 // ds[b] = d[b >> sh] dx[b] for the nb blocks of one row: the block loop then broadcasts one float
 // from memory instead of converting a float16 and multiplying in the loop
 template <typename S>
@@ -150,6 +181,20 @@ inline __m512i q4_codes2(const uint8_t* qs) {
   const __m512i r = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
   const __m512i lanes = _mm512_shuffle_i64x2(r, r, 0x50);  // 128-bit lanes 0, 0, 1, 1
   return _mm512_and_si512(_mm512_srlv_epi64(lanes, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
+}
+
+// the 64 codes of blocks 2p and 2p + 1 in input order (codes32 for a pair): the two blocks' high
+// words are one 64-bit mask, bit j for input j of the pair, 0x10 where set
+template <bool Q5>
+inline __m512i codes64(const uint8_t* qs, const uint8_t* qh, int64_t p) {
+  const __m512i low = q4_codes2(qs + 32 * p);
+  if constexpr (Q5) {
+    uint64_t h;
+    std::memcpy(&h, qh + 8 * p, 8);
+    return _mm512_or_si512(low, _mm512_maskz_mov_epi8(_cvtu64_mask64(h), _mm512_set1_epi8(0x10)));
+  } else {
+    return low;
+  }
 }
 
 // 64 unsigned codes times 64 signed activations -> 16 int32 sums (8 per block of 32), as floats
@@ -176,25 +221,34 @@ template <typename Pair>
 inline __m512 sum_pairs(int64_t np, Pair pair) { return sum_in_four<__m512>(np, pair); }
 #endif
 
-// One output of an int4 row over one int8-rounded row of x:
+// the fifth bit of input t of a Q5 block (its 4 high bytes at qh) as 0 or 16; 0 for int4
+template <bool Q5>
+inline int32_t high5(const uint8_t* qh, int64_t t) {
+  if constexpr (Q5)
+    return ((qh[t >> 3] >> (t & 7)) & 1) << 4;
+  else
+    return 0;
+}
+
+// One output of an int4 (int5 with Q5) row over one int8-rounded row of x:
 //   sum_b d[b >> sh] dx[b] sum_{i in b} q[i] xq[i]  +  sum_g m[g] xs[g]
 // d, m: the row's scales (sm[o, 0], sm[o, 1], float16 or float32); sh = log2(blocks per group);
-// xs [ng]: the float sums of x over each group.
-template <typename S>
-inline float q4_row(const uint8_t* qs, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
+// xs [ng]: the float sums of x over each group; qh: the row's high bits (Q5 only).
+template <typename S, bool Q5>
+inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xs) {
 #ifdef ZOO_VNNI
   float ds[kMaxBlocks];
   block_scales(d, sh, dx, nb, ds);
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
-    return _mm512_fmadd_ps(dot64(q4_codes2(qs + 32 * p), xv), spread(ds + 2 * p, 2, kTwoBlocks), acc);
+    return _mm512_fmadd_ps(dot64(codes64<Q5>(qs, qh, p), xv), spread(ds + 2 * p, 2, kTwoBlocks), acc);
   };
   float acc = hsum512(sum_pairs(nb / 2, pair));
   if (nb % 2) {
     const int64_t b = nb - 1;
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    acc += ds[b] * hsum(dot32(q4_codes(qs + 16 * b), xv));
+    acc += ds[b] * hsum(dot32(codes32<Q5>(qs, qh, b), xv));
   }
   return acc + m_term(m, xs, ng);
 #elif defined(ZOO_AVX2)
@@ -202,15 +256,17 @@ inline float q4_row(const uint8_t* qs, const S* d, const S* m, int64_t ng, int s
   block_scales(d, sh, dx, nb, ds);
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    return _mm256_fmadd_ps(dot32(q4_codes(qs + 16 * b), xv), _mm256_broadcast_ss(ds + b), acc);
+    return _mm256_fmadd_ps(dot32(codes32<Q5>(qs, qh, b), xv), _mm256_broadcast_ss(ds + b), acc);
   };
   return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     int32_t dot = 0;
+    const uint8_t* h = qh + 4 * b;
     for (int64_t t = 0; t < 16; ++t)
-      dot += int32_t(qs[16 * b + t] & 0x0F) * xq[b * kBlock + t] + int32_t(qs[16 * b + t] >> 4) * xq[b * kBlock + t + 16];
+      dot += (int32_t(qs[16 * b + t] & 0x0F) | high5<Q5>(h, t)) * xq[b * kBlock + t] +
+             (int32_t(qs[16 * b + t] >> 4) | high5<Q5>(h, t + 16)) * xq[b * kBlock + t + 16];
     acc += half_to_float(d + (b >> sh)) * dx[b] * float(dot);
   }
   for (int64_t g = 0; g < ng; ++g) acc += half_to_float(m + g) * xs[g];
@@ -219,16 +275,16 @@ inline float q4_row(const uint8_t* qs, const S* d, const S* m, int64_t ng, int s
 }
 
 #ifdef ZOO_AVX2
-// Several rows of x (2..kGemvRows) against one int4 weight row: each block's codes are widened
-// once and used for every row; out[r * O] for r < M.
-template <typename S>
-inline void q4_rows(const uint8_t* qs, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
+// Several rows of x (2..kGemvRows) against one int4 (int5) weight row: each block's codes are
+// widened once and used for every row; out[r * O] for r < M.
+template <typename S, bool Q5>
+inline void q4_rows(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
                     int64_t O) {
   __m256 acc[kGemvRows];
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = q4_codes(qs + 16 * b);
+    const __m256i w = codes32<Q5>(qs, qh, b);
     const float db = half_to_float(d + (b >> sh));
     for (int64_t r = 0; r < M; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
@@ -310,7 +366,7 @@ inline void half_block_scales(const float* d, int64_t group, const float* dx, in
 
 // One output of a grouped int8 row over one int8-rounded row of x:
 //   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  +  sum_g m[g] xs[g]
-// ds: scratch of 2 nb floats.
+// ds: scratch of 2 nb floats; m null: no offsets (no m term).
 inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
   half_block_scales(d, group, dx, nb, ds);
@@ -329,7 +385,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     acc += hsum(_mm256_mul_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc));
   }
-  return acc + m_term(m, xs, ng);
+  return acc + (m ? m_term(m, xs, ng) : 0.f);
 #elif defined(ZOO_AVX2)
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
@@ -338,7 +394,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc, acc);
   };
-  return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
+  return hsum(sum_blocks(nb, block)) + (m ? m_term(m, xs, ng) : 0.f);
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -347,38 +403,44 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
     acc += ds[2 * b] * float(lo) + ds[2 * b + 1] * float(hi);
   }
-  for (int64_t g = 0; g < ng; ++g) acc += m[g] * xs[g];
+  for (int64_t g = 0; m && g < ng; ++g) acc += m[g] * xs[g];
   return acc;
 #endif
 }
 
-void i8g_dequantize(const int8_t* qw, const float* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
+// ns: sm's rows per output, 2 (d, m) or 1 (d only)
+void i8g_dequantize(const int8_t* qw, const float* sm, int64_t ns, int64_t I, int64_t group, int64_t r0, int64_t r1,
                     float* out) {
   const int64_t ng = I / group;
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
-      const float* d = sm + o * ng * 2;
+      const float* d = sm + o * ng * ns;
       const float* m = d + ng;
-      for (int64_t i = 0; i < I; ++i) out[(o - r0) * I + i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
+      float* w = out + (o - r0) * I;
+      if (ns == 2)
+        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
+      else
+        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group];
     }
   });
 }
 
-// Weight rows [r0, r1) dequantized into out [r1 - r0, I] float32.
-template <typename S>
-void q4_dequantize(const uint8_t* qs, const S* sm, int64_t I, int64_t group, int64_t r0, int64_t r1,
-                   float* out) {
+// Weight rows [r0, r1) of int4 (int5 with Q5: high bits qh) dequantized into out [r1 - r0, I] float32.
+template <typename S, bool Q5>
+void q4_dequantize(const uint8_t* qs, const uint8_t* qh, const S* sm, int64_t I, int64_t group, int64_t r0,
+                   int64_t r1, float* out) {
   const int64_t ng = I / group;
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
       const uint8_t* q = qs + o * (I / 2);
+      const uint8_t* h = Q5 ? qh + o * (I / 8) : nullptr;
       const S* s = sm + o * ng * 2;
       float* w = out + (o - r0) * I;
-      for (int64_t i = 0; i < I; i += kBlock, q += 16) {
+      for (int64_t i = 0; i < I; i += kBlock, q += 16, h += Q5 ? 4 : 0) {
         const float d = half_to_float(s + i / group), m = half_to_float(s + ng + i / group);
         for (int64_t t = 0; t < 16; ++t) {
-          w[i + t] = float(q[t] & 0x0F) * d + m;
-          w[i + t + 16] = float(q[t] >> 4) * d + m;
+          w[i + t] = float(int32_t(q[t] & 0x0F) | high5<Q5>(h, t)) * d + m;
+          w[i + t + 16] = float(int32_t(q[t] >> 4) | high5<Q5>(h, t + 16)) * d + m;
         }
       }
     }
@@ -416,55 +478,90 @@ void check_x(const at::Tensor& x, int64_t I, const char* op) {
               " (a multiple of 32)");
 }
 
-template <typename S>
-at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group);
+template <typename S, bool Q5>
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uint8_t* qh, const at::Tensor& sm,
+                            int64_t group);
 
-at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qs_, const at::Tensor& sm_, int64_t group) {
+// the checks of int4_linear and int5_linear (op: the name for the errors), then the kernel on the
+// contiguous tensors; qh: int5's high bits (checked by int5_linear) or null
+at::Tensor int4_or_int5(const char* op, const at::Tensor& x_, const at::Tensor& qs_, const uint8_t* qh,
+                        const at::Tensor& sm_, int64_t group) {
   const int64_t O = qs_.size(0), I = qs_.size(1) * 2;
-  check_x(x_, I, "int4_linear");
-  TORCH_CHECK(group % kBlock == 0 && I % group == 0, "int4_linear: group ", group, " must be a multiple of 32 ",
+  check_x(x_, I, op);
+  TORCH_CHECK(group % kBlock == 0 && I % group == 0, op, ": group ", group, " must be a multiple of 32 ",
               "dividing the inputs (", I, ")");
   TORCH_CHECK(qs_.scalar_type() == at::kByte && (sm_.scalar_type() == at::kHalf || sm_.scalar_type() == at::kFloat) &&
                   sm_.dim() == 3 && sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
-              "int4_linear: expected qs [O, I/2] uint8 and sm [O, 2, I/g] float16 or float32, got ", qs_.sizes(), " ",
+              op, ": expected qs [O, I/2] uint8 and sm [O, 2, I/g] float16 or float32, got ", qs_.sizes(), " ",
               qs_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qs = qs_.contiguous(), sm = sm_.contiguous();
-  return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half>(x, qs, sm, group)
-                                       : int4_linear_impl<float>(x, qs, sm, group);
+  if (qh != nullptr)
+    return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, true>(x, qs, qh, sm, group)
+                                         : int4_linear_impl<float, true>(x, qs, qh, sm, group);
+  return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, false>(x, qs, qh, sm, group)
+                                       : int4_linear_impl<float, false>(x, qs, qh, sm, group);
 }
 
-template <typename S>
-at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group) {
+  return int4_or_int5("int4_linear", x, qs, nullptr, sm, group);
+}
+
+at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh_, const at::Tensor& sm,
+                       int64_t group) {
+  TORCH_CHECK(qh_.scalar_type() == at::kByte && qh_.dim() == 2 && qs.dim() == 2 && qh_.size(0) == qs.size(0) &&
+                  qh_.size(1) * 4 == qs.size(1),
+              "int5_linear: expected qh [O, I/8] uint8 beside qs [O, I/2], got ", qh_.sizes(), " ", qh_.scalar_type(),
+              " and ", qs.sizes());
+  const at::Tensor qh = qh_.contiguous();  // (kept alive to the end of the call)
+  return int4_or_int5("int5_linear", x, qs, qh.data_ptr<uint8_t>(), sm, group);
+}
+
+template <typename S, bool Q5>
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uint8_t* qh, const at::Tensor& sm,
+                            int64_t group) {
   const int64_t O = qs.size(0), I = qs.size(1) * 2;
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const S* s = sm.data_ptr<S>();
   const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
   if (M > kGemvRows || nb > kMaxBlocks)  // (no model has more inputs than the stack buffers hold)
-    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q4_dequantize(q, s, I, group, r0, r1, out); });
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q4_dequantize<S, Q5>(q, qh, s, I, group, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * I);
   std::vector<float> dx(M * nb), xsum(M * ng, 0.f);  // xsum: the m term is sum_g m[g] * xsum[g]
   quantize_rows(xp, M, I, xq.data(), dx.data());
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  if constexpr (Q5) {
+    // int5's m term over the int8-rounded x, as llama.cpp's Q5_0 (signed codes) and Q5_1 (Q8_1's
+    // block sums) take it: Q5_0's m = -16 d then cancels the rounding of q d for q near 16, where
+    // over x itself decode perplexity drifted 5x further from float (SmolLM2 Q4_K_M / Q5_K_M)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int64_t t = 0; t < kBlock; ++t) sum += xq[r * I + b * kBlock + t];
+        xsum[r * ng + b * kBlock / group] += dx[r * nb + b] * float(sum);
+      }
+  } else {
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
+  }
   int sh = 0;
   while ((kBlock << sh) < group) ++sh;
   TORCH_CHECK((kBlock << sh) == group, "int4_linear: group ", group, " must be 32 times a power of two");
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
       const uint8_t* qo = q + o * (I / 2);
+      const uint8_t* ho = Q5 ? qh + o * (I / 8) : nullptr;
       const S* so = s + o * ng * 2;
 #ifdef ZOO_AVX2
       if (M > 1) {
-        q4_rows(qo, so, so + ng, ng, sh, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
+        q4_rows<S, Q5>(qo, ho, so, so + ng, ng, sh, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
         continue;
       }
 #endif
       for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = q4_row(qo, so, so + ng, ng, sh, nb, xq.data() + r * I, dx.data() + r * nb, xsum.data() + r * ng);
+        yp[r * O + o] = q4_row<S, Q5>(qo, ho, so, so + ng, ng, sh, nb, xq.data() + r * I, dx.data() + r * nb, xsum.data() + r * ng);
     }
   });
   return y;
@@ -507,30 +604,30 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
   TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
               " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
   TORCH_CHECK(qw_.scalar_type() == at::kChar && sm_.scalar_type() == at::kFloat && sm_.dim() == 3 &&
-                  sm_.size(0) == O && sm_.size(1) == 2 && sm_.size(2) == I / group,
-              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] float32, got ", qw_.sizes(), " ",
+                  sm_.size(0) == O && (sm_.size(1) == 2 || sm_.size(1) == 1) && sm_.size(2) == I / group,
+              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] or [O, 1, I/g] float32, got ", qw_.sizes(), " ",
               qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* s = sm.data_ptr<float>();
-  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
+  const int64_t M = x.size(0), ng = I / group, nb = I / kBlock, ns = sm.size(1);
   if (M > kGemvRows || nb > kMaxBlocks)
-    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, I, group, r0, r1, out); });
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, ns, I, group, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<int8_t> xq(M * I);
   std::vector<float> dx(M * nb), xsum(M * ng, 0.f);
   quantize_rows(xp, M, I, xq.data(), dx.data());
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t r = 0; r < M && ns == 2; ++r)
     for (int64_t g = 0; g < ng; ++g)
       for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
     std::vector<float> ds(2 * nb);
     for (int64_t o = a; o < b; ++o) {
-      const float* so = s + o * ng * 2;
+      const float* so = s + o * ng * ns;
       for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = i8g_row(q + o * I, so, so + ng, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
+        yp[r * O + o] = i8g_row(q + o * I, so, ns == 2 ? so + ng : nullptr, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
                                 xsum.data() + r * ng, ds.data());
     }
   });
@@ -551,6 +648,7 @@ int64_t simd_level() {
 
 TORCH_LIBRARY(zoo_quant, m) {
   m.def("int4_linear(Tensor x, Tensor qs, Tensor sm, int group) -> Tensor");
+  m.def("int5_linear(Tensor x, Tensor qs, Tensor qh, Tensor sm, int group) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
   m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group) -> Tensor");
   m.def("simd_level() -> int");
@@ -558,6 +656,7 @@ TORCH_LIBRARY(zoo_quant, m) {
 
 TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int5_linear", &int5_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8g_linear", &int8g_linear);
 }

@@ -4,10 +4,15 @@
         qs in llama.cpp's Q4 block layout (byte t of a 32-input block: input t in the low nibble,
         input t + 16 in the high one), W[o, i] = q * d + m with d, m = sm[o, :, i // g]
         (float32 sm for GGUF Q4_K, whose d * sc has more bits than a float16)
+    int5_linear(x [M, I] f32, qs [O, I/2] u8, qh [O, I/8] u8, sm [O, 2, I/g] f16 or f32, g) -> [M, O] f32
+        int4 with a fifth bit per code (GGUF Q5_0 / Q5_1 at their stored width, 24 bytes per 32
+        weights with float16 sm): q = nibble (qs, as int4) | bit << 4, the bits of each 32-input
+        block in 4 bytes of qh, a little-endian word with input t's bit at t (the blocks' own qh)
     int8_linear(x [M, I] f32, qw [O, I] i8, scale [O] f32) -> [M, O] f32,  W = qw * scale[:, None]
     int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32, g) -> [M, O] f32
         W[o, i] = qw * d + m per group of g = 16 or a multiple of 32 inputs: every GGUF block
-        type's integer codes with their group scales and offsets, exactly (gguf_blocks.py)
+        type's integer codes with their group scales and offsets, exactly (gguf_blocks.py);
+        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q6_K, ...)
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) stream a fraction of what a plain read does at one row (their float32
@@ -42,14 +47,17 @@ FEW_ROWS = 16  # up to this many rows of x: integer dots over int8-rounded activ
 
 # ----------------------------------------------------------------------------- reference
 
-def int4_dequantize(qs: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """qs [O, I/2] uint8, sm [O, 2, I/g] float16 -> W [O, I] float32 (see the module docstring)."""
+def int4_dequantize(qs: torch.Tensor, sm: torch.Tensor, qh: torch.Tensor | None = None) -> torch.Tensor:
+    """qs [O, I/2] uint8, sm [O, 2, I/g] float16 or float32 -> W [O, I] float32 (see the module
+    docstring); with qh [O, I/8] uint8 int5's W (the codes' fifth bits)."""
     O, half = qs.shape
     blocks = qs.view(O, half // 16, 16)
-    q = torch.cat((blocks & 0xF, blocks >> 4), dim=-1).reshape(O, 2 * half).float()  # [O, I]
+    q = torch.cat((blocks & 0xF, blocks >> 4), dim=-1).reshape(O, 2 * half).int()  # [O, I]
+    if qh is not None:  # bit t of each block's 4 bytes (little-endian) is input t's
+        q |= ((qh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(O, 2 * half).int() << 4
     g = 2 * half // sm.shape[2]
     d, m = sm.float().unbind(1)  # [O, I/g]
-    return q * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+    return q.float() * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -62,33 +70,40 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(M, I)
 
 
-def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
-    """What int4_linear computes, in torch ops: up to FEW_ROWS rows with the q d part over the
-    int8-rounded x and the m part over x itself; more rows with x as it is."""
+def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int,
+                   qh: torch.Tensor | None = None) -> torch.Tensor:
+    """What int4_linear computes (int5_linear with qh), in torch ops: up to FEW_ROWS rows with the
+    q d part over the int8-rounded x and the m part over x itself (int5: over the rounded x too, as
+    llama.cpp's Q5_0 / Q5_1 dots); more rows with x as it is."""
     if x.shape[0] > FEW_ROWS:
-        return F.linear(x, int4_dequantize(qs, sm))
+        return F.linear(x, int4_dequantize(qs, sm, qh))
     only_d = sm.clone()
     only_d[:, 1] = 0
-    m = int4_dequantize(qs, sm) - int4_dequantize(qs, only_d)
-    return F.linear(round_activations(x), int4_dequantize(qs, only_d)) + F.linear(x, m)
+    m = sm[:, 1].float().repeat_interleave(group, dim=1)
+    xr = round_activations(x)
+    return F.linear(xr, int4_dequantize(qs, only_d, qh)) + F.linear(x if qh is None else xr, m)
+
+
+def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
+    """What int5_linear computes (int4_reference with the fifth bits)."""
+    return int4_reference(x, qs, sm, group, qh)
 
 
 def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group)."""
+    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group);
+    sm [O, 1, I/g]: W = qw d."""
     g = qw.shape[1] // sm.shape[2]
-    d, m = sm.unbind(1)
-    return qw.float() * d.repeat_interleave(g, dim=1) + m.repeat_interleave(g, dim=1)
+    w = qw.float() * sm[:, 0].repeat_interleave(g, dim=1)
+    return w + sm[:, 1].repeat_interleave(g, dim=1) if sm.shape[1] == 2 else w
 
 
 def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
     """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x up to
-    FEW_ROWS rows, the m part over x itself)."""
+    FEW_ROWS rows, the m part, if any, over x itself)."""
     if x.shape[0] > FEW_ROWS:
         return F.linear(x, int8g_dequantize(qw, sm))
-    only_d = sm.clone()
-    only_d[:, 1] = 0
-    m = sm[:, 1].repeat_interleave(group, dim=1)
-    return F.linear(round_activations(x), int8g_dequantize(qw, only_d)) + F.linear(x, m)
+    y = F.linear(round_activations(x), int8g_dequantize(qw, sm[:, :1]))
+    return y + F.linear(x, sm[:, 1].repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
 
 
 def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -105,6 +120,15 @@ def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.
     return qs, torch.stack((d, m), dim=1).to(torch.float16)
 
 
+def pack_int5(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes q [O, I] in 0..31 and d, m [O, I/g] -> (qs [O, I/2], qh [O, I/8] uint8, sm [O, 2, I/g]
+    float16) in int5_linear's layout."""
+    O, I = q.shape
+    qs, sm = pack_int4(q & 0xF, d, m)
+    bits = (q >> 4).to(torch.uint8).reshape(O, I // 8, 8) << torch.arange(8, dtype=torch.uint8)
+    return qs, bits.sum(-1, dtype=torch.uint8), sm
+
+
 # ----------------------------------------------------------------------------- build and load
 
 @functools.cache
@@ -115,6 +139,8 @@ def _load() -> str | None:
     if why is None:
         torch.library.register_fake("zoo_quant::int4_linear")(
             lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
+        torch.library.register_fake("zoo_quant::int5_linear")(
+            lambda x, qs, qh, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
         torch.library.register_fake("zoo_quant::int8_linear")(
             lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
         torch.library.register_fake("zoo_quant::int8g_linear")(

@@ -30,13 +30,16 @@ a float16 times an integer of at most 8 bits (MXFP4's a power of two), exact in 
 
 zoo's int4 layout (QuantLinear, cpu_kernels.py) is w = q * d + m per group of 32 with q in 0..15:
 Q4_0 (m = -8 d), Q4_1 and Q4_K are that with the same codes; Q4_0 / Q4_1's d and m are float16
-as stored, Q4_K's d * sc and dmin * mn need float32 (`int4_parts`). The other types need more
-than 4 bits per code (or IQ4's codebook): zoo's int8g layout holds their codes as int8 with d, m
-float32 per group (`block_codes`), and weights joined from parts of different types go through
+as stored, Q4_K's d * sc and dmin * mn need float32 (`int4_parts`). Its int5 layout adds a fifth
+bit per code, q in 0..31: Q5_0 (m = -16 d) and Q5_1 at their stored width, the blocks' own nibbles,
+high-bit words and float16 d, m (`int5_parts`). The other types need more than 5 bits per code (or
+IQ4's codebook): zoo's int8g layout holds their codes as int8 with d, m float32 per group
+(`block_codes`), and weights joined from parts of different types go through
 the ZQ8 block format below (`mixed_format`, `to_mixed`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -217,6 +220,7 @@ LAYOUTS: dict[str, Layout] = {
     "MXFP4": Layout(32, 17, 32, _mxfp4),
 }
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
+INT5_TYPES = ("Q5_0", "Q5_1")  # codes 0..31 (Q5_0 shifted by 16) with one d, m per 32
 
 
 # zoo's own block format for weights whose parts are stored in different types (llama.cpp's
@@ -256,6 +260,14 @@ def to_mixed(data: torch.Tensor, ggml_type: str, fmt: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+@functools.cache
+def has_offset(ggml_type: str) -> bool:
+    """Whether the type's codes come with an offset m per group (Q4_1, Q5_1, the K-quants but Q3_K /
+    Q6_K, ZQ8), read off the type's own decoder on one zero block."""
+    lay = layout(ggml_type)
+    return lay.codes(torch.zeros(1, lay.nbytes, dtype=torch.uint8)).m is not None
 
 
 def layout(ggml_type: str, where: str = "") -> Layout:
@@ -361,6 +373,25 @@ def int4_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     else:
         m, qs = -8.0 * d, blocks[..., 2:]
     return qs.reshape(O, -1).contiguous(), d, m
+
+
+def int5_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_0 / Q5_1 blocks -> zoo's CPU int5 layout, their bytes as stored: (qs [O, I/2] uint8 the
+    low nibbles, qh [O, I/8] uint8 the fifth bits, d, m [O, I/32] float16) with w = q d + m, q =
+    nibble | bit << 4 in 0..31; Q5_0's m = -16 d (exact in float16 below its largest finite d / 16)."""
+    if b.ggml_type not in INT5_TYPES:
+        raise CheckpointError(f"{b.ggml_type} blocks are not 5-bit affine codes (int5 takes {', '.join(INT5_TYPES)})")
+    O = b.shape[0]
+    blocks = _blocks(b).reshape(O, -1, LAYOUTS[b.ggml_type].nbytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if b.ggml_type == "Q5_1":
+        m, rest = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1), blocks[..., 4:]
+    else:
+        m, rest = -16.0 * d, blocks[..., 2:]
+        if not torch.isfinite(m[torch.isfinite(d)]).all():
+            raise CheckpointError(f"Q5_0 blocks of a [{O}, {b.shape[1]}] weight: a block scale d of magnitude over "
+                                  f"{65504 / 16} has no float16 offset -16 d (int5 holds d, m in float16)")
+    return rest[..., 4:].reshape(O, -1).contiguous(), rest[..., :4].reshape(O, -1).contiguous(), d, m
 
 
 def q4_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

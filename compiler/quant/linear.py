@@ -16,8 +16,11 @@ Two kernel families, chosen by `compute_dtype`:
       names (the buffers are re-made at load for it):
         Q4_0 / Q4_1 / Q4_K -> int4 g32 (Q4_0 / Q4_1 copied in as they are; Q4_K's d * sc needs
           float32 scales [O, 2, I/32])
+        Q5_0 / Q5_1 -> int5 g32: int4's qweight and float16 scales plus qhigh [O, I/8] uint8, the
+          codes' fifth bits (the blocks' bytes as they are, 24 bytes per 32 weights)
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
-          (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py)
+          (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py);
+          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q6_K, ...)
         parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
           ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
@@ -39,7 +42,8 @@ from torch import nn
 from ..contracts import Slice, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ConfigError
 from . import cpu_kernels
-from .gguf_blocks import INT4_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, int4_parts, layout, q4_codes, q8_0_values
+from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, has_offset, int4_parts,
+                          int5_parts, layout, q4_codes, q8_0_values)
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -90,7 +94,7 @@ class QuantLinear(nn.Module, WeightSink):
             raise ValueError(f"quant mode {mode!r}: expected one of {list(MODES)}")
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group = mode, (group if mode == "int4" else None)
-        self.layout = mode  # what the buffers hold: int8 | int4 | int8g (GGUF blocks, see block_layout)
+        self.layout = mode  # what the buffers hold: int8 | int4 | int5 | int8g (GGUF blocks, see block_layout)
         self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.tied_to = tied_to
         self.compute_dtype = compute_dtype
@@ -176,6 +180,10 @@ class QuantLinear(nn.Module, WeightSink):
             if self.compiled_kernel:
                 return torch.ops.zoo_quant.int8_linear(x2, self.qweight, self.scales)
             return cpu_kernels.int8_reference(x2, self.qweight, self.scales)
+        if self.layout == "int5":
+            if self.compiled_kernel:
+                return torch.ops.zoo_quant.int5_linear(x2, self.qweight, self.qhigh, self.scales, self.group)
+            return cpu_kernels.int5_reference(x2, self.qweight, self.qhigh, self.scales, self.group)
         if self.compiled_kernel:
             return torch.ops.zoo_quant.int4_linear(x2, self.qweight, self.scales, self.group)
         return cpu_kernels.int4_reference(x2, self.qweight, self.scales, self.group)
@@ -183,13 +191,13 @@ class QuantLinear(nn.Module, WeightSink):
     # ------------------------------------------------------------------ filling
 
     def block_layout(self, ggml_type: str) -> Optional[str]:
-        """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int8g" (kept exactly,
+        """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int5" / "int8g" (kept exactly,
         see the module docstring), "convert" (Q8_0 through its values to int8 per channel, torch's
         kernels), or None (the loader dequantizes them and they are quantized here; why_not_kept says why)."""
         if self.mode == "int4" and self.mode_group != 32:
             return None
         if self.zoo_kernel and (ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS):
-            return "int4" if ggml_type in INT4_TYPES else "int8g"
+            return "int4" if ggml_type in INT4_TYPES else "int5" if ggml_type in INT5_TYPES else "int8g"
         if self.mode == "int4" and ggml_type in ("Q4_0", "Q4_1"):
             return "int4"
         return "convert" if ggml_type == "Q8_0" else None
@@ -237,6 +245,8 @@ class QuantLinear(nn.Module, WeightSink):
                 what = self._relayout(kind, value.ggml_type)
                 if kind == "int4":  # the blocks' codes in the kernel's layout (Q4_0 / Q4_1: their bytes)
                     fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
+                elif kind == "int5":  # Q5_0 / Q5_1: their bytes
+                    fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
@@ -258,23 +268,31 @@ class QuantLinear(nn.Module, WeightSink):
         kernels the buffers take their layout now, on the meta model, so that the model is
         allocated (and the weight cache keyed) as it will be filled."""
         kind = self.block_layout(ggml_type)
-        if self.zoo_kernel and kind in ("int4", "int8g"):
+        if self.zoo_kernel and kind in ("int4", "int5", "int8g"):
             self._relayout(kind, ggml_type)
 
     def _relayout(self, kind: str, ggml_type: str) -> str:
-        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int8g), new
+        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int5 | int8g), new
         empty ones unless they already do; returns the load report's line."""
         O, I = self.weight_shape
         dev = self.qweight.device
-        if kind == "int4":
+        ns = 2  # scales' rows: d, m (int8g of a type without offsets: d only)
+        if kind in ("int4", "int5"):
             g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
         else:
             g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
+            ns = 2 if has_offset(ggml_type) else 1
         if (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(self.scales.shape),
-                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, 2, I // g), scales):
+                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, ns, I // g), scales):
             self.layout, self.group = kind, g
             self._buffers["qweight"] = torch.empty(codes[:2], dtype=codes[2], device=dev)
-            self._buffers["scales"] = torch.empty(O, 2, I // g, dtype=scales, device=dev)
+            self._buffers["scales"] = torch.empty(O, ns, I // g, dtype=scales, device=dev)
+        if kind == "int5" and "qhigh" not in self._buffers:
+            self.register_buffer("qhigh", torch.empty(O, I // 8, dtype=torch.uint8, device=dev))
+        elif kind != "int5":
+            self._buffers.pop("qhigh", None)
+        if kind == "int5":
+            return f"kept {ggml_type} blocks as int5 g32"
         if kind == "int4":
             return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
         if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
@@ -287,7 +305,8 @@ class QuantLinear(nn.Module, WeightSink):
         n = len(q)
         self.qweight[r:r + n].copy_(q)
         self.scales[r:r + n, 0].copy_(d)
-        self.scales[r:r + n, 1].copy_(0.0 if m is None else m)
+        if m is not None:  # (a type without offsets has no row for them)
+            self.scales[r:r + n, 1].copy_(m)
 
     def _store_values(self, r: int, w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> None:
         """Rows r.. of the weight from float values w [rows, I]."""
@@ -309,6 +328,11 @@ class QuantLinear(nn.Module, WeightSink):
             return
         self.qweight[r:r + n].copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         self.scales_zeros[:, r:r + n].copy_(torch.stack((scale.t(), zero.t()), dim=-1))
+
+    def _store_q5_parts(self, r: int, qs: torch.Tensor, qh: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """Rows r.. of the int5 layout: as _store_q4_parts, and qh [rows, I/8] uint8 (the fifth bits)."""
+        self.qhigh[r:r + len(qh)].copy_(qh)
+        self._store_q4_parts(r, qs, d, m)
 
     def _store_q4_parts(self, r: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """Rows r.. of the zoo layout: qs [rows, I/2] uint8 (Q4 block bytes), d, m [rows, I/g]."""
