@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -356,6 +356,39 @@ def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _bloom(w: gguf.GGUFWriter, cfg) -> None:
+    """BloomModel: its own keys only (4 * n_embed as the MLP width, head_count_kv = head_count)."""
+    w.add_context_length(getattr(cfg, "seq_length", cfg.hidden_size))
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.n_layer)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
+def _bloom_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """BloomModel.modify_tensors: the `transformer.` prefix dropped (gguf-py's BLOOM names are
+    the bare model's), query_key_value per head -> part-major as GPT-NeoX's."""
+    name = name.removeprefix("transformer.")
+    return _gptneox_tensors(name, t, cfg) or [(name, t)]
+
+
+def _mpt(w: gguf.GGUFWriter, cfg) -> None:
+    """MPTModel: its own keys only (4 * d_model as the MLP width, the fixed LayerNorm epsilon,
+    the clamp and the ALiBi bias maximum)."""
+    attn = cfg.attn_config
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(4 * cfg.d_model)
+    w.add_head_count(cfg.n_heads)
+    w.add_layer_norm_eps(1e-5)
+    if attn.clip_qkv is not None:
+        w.add_clamp_kqv(attn.clip_qkv)
+    w.add_max_alibi_bias(attn.alibi_bias_max if attn.alibi else 0.0)
+
+
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
     """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
     _gptneox(w, cfg)
@@ -427,6 +460,8 @@ LAYOUTS = {
     "mamba2": Layout(gguf.MODEL_ARCH.MAMBA2, metadata=_mamba2, text_metadata=False, tensors=_mamba2_tensors),
     "olmo": Layout(gguf.MODEL_ARCH.OLMO, permute_qk=True, metadata=_olmo),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
+    "mpt": Layout(gguf.MODEL_ARCH.MPT, metadata=_mpt, text_metadata=False),
+    "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 
 

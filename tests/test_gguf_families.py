@@ -235,6 +235,16 @@ FAMILIES = {
              dict(SMALL, clip_qkv=0.5, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
              ["olmo"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    # ALiBi, a LayerNorm on the embeddings, query_key_value stored part-major
+    "bloom": ("bloom", "BloomConfig",
+              dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, tie_word_embeddings=True,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              ["bloom"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # ALiBi, bias-free LayerNorms, Wqkv as it is, q/k/v clamped
+    "mpt": ("mpt", "MptConfig",
+            dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, tie_word_embeddings=True,
+                 attn_config={"clip_qkv": 0.5}, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+            ["mpt"], {"blk.0.ffn_down.weight": Q.Q8_0}),
 }
 
 

@@ -11,6 +11,7 @@ Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ class GGUFSource(Source):
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
-        cfg: dict[str, Any] = dict(mapping.get("config", {}))
+        cfg: dict[str, Any] = copy.deepcopy(mapping.get("config", {}))
         for hf_key, field in mapping.get("fields", {}).items():
             key = field["key"] if isinstance(field, dict) else field
             if isinstance(key, list):  # the first key the file has (newer converters renamed some)
@@ -159,7 +160,7 @@ class GGUFSource(Source):
                     d = self._required(field["over"].format(arch=arch))
                     value = value // d if value % d == 0 else value / d
             if value is not None or (isinstance(field, dict) and field.get("nullable")):
-                cfg[hf_key] = value  # nullable: config.json's explicit null (DeepSeek's full-rank q)
+                _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             cfg[hf_key] = tensor in names
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
@@ -354,6 +355,15 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
         return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
     raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
     return dequantize(raw, ggml_type.name)
+
+
+def _put(cfg: dict, key: str, value: Any) -> None:
+    """cfg[key] = value; a dotted key reaches into config.json's sub-dicts (MPT's
+    attn_config.clip_qkv), made as needed."""
+    *parents, last = key.split(".")
+    for part in parents:
+        cfg = cfg.setdefault(part, {})
+    cfg[last] = value
 
 
 def _load_yaml(path: Path) -> dict:
