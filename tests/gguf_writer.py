@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -389,6 +389,35 @@ def _mpt(w: gguf.GGUFWriter, cfg) -> None:
     w.add_max_alibi_bias(attn.alibi_bias_max if attn.alibi else 0.0)
 
 
+def _falcon(w: gguf.GGUFWriter, cfg) -> None:
+    """FalconModel: its own keys only (a fixed context of 2048, 4 * n_embd as the MLP width)."""
+    w.add_context_length(2048)
+    w.add_tensor_data_layout("jploski")
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(_falcon_kv_heads(cfg))
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
+def _falcon_kv_heads(cfg) -> int:
+    """The kv heads of transformers' Falcon (what config.json's num_kv_heads gives the converter)."""
+    return cfg.num_kv_heads if cfg.new_decoder_architecture or not cfg.multi_query else 1
+
+
+def _falcon_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """FalconModel.modify_tensors: query_key_value per kv group [its q heads | k | v] -> part-major
+    [q of every head | k of every kv head | v ...]."""
+    if "query_key_value" not in name:
+        return None
+    n_head, n_kv = cfg.num_attention_heads, _falcon_kv_heads(cfg)
+    hd = cfg.hidden_size // n_head
+    qkv = t.reshape(n_kv, n_head // n_kv + 2, hd, *t.shape[1:])
+    q, k, v = (qkv[:, :-2], qkv[:, [-2]], qkv[:, [-1]])
+    return [(name, torch.cat([x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]))]
+
+
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
     """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
     _gptneox(w, cfg)
@@ -461,6 +490,7 @@ LAYOUTS = {
     "olmo": Layout(gguf.MODEL_ARCH.OLMO, permute_qk=True, metadata=_olmo),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
     "mpt": Layout(gguf.MODEL_ARCH.MPT, metadata=_mpt, text_metadata=False),
+    "falcon": Layout(gguf.MODEL_ARCH.FALCON, metadata=_falcon, text_metadata=False, tensors=_falcon_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -245,6 +245,18 @@ FAMILIES = {
             dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, tie_word_embeddings=True,
                  attn_config={"clip_qkv": 0.5}, bos_token_id=None, eos_token_id=None, pad_token_id=None),
             ["mpt"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # Falcon-40B's form: grouped kv heads, parallel attention and MLP with a norm each
+    "falcon_40b": ("falcon", "FalconConfig",
+                   dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                        new_decoder_architecture=True, parallel_attn=True, bias=False, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                   ["falcon"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # Falcon-7B's: multi-query, one shared norm (read back as the new architecture's one-group case)
+    "falcon_7b": ("falcon", "FalconConfig",
+                  dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                  ["falcon"], {"blk.1.attn_output.weight": Q.Q8_0}),
 }
 
 

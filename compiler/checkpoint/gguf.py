@@ -162,7 +162,10 @@ class GGUFSource(Source):
             if value is not None or (isinstance(field, dict) and field.get("nullable")):
                 _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
-            cfg[hf_key] = tensor in names
+            if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
+                _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
+            else:
+                _put(cfg, hf_key, tensor in names)
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
