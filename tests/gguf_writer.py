@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -418,6 +418,19 @@ def _falcon_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return [(name, torch.cat([x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]))]
 
 
+def _phi2(w: gguf.GGUFWriter, cfg) -> None:
+    """Phi2Model: its own keys only (4 * n_embd as the MLP width, the rotated width per head)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_attention_heads)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    rot = cfg.rope_parameters["partial_rotary_factor"]
+    w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
+
+
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
     """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
     _gptneox(w, cfg)
@@ -491,6 +504,7 @@ LAYOUTS = {
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
     "mpt": Layout(gguf.MODEL_ARCH.MPT, metadata=_mpt, text_metadata=False),
     "falcon": Layout(gguf.MODEL_ARCH.FALCON, metadata=_falcon, text_metadata=False, tensors=_falcon_tensors),
+    "phi2": Layout(gguf.MODEL_ARCH.PHI2, metadata=_phi2, text_metadata=False),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

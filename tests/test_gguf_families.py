@@ -257,6 +257,11 @@ FAMILIES = {
                        new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
                        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
                   ["falcon"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    # one shared LayerNorm, parallel attention and MLP, partial rotary, a head with a bias
+    "phi2": ("phi2", "PhiConfig",
+             dict(SMALL, num_key_value_heads=4, intermediate_size=256, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+             ["phi"], {"blk.1.ffn_down.weight": Q.Q8_0}),
 }
 
 
