@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -431,6 +431,17 @@ def _phi2(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
 
 
+def _starcoder(w: gguf.GGUFWriter, cfg) -> None:
+    """StarCoderModel: its own keys only (4 * n_embd as the MLP width, one kv head)."""
+    w.add_context_length(cfg.n_positions)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(4 * cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
     """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
     _gptneox(w, cfg)
@@ -505,6 +516,7 @@ LAYOUTS = {
     "mpt": Layout(gguf.MODEL_ARCH.MPT, metadata=_mpt, text_metadata=False),
     "falcon": Layout(gguf.MODEL_ARCH.FALCON, metadata=_falcon, text_metadata=False, tensors=_falcon_tensors),
     "phi2": Layout(gguf.MODEL_ARCH.PHI2, metadata=_phi2, text_metadata=False),
+    "starcoder": Layout(gguf.MODEL_ARCH.STARCODER, metadata=_starcoder, text_metadata=False),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -262,6 +262,11 @@ FAMILIES = {
              dict(SMALL, num_key_value_heads=4, intermediate_size=256, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
              ["phi"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    # multi-query c_attn [q | k | v], learned positions, nn.Linear weights as they are
+    "gpt_bigcode": ("starcoder", "GPTBigCodeConfig",
+                    dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                    ["gpt_bigcode"], {"blk.0.ffn_up.weight": Q.Q8_0}),
 }
 
 
