@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -456,6 +456,12 @@ def _cohere2(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _command_r(w: gguf.GGUFWriter, cfg) -> None:
+    """CommandR2Model: the logit scale, no scaling."""
+    w.add_logit_scale(cfg.logit_scale)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def _nemotron(w: gguf.GGUFWriter, cfg) -> None:
     """NemotronModel: the LayerNorm epsilon, the rotated width per head, no scaling."""
     w.add_layer_norm_eps(cfg.norm_eps)
@@ -517,6 +523,7 @@ LAYOUTS = {
     "falcon": Layout(gguf.MODEL_ARCH.FALCON, metadata=_falcon, text_metadata=False, tensors=_falcon_tensors),
     "phi2": Layout(gguf.MODEL_ARCH.PHI2, metadata=_phi2, text_metadata=False),
     "starcoder": Layout(gguf.MODEL_ARCH.STARCODER, metadata=_starcoder, text_metadata=False),
+    "command-r": Layout(gguf.MODEL_ARCH.COMMAND_R, metadata=_command_r),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

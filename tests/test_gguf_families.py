@@ -267,6 +267,11 @@ FAMILIES = {
                     dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
                     ["gpt_bigcode"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # Command R: one bias-free LayerNorm, parallel attention and MLP, rotary in interleaved pairs
+    "cohere": ("command-r", "CohereConfig",
+               dict(SMALL, logit_scale=0.25, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 8e6}),
+               ["cohere"], {"blk.1.attn_v.weight": Q.Q8_0}),
 }
 
 
