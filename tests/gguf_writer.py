@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -309,6 +309,11 @@ def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
 
 
+def _exaone(w: gguf.GGUFWriter, cfg) -> None:
+    """ExaoneModel: the rotated width (the whole head)."""
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+
+
 def _glm4(w: gguf.GGUFWriter, cfg) -> None:
     """Glm4Model: the rotated width."""
     rot = (cfg.rope_parameters or {}).get("partial_rotary_factor", 0.5)
@@ -524,6 +529,7 @@ LAYOUTS = {
     "phi2": Layout(gguf.MODEL_ARCH.PHI2, metadata=_phi2, text_metadata=False),
     "starcoder": Layout(gguf.MODEL_ARCH.STARCODER, metadata=_starcoder, text_metadata=False),
     "command-r": Layout(gguf.MODEL_ARCH.COMMAND_R, metadata=_command_r),
+    "exaone": Layout(gguf.MODEL_ARCH.EXAONE, metadata=_exaone),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

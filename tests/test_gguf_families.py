@@ -272,6 +272,10 @@ FAMILIES = {
                dict(SMALL, logit_scale=0.25, tie_word_embeddings=True,
                     rope_parameters={"rope_type": "default", "rope_theta": 8e6}),
                ["cohere"], {"blk.1.attn_v.weight": Q.Q8_0}),
+    # EXAONE 3: Llama under GPT-2-style names, not permuted
+    "exaone": ("exaone", "ExaoneConfig",
+               dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+               ["exaone_names", "llama"], {"blk.0.ffn_gate.weight": Q.Q8_0}),
 }
 
 
