@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -97,6 +97,33 @@ def _granite(w: gguf.GGUFWriter, cfg) -> None:
         w.add_residual_scale(cfg.residual_multiplier)
     if cfg.logits_scaling:
         w.add_logit_scale(cfg.logits_scaling)
+
+
+def _granitemoe(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteMoeModel: Granite's keys, TextModel's expert keys, the shared MLP's width when set."""
+    _granite(w, cfg)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "shared_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+
+
+def _granitemoe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GraniteMoeModel.modify_tensors (on the checkpoint's names, which transformers 5 renames):
+    input_linear [E, 2F, D] (the twin's experts.gate_up_proj) split into gate / up, the shared
+    MLP's input_linear [2S, D] likewise; output_linear (experts.down_proj) and the router as they are."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("block_sparse_moe.router.weight"):
+        return [(f"blk.{bid}.ffn_gate_inp.weight", t)]
+    if name.endswith("block_sparse_moe.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("block_sparse_moe.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = t.chunk(2, dim=0)
+        return [(f"blk.{bid}.ffn_gate_shexp.weight", gate), (f"blk.{bid}.ffn_up_shexp.weight", up)]
+    return None
 
 
 def _gemma2(w: gguf.GGUFWriter, cfg) -> None:
@@ -530,6 +557,8 @@ LAYOUTS = {
     "starcoder": Layout(gguf.MODEL_ARCH.STARCODER, metadata=_starcoder, text_metadata=False),
     "command-r": Layout(gguf.MODEL_ARCH.COMMAND_R, metadata=_command_r),
     "exaone": Layout(gguf.MODEL_ARCH.EXAONE, metadata=_exaone),
+    "granitemoe": Layout(gguf.MODEL_ARCH.GRANITE_MOE, permute_qk=True, metadata=_granitemoe, head_dim_key=False,
+                         tensors=_granitemoe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

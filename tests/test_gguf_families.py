@@ -276,6 +276,18 @@ FAMILIES = {
     "exaone": ("exaone", "ExaoneConfig",
                dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
                ["exaone_names", "llama"], {"blk.0.ffn_gate.weight": Q.Q8_0}),
+    # Granite's multipliers over experts whose fused input_linear the converter splits
+    "granitemoe": ("granitemoe", "GraniteMoeConfig",
+                   dict(SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                        tie_word_embeddings=True, attention_multiplier=0.2, embedding_multiplier=3.0,
+                        residual_multiplier=0.5, logits_scaling=4.0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                   ["granitemoe"], {"blk.1.ffn_up_exps.weight": Q.Q8_0}),
+    "granitemoeshared": ("granitemoe", "GraniteMoeSharedConfig",
+                         dict(SMALL, intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
+                              num_experts_per_tok=2, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["granitemoe"], {"blk.0.ffn_gate_shexp.weight": Q.Q8_0}),
 }
 
 
