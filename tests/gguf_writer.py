@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -209,6 +209,18 @@ def _glm4moe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
+
+
+def _dots1(w: gguf.GGUFWriter, cfg) -> None:
+    """Dots1Model: Qwen2MoeModel's expert keys and DeepSeek-V3's (dense lead, shared experts,
+    the routed weights' scale and normalisation)."""
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -559,6 +571,7 @@ LAYOUTS = {
     "exaone": Layout(gguf.MODEL_ARCH.EXAONE, metadata=_exaone),
     "granitemoe": Layout(gguf.MODEL_ARCH.GRANITE_MOE, permute_qk=True, metadata=_granitemoe, head_dim_key=False,
                          tensors=_granitemoe_tensors),
+    "dots1": Layout(gguf.MODEL_ARCH.DOTS1, metadata=_dots1),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -288,6 +288,12 @@ FAMILIES = {
                               num_experts_per_tok=2, tie_word_embeddings=False,
                               rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                          ["granitemoe"], {"blk.0.ffn_gate_shexp.weight": Q.Q8_0}),
+    # q/k norms, a dense first layer, sigmoid routing with a selection bias and a shared expert
+    "dots1": ("dots1", "Dots1Config",
+              dict(SMALL, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["dots1"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0}),
 }
 
 
