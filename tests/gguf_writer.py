@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -221,6 +221,16 @@ def _dots1(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_shared_count(cfg.n_shared_experts)
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
+
+
+def _hunyuan_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """HunYuanMoEModel: the shared MLP's and the experts' widths (transformers' one
+    intermediate_size; config.json's moe_intermediate_size list holds the same), top-k, one shared."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_shared_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_used_count(cfg.moe_topk)
+    w.add_expert_shared_count(1)
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -572,6 +582,7 @@ LAYOUTS = {
     "granitemoe": Layout(gguf.MODEL_ARCH.GRANITE_MOE, permute_qk=True, metadata=_granitemoe, head_dim_key=False,
                          tensors=_granitemoe_tensors),
     "dots1": Layout(gguf.MODEL_ARCH.DOTS1, metadata=_dots1),
+    "hunyuan-moe": Layout(gguf.MODEL_ARCH.HUNYUAN_MOE, metadata=_hunyuan_moe),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -294,6 +294,11 @@ FAMILIES = {
                    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
               ["dots1"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0}),
+    # q/k norms after RoPE, softmax top-k experts beside an always-on shared MLP
+    "hunyuan_moe": ("hunyuan-moe", "HunYuanMoEV1Config",
+                    dict(SMALL, intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2, attention_bias=False,
+                         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                    ["hunyuan_v1_moe"], {"blk.1.ffn_down_exps.weight": Q.Q8_0}),
 }
 
 
