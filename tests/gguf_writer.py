@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -231,6 +231,25 @@ def _hunyuan_moe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_feed_forward_length(cfg.intermediate_size)
     w.add_expert_used_count(cfg.moe_topk)
     w.add_expert_shared_count(1)
+
+
+def _ernie4_5_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Ernie4_5MoeModel: the expert keys, the MoE layers' step and first index, the shared count."""
+    w.add_expert_count(cfg.moe_num_experts)
+    w.add_expert_used_count(cfg.moe_k)
+    w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+    w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.moe_num_shared_experts)
+    if cfg.moe_num_shared_experts > 0:
+        w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
+
+
+def _ernie4_5_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it under mlp.gate)."""
+    if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):
+        return [(name.replace("mlp.gate.moe_statics", "mlp.moe_statics"), t)]
+    return None
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -583,6 +602,7 @@ LAYOUTS = {
                          tensors=_granitemoe_tensors),
     "dots1": Layout(gguf.MODEL_ARCH.DOTS1, metadata=_dots1),
     "hunyuan-moe": Layout(gguf.MODEL_ARCH.HUNYUAN_MOE, metadata=_hunyuan_moe),
+    "ernie4_5-moe": Layout(gguf.MODEL_ARCH.ERNIE4_5_MOE, metadata=_ernie4_5_moe, tensors=_ernie4_5_moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -299,6 +299,14 @@ FAMILIES = {
                     dict(SMALL, intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2, attention_bias=False,
                          tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                     ["hunyuan_v1_moe"], {"blk.1.ffn_down_exps.weight": Q.Q8_0}),
+    # a dense first layer, then MoE every layer: softmax routing chosen with a selection bias,
+    # a shared expert
+    "ernie4_5_moe": ("ernie4_5-moe", "Ernie4_5_MoeConfig",
+                     dict(SMALL, num_hidden_layers=3, moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
+                          moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1,
+                          moe_layer_end_index=2, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+                     ["ernie4_5_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
 }
 
 
