@@ -307,6 +307,11 @@ FAMILIES = {
                           moe_layer_end_index=2, tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
                      ["ernie4_5_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # LayerNorms with biases, biased projections, ReLU^2 up / down
+    "jais2": ("jais2", "Jais2Config",
+              dict(SMALL, head_dim=16, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["nemotron"], {"blk.1.ffn_up.weight": Q.Q8_0}),
 }
 
 
