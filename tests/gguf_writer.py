@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, llama, mamba, mamba2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -249,6 +249,23 @@ def _ernie4_5_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """The checkpoint's name of the selection bias (transformers 5 moves it under mlp.gate)."""
     if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):
         return [(name.replace("mlp.gate.moe_statics", "mlp.moe_statics"), t)]
+    return None
+
+
+def _minimax_m2(w: gguf.GGUFWriter, cfg) -> None:
+    """MiniMaxM2Model: TextModel's expert keys, sigmoid scoring (config.json's scoring_func), the
+    experts' width and the rotated width (config.json's rotary_dim)."""
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+
+
+def _minimax_m2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it to mlp.)."""
+    if name.endswith("mlp.e_score_correction_bias"):
+        return [(name.replace("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"), t)]
     return None
 
 
@@ -604,6 +621,7 @@ LAYOUTS = {
     "hunyuan-moe": Layout(gguf.MODEL_ARCH.HUNYUAN_MOE, metadata=_hunyuan_moe),
     "ernie4_5-moe": Layout(gguf.MODEL_ARCH.ERNIE4_5_MOE, metadata=_ernie4_5_moe, tensors=_ernie4_5_moe_tensors),
     "jais2": Layout(gguf.MODEL_ARCH.JAIS2, metadata=_exaone),  # the rotated width: the whole head
+    "minimax-m2": Layout(gguf.MODEL_ARCH.MINIMAXM2, metadata=_minimax_m2, tensors=_minimax_m2_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

@@ -312,6 +312,12 @@ FAMILIES = {
               dict(SMALL, head_dim=16, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
               ["nemotron"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # q/k norms over the whole projection, partial rotary, sigmoid routing with a selection bias
+    "minimax_m2": ("minimax-m2", "MiniMaxM2Config",
+                   dict(SMALL, intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
+                   ["minimax_m2"], {"blk.0.ffn_gate_exps.weight": Q.Q8_0}),
 }
 
 
