@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -267,6 +267,32 @@ def _minimax_m2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     if name.endswith("mlp.e_score_correction_bias"):
         return [(name.replace("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"), t)]
     return None
+
+
+def _lfm2(w: gguf.GGUFWriter, cfg) -> None:
+    """LFM2Model: TextModel's keys with head_count_kv per layer (0 on conv layers), the conv's
+    cache length, the RMSNorm epsilon and the FFN width as Lfm2MLP adjusts it."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    ff = cfg.intermediate_size
+    if cfg.block_auto_adjust_ff_dim:
+        ff = int(2 * ff / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            ff = int(cfg.block_ffn_dim_multiplier * ff)
+        ff = cfg.block_multiple_of * ((ff + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    w.add_feed_forward_length(ff)
+
+
+def _lfm2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """LFM2Model.modify_tensors: the conv weight [C, 1, K] squeezed to [C, K]."""
+    return [(name, t.squeeze(1))] if "conv.conv.weight" in name else None
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -622,6 +648,7 @@ LAYOUTS = {
     "ernie4_5-moe": Layout(gguf.MODEL_ARCH.ERNIE4_5_MOE, metadata=_ernie4_5_moe, tensors=_ernie4_5_moe_tensors),
     "jais2": Layout(gguf.MODEL_ARCH.JAIS2, metadata=_exaone),  # the rotated width: the whole head
     "minimax-m2": Layout(gguf.MODEL_ARCH.MINIMAXM2, metadata=_minimax_m2, tensors=_minimax_m2_tensors),
+    "lfm2": Layout(gguf.MODEL_ARCH.LFM2, metadata=_lfm2, text_metadata=False, tensors=_lfm2_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

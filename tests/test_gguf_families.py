@@ -318,6 +318,11 @@ FAMILIES = {
                         tie_word_embeddings=False,
                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
                    ["minimax_m2"], {"blk.0.ffn_gate_exps.weight": Q.Q8_0}),
+    # short-conv and attention layers told by head_count_kv per layer, the auto-adjusted FFN width
+    "lfm2": ("lfm2", "Lfm2Config",
+             dict(SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=32,
+                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+             ["lfm2"], {"blk.1.ffn_down.weight": Q.Q8_0}),
 }
 
 

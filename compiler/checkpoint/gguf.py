@@ -147,7 +147,9 @@ class GGUFSource(Source):
             if value is None:
                 value = field["default"]
             elif isinstance(field, dict) and "each" in field:
-                value = self._each(key, value, field["each"])
+                value = self._each(key, value, field["each"], field.get("each_other"))
+            elif isinstance(field, dict) and field.get("largest") and isinstance(value, list):
+                value = max(value)  # a per-layer array's one value (LFM2's kv heads: 0 on conv layers)
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -235,11 +237,14 @@ class GGUFSource(Source):
         return arch, arch, mapping
 
 
-    def _each(self, key: str, value: Any, table: dict) -> list:
+    def _each(self, key: str, value: Any, table: dict, other: Any = None) -> list:
         """A per-layer metadata array (e.g. llama.cpp's sliding_window_pattern [bool] * n_layers)
         as config.json's list, element by element through `table` (e.g. {true: sliding_attention,
-        false: full_attention}); an element outside it is an error naming the key and the value."""
+        false: full_attention}), an element outside it as `other` when given (LFM2's head_count_kv
+        {0: conv}, other: full_attention), else an error naming the key and the value."""
         values = value if isinstance(value, list) else [value]
+        if other is not None:
+            return [table.get(v, other) for v in values]
         if bad := [v for v in values if v not in table]:
             raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
                                   f"{', '.join(repr(k) for k in table)}")
