@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from zoo.compiler.errors import CheckpointError  # noqa: E402
+from zoo.compiler.errors import CheckpointError, ConfigError  # noqa: E402
 from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
 from tests.helpers import check_parity  # noqa: E402
 
@@ -459,3 +459,23 @@ def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
     assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_what_the_new_maps_cannot_express(tmp_path):
+    """MPT without ALiBi, dots.llm1 routed by softmax and Command R+'s per-head q/k LayerNorms are
+    refused, each naming the file and what it has, never loaded as another model."""
+    mpt = twin("MptConfig", FAMILIES["mpt"][2])
+    mpt.config.attn_config.alibi = False  # the converter then writes max_alibi_bias 0
+    path = write_gguf(tmp_path / "mpt.gguf", mpt, LAYOUTS["mpt"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*MPT without ALiBi .*mpt.attention.max_alibi_bias = 0.0"):
+        zoo.from_pretrained(str(path), compile=False)
+    dots = twin("Dots1Config", FAMILIES["dots1"][2])
+    path = write_gguf(tmp_path / "dots.gguf", dots, LAYOUTS["dots1"], extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for dots1 "
+                                              rf"\(dots1.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    cohere = twin("CohereConfig", FAMILIES["cohere"][2])
+    path = write_gguf(tmp_path / "rplus.gguf", cohere, LAYOUTS["command-r"],
+                      extra_tensors={f"blk.{i}.attn_{k}_norm.weight": torch.ones(4, 16) for i in (0, 1) for k in "qk"})
+    with pytest.raises(ConfigError, match=rf"{path}.*use_qk_norm=True is not supported for model_type 'cohere'"):
+        zoo.from_pretrained(str(path), compile=False)
