@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -293,6 +293,31 @@ def _lfm2(w: gguf.GGUFWriter, cfg) -> None:
 def _lfm2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """LFM2Model.modify_tensors: the conv weight [C, 1, K] squeezed to [C, K]."""
     return [(name, t.squeeze(1))] if "conv.conv.weight" in name else None
+
+
+def _exaone_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """ExaoneMoEModel: Exaone4Model's window and pattern, TextModel's expert and group keys, the
+    experts' width, shared experts (count and width), scale, normalisation, dense lead, no MTP."""
+    _sliding_pattern(w, cfg)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.num_shared_experts)
+    w.add_expert_shared_feed_forward_length(cfg.moe_intermediate_size * cfg.num_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_nextn_predict_layers(0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _exaone_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it under mlp.gate)."""
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return [(name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"), t)]
+    return None
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -649,6 +674,7 @@ LAYOUTS = {
     "jais2": Layout(gguf.MODEL_ARCH.JAIS2, metadata=_exaone),  # the rotated width: the whole head
     "minimax-m2": Layout(gguf.MODEL_ARCH.MINIMAXM2, metadata=_minimax_m2, tensors=_minimax_m2_tensors),
     "lfm2": Layout(gguf.MODEL_ARCH.LFM2, metadata=_lfm2, text_metadata=False, tensors=_lfm2_tensors),
+    "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

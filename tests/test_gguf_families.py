@@ -323,6 +323,14 @@ FAMILIES = {
              dict(SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=32,
                   tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
              ["lfm2"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    # sliding layers with RoPE, full ones without (window 4 < the positions checked); a dense first
+    # layer, then sigmoid routing with a selection bias and a shared expert
+    "exaone_moe": ("exaone-moe", "ExaoneMoeConfig",
+                   dict(SMALL, num_hidden_layers=4, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                        num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4,
+                        sliding_window_pattern=2, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                   ["exaone_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
 }
 
 
