@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -282,7 +282,7 @@ def _lfm2(w: gguf.GGUFWriter, cfg) -> None:
     w.add_shortconv_l_cache(cfg.conv_L_cache)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     ff = cfg.intermediate_size
-    if cfg.block_auto_adjust_ff_dim:
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):  # LFM2-MoE's dense width is as is
         ff = int(2 * ff / 3)
         if cfg.block_ffn_dim_multiplier is not None:
             ff = int(cfg.block_ffn_dim_multiplier * ff)
@@ -318,6 +318,31 @@ def _exaone_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     if name.endswith("mlp.gate.e_score_correction_bias"):
         return [(name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"), t)]
     return None
+
+
+def _lfm2moe(w: gguf.GGUFWriter, cfg) -> None:
+    """LFM2MoeModel: LFM2's keys (the dense FFN width as is), the experts' width and TextModel's
+    expert keys, the dense lead, sigmoid routing."""
+    _lfm2(w, cfg)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _lfm2moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """LFM2MoeModel.modify_tensors: LFM2's conv squeeze, the experts stacked per kind (gate_up as
+    the twin holds them, split), expert_bias as exp_probs_b.bias."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("feed_forward.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("feed_forward.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    if name.endswith("feed_forward.expert_bias"):
+        return [(f"blk.{bid}.exp_probs_b.bias", t)]
+    return _lfm2_tensors(name, t, cfg)
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -675,6 +700,7 @@ LAYOUTS = {
     "minimax-m2": Layout(gguf.MODEL_ARCH.MINIMAXM2, metadata=_minimax_m2, tensors=_minimax_m2_tensors),
     "lfm2": Layout(gguf.MODEL_ARCH.LFM2, metadata=_lfm2, text_metadata=False, tensors=_lfm2_tensors),
     "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
+    "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 

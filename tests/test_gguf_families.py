@@ -331,6 +331,12 @@ FAMILIES = {
                         sliding_window_pattern=2, tie_word_embeddings=False,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                    ["exaone_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # LFM2's layout with a dense first layer, then sigmoid routing with a selection bias
+    "lfm2_moe": ("lfm2moe", "Lfm2MoeConfig",
+                 dict(SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                 ["lfm2_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
 }
 
 
@@ -345,7 +351,7 @@ def twin(config_class: str, kwargs: dict):
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's selection bias
                 b.uniform_(-0.3, 0.3)
     return model
 
