@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, cohere2, deepseek2, ernie4_5, exaone4, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, hunyuan-dense, llama, mamba, mamba2, nemotron, olmo, olmo2, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -97,6 +97,33 @@ def _granite(w: gguf.GGUFWriter, cfg) -> None:
         w.add_residual_scale(cfg.residual_multiplier)
     if cfg.logits_scaling:
         w.add_logit_scale(cfg.logits_scaling)
+
+
+def _granitemoe(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteMoeModel: Granite's keys, TextModel's expert keys, the shared MLP's width when set."""
+    _granite(w, cfg)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "shared_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+
+
+def _granitemoe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GraniteMoeModel.modify_tensors (on the checkpoint's names, which transformers 5 renames):
+    input_linear [E, 2F, D] (the twin's experts.gate_up_proj) split into gate / up, the shared
+    MLP's input_linear [2S, D] likewise; output_linear (experts.down_proj) and the router as they are."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("block_sparse_moe.router.weight"):
+        return [(f"blk.{bid}.ffn_gate_inp.weight", t)]
+    if name.endswith("block_sparse_moe.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("block_sparse_moe.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = t.chunk(2, dim=0)
+        return [(f"blk.{bid}.ffn_gate_shexp.weight", gate), (f"blk.{bid}.ffn_up_shexp.weight", up)]
+    return None
 
 
 def _gemma2(w: gguf.GGUFWriter, cfg) -> None:
@@ -182,6 +209,140 @@ def _glm4moe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_nextn_predict_layers(cfg.num_nextn_predict_layers)
+
+
+def _dots1(w: gguf.GGUFWriter, cfg) -> None:
+    """Dots1Model: Qwen2MoeModel's expert keys and DeepSeek-V3's (dense lead, shared experts,
+    the routed weights' scale and normalisation)."""
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+
+
+def _hunyuan_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """HunYuanMoEModel: the shared MLP's and the experts' widths (transformers' one
+    intermediate_size; config.json's moe_intermediate_size list holds the same), top-k, one shared."""
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_shared_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_used_count(cfg.moe_topk)
+    w.add_expert_shared_count(1)
+
+
+def _ernie4_5_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """Ernie4_5MoeModel: the expert keys, the MoE layers' step and first index, the shared count."""
+    w.add_expert_count(cfg.moe_num_experts)
+    w.add_expert_used_count(cfg.moe_k)
+    w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+    w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.moe_num_shared_experts)
+    if cfg.moe_num_shared_experts > 0:
+        w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
+
+
+def _ernie4_5_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it under mlp.gate)."""
+    if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):
+        return [(name.replace("mlp.gate.moe_statics", "mlp.moe_statics"), t)]
+    return None
+
+
+def _minimax_m2(w: gguf.GGUFWriter, cfg) -> None:
+    """MiniMaxM2Model: TextModel's expert keys, sigmoid scoring (config.json's scoring_func), the
+    experts' width and the rotated width (config.json's rotary_dim)."""
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+
+
+def _minimax_m2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it to mlp.)."""
+    if name.endswith("mlp.e_score_correction_bias"):
+        return [(name.replace("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"), t)]
+    return None
+
+
+def _lfm2(w: gguf.GGUFWriter, cfg) -> None:
+    """LFM2Model: TextModel's keys with head_count_kv per layer (0 on conv layers), the conv's
+    cache length, the RMSNorm epsilon and the FFN width as Lfm2MLP adjusts it."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    ff = cfg.intermediate_size
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):  # LFM2-MoE's dense width is as is
+        ff = int(2 * ff / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            ff = int(cfg.block_ffn_dim_multiplier * ff)
+        ff = cfg.block_multiple_of * ((ff + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    w.add_feed_forward_length(ff)
+
+
+def _lfm2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """LFM2Model.modify_tensors: the conv weight [C, 1, K] squeezed to [C, K]."""
+    return [(name, t.squeeze(1))] if "conv.conv.weight" in name else None
+
+
+def _exaone_moe(w: gguf.GGUFWriter, cfg) -> None:
+    """ExaoneMoEModel: Exaone4Model's window and pattern, TextModel's expert and group keys, the
+    experts' width, shared experts (count and width), scale, normalisation, dense lead, no MTP."""
+    _sliding_pattern(w, cfg)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.num_shared_experts)
+    w.add_expert_shared_feed_forward_length(cfg.moe_intermediate_size * cfg.num_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_nextn_predict_layers(0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _exaone_moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """The checkpoint's name of the selection bias (transformers 5 moves it under mlp.gate)."""
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return [(name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"), t)]
+    return None
+
+
+def _lfm2moe(w: gguf.GGUFWriter, cfg) -> None:
+    """LFM2MoeModel: LFM2's keys (the dense FFN width as is), the experts' width and TextModel's
+    expert keys, the dense lead, sigmoid routing."""
+    _lfm2(w, cfg)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _lfm2moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """LFM2MoeModel.modify_tensors: LFM2's conv squeeze, the experts stacked per kind (gate_up as
+    the twin holds them, split), expert_bias as exp_probs_b.bias."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("feed_forward.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("feed_forward.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    if name.endswith("feed_forward.expert_bias"):
+        return [(f"blk.{bid}.exp_probs_b.bias", t)]
+    return _lfm2_tensors(name, t, cfg)
 
 
 def _gpt_oss(w: gguf.GGUFWriter, cfg) -> None:
@@ -309,6 +470,11 @@ def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
 
 
+def _exaone(w: gguf.GGUFWriter, cfg) -> None:
+    """ExaoneModel (and Jais2Model): the rotated width (the whole head)."""
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def _glm4(w: gguf.GGUFWriter, cfg) -> None:
     """Glm4Model: the rotated width."""
     rot = (cfg.rope_parameters or {}).get("partial_rotary_factor", 0.5)
@@ -356,6 +522,92 @@ def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _bloom(w: gguf.GGUFWriter, cfg) -> None:
+    """BloomModel: its own keys only (4 * n_embed as the MLP width, head_count_kv = head_count)."""
+    w.add_context_length(getattr(cfg, "seq_length", cfg.hidden_size))
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.n_layer)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
+def _bloom_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """BloomModel.modify_tensors: the `transformer.` prefix dropped (gguf-py's BLOOM names are
+    the bare model's), query_key_value per head -> part-major as GPT-NeoX's."""
+    name = name.removeprefix("transformer.")
+    return _gptneox_tensors(name, t, cfg) or [(name, t)]
+
+
+def _mpt(w: gguf.GGUFWriter, cfg) -> None:
+    """MPTModel: its own keys only (4 * d_model as the MLP width, the fixed LayerNorm epsilon,
+    the clamp and the ALiBi bias maximum)."""
+    attn = cfg.attn_config
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(4 * cfg.d_model)
+    w.add_head_count(cfg.n_heads)
+    w.add_layer_norm_eps(1e-5)
+    if attn.clip_qkv is not None:
+        w.add_clamp_kqv(attn.clip_qkv)
+    w.add_max_alibi_bias(attn.alibi_bias_max if attn.alibi else 0.0)
+
+
+def _falcon(w: gguf.GGUFWriter, cfg) -> None:
+    """FalconModel: its own keys only (a fixed context of 2048, 4 * n_embd as the MLP width)."""
+    w.add_context_length(2048)
+    w.add_tensor_data_layout("jploski")
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(_falcon_kv_heads(cfg))
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
+def _falcon_kv_heads(cfg) -> int:
+    """The kv heads of transformers' Falcon (what config.json's num_kv_heads gives the converter)."""
+    return cfg.num_kv_heads if cfg.new_decoder_architecture or not cfg.multi_query else 1
+
+
+def _falcon_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """FalconModel.modify_tensors: query_key_value per kv group [its q heads | k | v] -> part-major
+    [q of every head | k of every kv head | v ...]."""
+    if "query_key_value" not in name:
+        return None
+    n_head, n_kv = cfg.num_attention_heads, _falcon_kv_heads(cfg)
+    hd = cfg.hidden_size // n_head
+    qkv = t.reshape(n_kv, n_head // n_kv + 2, hd, *t.shape[1:])
+    q, k, v = (qkv[:, :-2], qkv[:, [-2]], qkv[:, [-1]])
+    return [(name, torch.cat([x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]))]
+
+
+def _phi2(w: gguf.GGUFWriter, cfg) -> None:
+    """Phi2Model: its own keys only (4 * n_embd as the MLP width, the rotated width per head)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(4 * cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_attention_heads)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    rot = cfg.rope_parameters["partial_rotary_factor"]
+    w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
+
+
+def _starcoder(w: gguf.GGUFWriter, cfg) -> None:
+    """StarCoderModel: its own keys only (4 * n_embd as the MLP width, one kv head)."""
+    w.add_context_length(cfg.n_positions)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(4 * cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+
+
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
     """StableLMModel: its own keys only (the rotated width per head, the residual form)."""
     _gptneox(w, cfg)
@@ -367,6 +619,12 @@ def _cohere2(w: gguf.GGUFWriter, cfg) -> None:
     w.add_logit_scale(cfg.logit_scale)
     w.add_sliding_window(cfg.sliding_window)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _command_r(w: gguf.GGUFWriter, cfg) -> None:
+    """CommandR2Model: the logit scale, no scaling."""
+    w.add_logit_scale(cfg.logit_scale)
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
@@ -427,6 +685,23 @@ LAYOUTS = {
     "mamba2": Layout(gguf.MODEL_ARCH.MAMBA2, metadata=_mamba2, text_metadata=False, tensors=_mamba2_tensors),
     "olmo": Layout(gguf.MODEL_ARCH.OLMO, permute_qk=True, metadata=_olmo),
     "gpt2": Layout(gguf.MODEL_ARCH.GPT2, metadata=_gpt2, text_metadata=False, tensors=_gpt2_tensors),
+    "mpt": Layout(gguf.MODEL_ARCH.MPT, metadata=_mpt, text_metadata=False),
+    "falcon": Layout(gguf.MODEL_ARCH.FALCON, metadata=_falcon, text_metadata=False, tensors=_falcon_tensors),
+    "phi2": Layout(gguf.MODEL_ARCH.PHI2, metadata=_phi2, text_metadata=False),
+    "starcoder": Layout(gguf.MODEL_ARCH.STARCODER, metadata=_starcoder, text_metadata=False),
+    "command-r": Layout(gguf.MODEL_ARCH.COMMAND_R, metadata=_command_r),
+    "exaone": Layout(gguf.MODEL_ARCH.EXAONE, metadata=_exaone),
+    "granitemoe": Layout(gguf.MODEL_ARCH.GRANITE_MOE, permute_qk=True, metadata=_granitemoe, head_dim_key=False,
+                         tensors=_granitemoe_tensors),
+    "dots1": Layout(gguf.MODEL_ARCH.DOTS1, metadata=_dots1),
+    "hunyuan-moe": Layout(gguf.MODEL_ARCH.HUNYUAN_MOE, metadata=_hunyuan_moe),
+    "ernie4_5-moe": Layout(gguf.MODEL_ARCH.ERNIE4_5_MOE, metadata=_ernie4_5_moe, tensors=_ernie4_5_moe_tensors),
+    "jais2": Layout(gguf.MODEL_ARCH.JAIS2, metadata=_exaone),  # the rotated width: the whole head
+    "minimax-m2": Layout(gguf.MODEL_ARCH.MINIMAXM2, metadata=_minimax_m2, tensors=_minimax_m2_tensors),
+    "lfm2": Layout(gguf.MODEL_ARCH.LFM2, metadata=_lfm2, text_metadata=False, tensors=_lfm2_tensors),
+    "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
+    "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
+    "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
 }
 
 

@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from zoo.compiler.errors import CheckpointError  # noqa: E402
+from zoo.compiler.errors import CheckpointError, ConfigError  # noqa: E402
 from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
 from tests.helpers import check_parity  # noqa: E402
 
@@ -235,6 +235,108 @@ FAMILIES = {
              dict(SMALL, clip_qkv=0.5, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
              ["olmo"], {"blk.1.ffn_gate.weight": Q.Q8_0}),
+    # ALiBi, a LayerNorm on the embeddings, query_key_value stored part-major
+    "bloom": ("bloom", "BloomConfig",
+              dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, tie_word_embeddings=True,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              ["bloom"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # ALiBi, bias-free LayerNorms, Wqkv as it is, q/k/v clamped
+    "mpt": ("mpt", "MptConfig",
+            dict(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, tie_word_embeddings=True,
+                 attn_config={"clip_qkv": 0.5}, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+            ["mpt"], {"blk.0.ffn_down.weight": Q.Q8_0}),
+    # Falcon-40B's form: grouped kv heads, parallel attention and MLP with a norm each
+    "falcon_40b": ("falcon", "FalconConfig",
+                   dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                        new_decoder_architecture=True, parallel_attn=True, bias=False, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                   ["falcon"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # Falcon-7B's: multi-query, one shared norm (read back as the new architecture's one-group case)
+    "falcon_7b": ("falcon", "FalconConfig",
+                  dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                  ["falcon"], {"blk.1.attn_output.weight": Q.Q8_0}),
+    # one shared LayerNorm, parallel attention and MLP, partial rotary, a head with a bias
+    "phi2": ("phi2", "PhiConfig",
+             dict(SMALL, num_key_value_heads=4, intermediate_size=256, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+             ["phi"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    # multi-query c_attn [q | k | v], learned positions, nn.Linear weights as they are
+    "gpt_bigcode": ("starcoder", "GPTBigCodeConfig",
+                    dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+                    ["gpt_bigcode"], {"blk.0.ffn_up.weight": Q.Q8_0}),
+    # Command R: one bias-free LayerNorm, parallel attention and MLP, rotary in interleaved pairs
+    "cohere": ("command-r", "CohereConfig",
+               dict(SMALL, logit_scale=0.25, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 8e6}),
+               ["cohere"], {"blk.1.attn_v.weight": Q.Q8_0}),
+    # EXAONE 3: Llama under GPT-2-style names, not permuted
+    "exaone": ("exaone", "ExaoneConfig",
+               dict(SMALL, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+               ["exaone_names", "llama"], {"blk.0.ffn_gate.weight": Q.Q8_0}),
+    # Granite's multipliers over experts whose fused input_linear the converter splits
+    "granitemoe": ("granitemoe", "GraniteMoeConfig",
+                   dict(SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                        tie_word_embeddings=True, attention_multiplier=0.2, embedding_multiplier=3.0,
+                        residual_multiplier=0.5, logits_scaling=4.0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                   ["granitemoe"], {"blk.1.ffn_up_exps.weight": Q.Q8_0}),
+    "granitemoeshared": ("granitemoe", "GraniteMoeSharedConfig",
+                         dict(SMALL, intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
+                              num_experts_per_tok=2, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["granitemoe"], {"blk.0.ffn_gate_shexp.weight": Q.Q8_0}),
+    # q/k norms, a dense first layer, sigmoid routing with a selection bias and a shared expert
+    "dots1": ("dots1", "Dots1Config",
+              dict(SMALL, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["dots1"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0}),
+    # q/k norms after RoPE, softmax top-k experts beside an always-on shared MLP
+    "hunyuan_moe": ("hunyuan-moe", "HunYuanMoEV1Config",
+                    dict(SMALL, intermediate_size=32, head_dim=16, num_experts=4, moe_topk=2, attention_bias=False,
+                         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                    ["hunyuan_v1_moe"], {"blk.1.ffn_down_exps.weight": Q.Q8_0}),
+    # a dense first layer, then MoE every layer: softmax routing chosen with a selection bias,
+    # a shared expert
+    "ernie4_5_moe": ("ernie4_5-moe", "Ernie4_5_MoeConfig",
+                     dict(SMALL, num_hidden_layers=3, moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
+                          moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1,
+                          moe_layer_end_index=2, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+                     ["ernie4_5_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # LayerNorms with biases, biased projections, ReLU^2 up / down
+    "jais2": ("jais2", "Jais2Config",
+              dict(SMALL, head_dim=16, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["nemotron"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # q/k norms over the whole projection, partial rotary, sigmoid routing with a selection bias
+    "minimax_m2": ("minimax-m2", "MiniMaxM2Config",
+                   dict(SMALL, intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
+                   ["minimax_m2"], {"blk.0.ffn_gate_exps.weight": Q.Q8_0}),
+    # short-conv and attention layers told by head_count_kv per layer, the auto-adjusted FFN width
+    "lfm2": ("lfm2", "Lfm2Config",
+             dict(SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], block_multiple_of=32,
+                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+             ["lfm2"], {"blk.1.ffn_down.weight": Q.Q8_0}),
+    # sliding layers with RoPE, full ones without (window 4 < the positions checked); a dense first
+    # layer, then sigmoid routing with a selection bias and a shared expert
+    "exaone_moe": ("exaone-moe", "ExaoneMoeConfig",
+                   dict(SMALL, num_hidden_layers=4, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                        num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4,
+                        sliding_window_pattern=2, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                   ["exaone_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # LFM2's layout with a dense first layer, then sigmoid routing with a selection bias
+    "lfm2_moe": ("lfm2moe", "Lfm2MoeConfig",
+                 dict(SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
+                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                 ["lfm2_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
 }
 
 
@@ -249,7 +351,7 @@ def twin(config_class: str, kwargs: dict):
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's selection bias
                 b.uniform_(-0.3, 0.3)
     return model
 
@@ -371,3 +473,23 @@ def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
     assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_what_the_new_maps_cannot_express(tmp_path):
+    """MPT without ALiBi, dots.llm1 routed by softmax and Command R+'s per-head q/k LayerNorms are
+    refused, each naming the file and what it has, never loaded as another model."""
+    mpt = twin("MptConfig", FAMILIES["mpt"][2])
+    mpt.config.attn_config.alibi = False  # the converter then writes max_alibi_bias 0
+    path = write_gguf(tmp_path / "mpt.gguf", mpt, LAYOUTS["mpt"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*MPT without ALiBi .*mpt.attention.max_alibi_bias = 0.0"):
+        zoo.from_pretrained(str(path), compile=False)
+    dots = twin("Dots1Config", FAMILIES["dots1"][2])
+    path = write_gguf(tmp_path / "dots.gguf", dots, LAYOUTS["dots1"], extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for dots1 "
+                                              rf"\(dots1.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    cohere = twin("CohereConfig", FAMILIES["cohere"][2])
+    path = write_gguf(tmp_path / "rplus.gguf", cohere, LAYOUTS["command-r"],
+                      extra_tensors={f"blk.{i}.attn_{k}_norm.weight": torch.ones(4, 16) for i in (0, 1) for k in "qk"})
+    with pytest.raises(ConfigError, match=rf"{path}.*use_qk_norm=True is not supported for model_type 'cohere'"):
+        zoo.from_pretrained(str(path), compile=False)

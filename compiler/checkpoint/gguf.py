@@ -11,6 +11,7 @@ Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ class GGUFSource(Source):
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
-        cfg: dict[str, Any] = dict(mapping.get("config", {}))
+        cfg: dict[str, Any] = copy.deepcopy(mapping.get("config", {}))
         for hf_key, field in mapping.get("fields", {}).items():
             key = field["key"] if isinstance(field, dict) else field
             if isinstance(key, list):  # the first key the file has (newer converters renamed some)
@@ -146,7 +147,9 @@ class GGUFSource(Source):
             if value is None:
                 value = field["default"]
             elif isinstance(field, dict) and "each" in field:
-                value = self._each(key, value, field["each"])
+                value = self._each(key, value, field["each"], field.get("each_other"))
+            elif isinstance(field, dict) and field.get("largest") and isinstance(value, list):
+                value = max(value)  # a per-layer array's one value (LFM2's kv heads: 0 on conv layers)
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -159,9 +162,12 @@ class GGUFSource(Source):
                     d = self._required(field["over"].format(arch=arch))
                     value = value // d if value % d == 0 else value / d
             if value is not None or (isinstance(field, dict) and field.get("nullable")):
-                cfg[hf_key] = value  # nullable: config.json's explicit null (DeepSeek's full-rank q)
+                _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
-            cfg[hf_key] = tensor in names
+            if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
+                _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
+            else:
+                _put(cfg, hf_key, tensor in names)
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
@@ -231,11 +237,14 @@ class GGUFSource(Source):
         return arch, arch, mapping
 
 
-    def _each(self, key: str, value: Any, table: dict) -> list:
+    def _each(self, key: str, value: Any, table: dict, other: Any = None) -> list:
         """A per-layer metadata array (e.g. llama.cpp's sliding_window_pattern [bool] * n_layers)
         as config.json's list, element by element through `table` (e.g. {true: sliding_attention,
-        false: full_attention}); an element outside it is an error naming the key and the value."""
+        false: full_attention}), an element outside it as `other` when given (LFM2's head_count_kv
+        {0: conv}, other: full_attention), else an error naming the key and the value."""
         values = value if isinstance(value, list) else [value]
+        if other is not None:
+            return [table.get(v, other) for v in values]
         if bad := [v for v in values if v not in table]:
             raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
                                   f"{', '.join(repr(k) for k in table)}")
@@ -354,6 +363,15 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
         return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
     raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
     return dequantize(raw, ggml_type.name)
+
+
+def _put(cfg: dict, key: str, value: Any) -> None:
+    """cfg[key] = value; a dotted key reaches into config.json's sub-dicts (MPT's
+    attn_config.clip_qkv), made as needed."""
+    *parents, last = key.split(".")
+    for part in parents:
+        cfg = cfg.setdefault(part, {})
+    cfg[last] = value
 
 
 def _load_yaml(path: Path) -> dict:
