@@ -61,7 +61,7 @@ FAMILIES = {
                                      mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=5)),
 }
 # one compiled sample per new mixer kind (the chunked scans are custom ops: one graph each)
-COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2}
+COMPILED = {"mamba": 1, "mamba2": 1, "lfm2": 2, "nemotron_h": 3}  # nemotron_h: Mamba2, attention and FFN-only (NoMixer) layers
 
 
 def make_config(family: str, **kw):
