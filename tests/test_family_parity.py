@@ -129,12 +129,19 @@ FAMILIES["kimi_linear"] = Family(
 # ------------------------------------------------------------------------------ DeepSeek-V4 (test_deepseek_v4.py)
 
 
+KINDS_COMPILED_V4 = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 # 20 tokens: entries in both compressed kinds at prefill, decode completes CSA blocks at positions
 # 23, 27, 31 and HCA ones at 23, 31; 3 and 8: no entry / exactly one complete block at the end
 FAMILIES["deepseek_v4"] = Family(
     lambda: v4.make_reference(seed=1), save=lambda ref, path: v4.save_checkpoint(ref, path), max_seq=v4.MAX_SEQ,
-    eager=(P(20, 12), P(3, 6), P(8, 6), DEP(32, 5)), compiled=(P(20, 12), P(9, 3), DEP(30, 6)),
-    graphs=4)  # (swa, csa, hca) x (hash MoE, MoE) as the layers pair them
+    eager=(P(20, 12), P(3, 6), P(8, 6), DEP(32, 5)))
+# compiled: one layer of each attention kind (CI time: each V4 layer kind is a long cold compile, and the
+# full twin pairs them with the routings into 4)
+FAMILIES["deepseek_v4/compiled"] = Family(
+    lambda: v4.make_reference(seed=1, num_hidden_layers=3, layer_types=KINDS_COMPILED_V4,
+                              mlp_layer_types=["hash_moe", "moe", "moe"]),
+    save=lambda ref, path: v4.save_checkpoint(ref, path), max_seq=v4.MAX_SEQ,
+    eager=(), compiled=(P(20, 12), P(9, 3), DEP(30, 6)), graphs=3)  # (swa, hash MoE), (csa, MoE), (hca, MoE)
 
 # ------------------------------------------------------------------- GLM-5 / DeepSeek-V3.2 (test_glm5.py)
 
