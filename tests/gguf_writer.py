@@ -481,14 +481,23 @@ def _glm4(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int((cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads) * rot))
 
 
+def _layernorm_header(w: gguf.GGUFWriter, context: int, embed: int, ff: int, blocks: int, heads: int,
+                      eps: float, kv: int | None = None) -> None:
+    """The keys every GPT-2-era converter class writes (context, widths, blocks, heads, the
+    LayerNorm epsilon); head_count_kv only where the class writes one."""
+    w.add_context_length(context)
+    w.add_embedding_length(embed)
+    w.add_feed_forward_length(ff)
+    w.add_block_count(blocks)
+    w.add_head_count(heads)
+    if kv is not None:
+        w.add_head_count_kv(kv)
+    w.add_layer_norm_eps(eps)
+
+
 def _gpt2(w: gguf.GGUFWriter, cfg) -> None:
     """GPT2Model: its own keys only (the MLP width as 4 * n_embd, the LayerNorm epsilon)."""
-    w.add_block_count(cfg.n_layer)
-    w.add_context_length(cfg.n_positions)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(4 * cfg.n_embd)
-    w.add_head_count(cfg.n_head)
-    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    _layernorm_header(w, cfg.n_positions, cfg.n_embd, 4 * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.layer_norm_epsilon)
     w.add_vocab_size(cfg.vocab_size)
 
 
@@ -501,15 +510,11 @@ def _gpt2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
 
 def _gptneox(w: gguf.GGUFWriter, cfg) -> None:
     """GPTNeoXModel: its own keys only (the rotated width per head, the residual form)."""
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    _layernorm_header(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                      cfg.num_attention_heads, cfg.layer_norm_eps)
     rot = cfg.rope_parameters.get("partial_rotary_factor", 0.25)
     w.add_rope_dimension_count(int(rot * (cfg.hidden_size // cfg.num_attention_heads)))
-    w.add_head_count(cfg.num_attention_heads)
     w.add_parallel_residual(cfg.use_parallel_residual)
-    w.add_layer_norm_eps(cfg.layer_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
 
 
@@ -524,13 +529,8 @@ def _gptneox_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
 
 def _bloom(w: gguf.GGUFWriter, cfg) -> None:
     """BloomModel: its own keys only (4 * n_embed as the MLP width, head_count_kv = head_count)."""
-    w.add_context_length(getattr(cfg, "seq_length", cfg.hidden_size))
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(4 * cfg.hidden_size)
-    w.add_block_count(cfg.n_layer)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head)
-    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    _layernorm_header(w, getattr(cfg, "seq_length", cfg.hidden_size), cfg.hidden_size, 4 * cfg.hidden_size, cfg.n_layer,
+                      cfg.n_head, cfg.layer_norm_epsilon, kv=cfg.n_head)
 
 
 def _bloom_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
@@ -544,12 +544,7 @@ def _mpt(w: gguf.GGUFWriter, cfg) -> None:
     """MPTModel: its own keys only (4 * d_model as the MLP width, the fixed LayerNorm epsilon,
     the clamp and the ALiBi bias maximum)."""
     attn = cfg.attn_config
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.d_model)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(4 * cfg.d_model)
-    w.add_head_count(cfg.n_heads)
-    w.add_layer_norm_eps(1e-5)
+    _layernorm_header(w, cfg.max_seq_len, cfg.d_model, 4 * cfg.d_model, cfg.n_layers, cfg.n_heads, 1e-5)
     if attn.clip_qkv is not None:
         w.add_clamp_kqv(attn.clip_qkv)
     w.add_max_alibi_bias(attn.alibi_bias_max if attn.alibi else 0.0)
@@ -557,14 +552,9 @@ def _mpt(w: gguf.GGUFWriter, cfg) -> None:
 
 def _falcon(w: gguf.GGUFWriter, cfg) -> None:
     """FalconModel: its own keys only (a fixed context of 2048, 4 * n_embd as the MLP width)."""
-    w.add_context_length(2048)
     w.add_tensor_data_layout("jploski")
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(4 * cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(_falcon_kv_heads(cfg))
-    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    _layernorm_header(w, 2048, cfg.hidden_size, 4 * cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                      cfg.layer_norm_epsilon, kv=_falcon_kv_heads(cfg))
 
 
 def _falcon_kv_heads(cfg) -> int:
@@ -586,26 +576,15 @@ def _falcon_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
 
 def _phi2(w: gguf.GGUFWriter, cfg) -> None:
     """Phi2Model: its own keys only (4 * n_embd as the MLP width, the rotated width per head)."""
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(4 * cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_attention_heads)
-    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    _layernorm_header(w, cfg.max_position_embeddings, cfg.hidden_size, 4 * cfg.hidden_size, cfg.num_hidden_layers,
+                      cfg.num_attention_heads, cfg.layer_norm_eps, kv=cfg.num_attention_heads)
     rot = cfg.rope_parameters["partial_rotary_factor"]
     w.add_rope_dimension_count(int(rot * cfg.hidden_size) // cfg.num_attention_heads)
 
 
 def _starcoder(w: gguf.GGUFWriter, cfg) -> None:
     """StarCoderModel: its own keys only (4 * n_embd as the MLP width, one kv head)."""
-    w.add_context_length(cfg.n_positions)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(4 * cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    _layernorm_header(w, cfg.n_positions, cfg.n_embd, 4 * cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.layer_norm_epsilon, kv=1)
 
 
 def _stablelm(w: gguf.GGUFWriter, cfg) -> None:
