@@ -117,13 +117,13 @@ FAMILIES["qwen3_next"] = Family(
     save_kwargs={"max_shard_size": "400KB"}, **LINEAR,  # sharded: the MTP test adds a shard
     eager=(P(37, 6), P(70, 2, batch=1), P(1, 3), DEP(45, 30)),
     compiled=(P(37, 4), P(21, 2), DEP(40, 33)), graphs=2)
-# a prompt over several chunks and a 1-token prompt (the decode graph), then other lengths: the same graphs
 FAMILIES["qwen3_5"] = Family(
     lambda: tiny_reference(_cls("Qwen3_5ForCausalLM"), qwen3_5.tiny_config(), qwen3_next.randomize), **LINEAR,
     eager=(P(37, 4), P(1, 2), DEP(43, 32)))  # the kinds of qwen3_next: compiled there
 FAMILIES["kimi_linear"] = Family(
     lambda: tiny_reference(_cls("KimiLinearForCausalLM"), kimi.tiny_config(), kimi.randomize), **LINEAR,
     eager=(P(37, 4), P(1, 2), DEP(43, 32)), compiled=(P(33, 4), P(1, 2), DEP(39, 28), P(19, 2)),
+    # a prompt over several chunks and a 1-token prompt (the decode graph), then other lengths: the same graphs
     graphs=3)  # KDA + dense, KDA + MoE, MLA + MoE
 
 # ------------------------------------------------------------------------------ DeepSeek-V4 (test_deepseek_v4.py)
