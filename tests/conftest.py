@@ -1,5 +1,11 @@
 import os
 
+# Under pytest-xdist each worker (one per core) computes on one thread: two workers with a thread
+# per core each would spin against each other in OpenMP's barriers. Set before torch starts its
+# pool; subprocesses (CLI runs, torchrun ranks, servers) inherit it. Tests about threads set theirs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 
