@@ -69,7 +69,7 @@ IMPORT_MAP_KEYS = {"model_type", "base", "rules", "fields", "expect", "require",
 # a `layout_from` rule: `key` (config.json's per-layer list) and at most one fill, used when
 # config.json lacks the list (a rule without `key` needs its fill)
 LAYOUT_FILLS = ("absent", "listed", "every_nth", "first_n", "range", "when")
-LAYOUT_RULE_KEYS = {"key", "kinds", "pending", "trim", *LAYOUT_FILLS}
+LAYOUT_RULE_KEYS = {"key", "kinds", "pending", "trim", "empty_is_absent", *LAYOUT_FILLS}
 ROPE_RULE_KEYS = {"to", "params", "theta_default", "legacy_theta", "aliases", "original_max_position"}
 # config.json keys the rope reader consumes (rope_from_hf), and the keys it reads inside
 # rope_parameters / rope_scaling for each rope type
@@ -325,6 +325,8 @@ def _layer_kinds(config: dict, rule: dict, n_layers: int, where: str, file: str,
     keys = _keys_of(rule.get("key", []))
     name = next((k for k in keys if _get(config, k) not in (_ABSENT, None)), " or ".join(keys))
     types = _get_first(config, keys) if keys else _ABSENT
+    if types == [] and rule.get("empty_is_absent"):  # a config class that reads [] as "not given"
+        types = _ABSENT
     fill = next((f for f in LAYOUT_FILLS if f in rule), None)
     if types is _ABSENT and fill is None:
         raise ConfigError(f"{where}: config.json lacks {' or '.join(map(repr, keys))} (for {entry}; see {file})")

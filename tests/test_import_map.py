@@ -207,6 +207,15 @@ def test_first_n_and_every_nth_take_expressions_and_defaults():
         ffns({}, rule, 4)
 
 
+def test_an_empty_list_is_absent_only_where_the_rule_says_so():
+    """Llama 4's `no_rope_layers: []`: its config class takes the default schedule."""
+    rule = {"key": "mlp_types", "every_nth": {"key": "step", "default": 2, "kind": "moe", "other": "dense"},
+            "kinds": KINDS}
+    with pytest.raises(ConfigError, match=r"mlp_types has 0 entries but the model has 4 layers"):
+        ffns({"mlp_types": []}, rule, 4)
+    assert ffns({"mlp_types": []}, {**rule, "empty_is_absent": True}, 4) == ["dense", "moe", "dense", "moe"]
+
+
 def test_layout_rule_without_key_or_fill_is_a_clear_error():
     with pytest.raises(ConfigError) as e:
         layout_from_hf({}, {"kinds": KINDS}, 4, "config.json", "hf/toy.yaml")

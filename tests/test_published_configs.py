@@ -238,3 +238,17 @@ def test_zoo_import_round_trip_longrope(references, tmp_path, monkeypatch):
     assert built.spec.rope == direct.spec.rope
     x = ids(19, 4)[:1]
     torch.testing.assert_close(built.prefill(x), direct.prefill(x), rtol=0, atol=0)
+
+
+def test_llama4_scout_empty_no_rope_layers_is_the_default_schedule():
+    """Llama-4-Scout's config.json gives `no_rope_layers: []`; Llama4TextConfig then takes NoPE
+    every no_rope_layer_interval-th layer, and so must the import (not "0 entries")."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None).to_dict()
+    expected = ["nope" if x == 0 else "rope" for x in config["no_rope_layers"]]
+    assert expected.count("nope") == 2
+    config["no_rope_layers"] = []
+    spec = validate(import_config(config, "config.json"), "config.json")
+    assert [layer.mixer_name for layer in spec.layers] == expected
