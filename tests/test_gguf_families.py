@@ -138,6 +138,15 @@ FAMILIES = {
                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
                    ["qwen3_next_mtp", "qwen3_next"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ssm_out.weight": Q.Q8_0,
                                                       "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # Qwen3.5: Gated DeltaNet (3 value heads per key head, which llama.cpp stores tiled) and gated
+    # attention every 4th layer, a dense FFN; llama.cpp's A, conv, norm and value-head layouts
+    "qwen3_5": ("qwen35", "Qwen3_5TextConfig",
+                dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+                     linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+                ["qwen3_5_names", "qwen3_5_text"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
@@ -468,6 +477,25 @@ def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
            f"blk.{n}.nextn.hnorm.weight": torch.ones(D), f"blk.{n}.nextn.shared_head_norm.weight": torch.ones(D),
            f"blk.{n}.attn_norm.weight": torch.ones(D), f"blk.{n}.attn_q.weight": torch.randn(64, D)}
     path = write_gguf(tmp_path / "glm_mtp.gguf", ref, LAYOUTS["glm4moe"], extra_tensors=mtp)
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    skipped = dict(m.info.load.ignored)
+    assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_qwen35_mtp_block_is_skipped_with_its_reason(tmp_path):
+    """Qwen3.5 files count the MTP layer in block_count (nextn_predict_layers of them) and store it
+    as the last block, blk.{n_layers}.*: the map reads the main layers' count, every tensor of the
+    block is skipped with the reason in the load report, and the model is the twin."""
+    ref = twin("Qwen3_5TextConfig", FAMILIES["qwen3_5"][2])
+    ref.config.mtp_num_hidden_layers = 1  # what a Qwen3.5 config.json says; the twin has no MTP weights
+    D, n = ref.config.hidden_size, ref.config.num_hidden_layers
+    mtp = {f"blk.{n}.nextn.eh_proj.weight": torch.randn(D, 2 * D), f"blk.{n}.nextn.enorm.weight": torch.ones(D),
+           f"blk.{n}.attn_norm.weight": torch.ones(D), f"blk.{n}.attn_q.weight": torch.randn(128, D)}
+    path = write_gguf(tmp_path / "q35_mtp.gguf", ref, LAYOUTS["qwen35"], extra_tensors=mtp)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.get_field("qwen35.block_count").contents() == n + 1
     m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
     skipped = dict(m.info.load.ignored)
     assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
