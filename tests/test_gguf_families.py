@@ -147,6 +147,17 @@ FAMILIES = {
                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                       "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
                 ["qwen3_5_names", "qwen3_5_text"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q8_0}),
+    # Qwen3.5-MoE: Qwen3.5's layers with softmax top-k experts and a sigmoid-gated shared expert
+    "qwen3_5_moe": ("qwen35moe", "Qwen3_5MoeTextConfig",
+                    dict({k: v for k, v in SMALL.items() if k != "intermediate_size"}, num_hidden_layers=4,
+                         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+                    ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.3.attn_v.weight": Q.Q8_0,
+                                                           "blk.0.ffn_down_exps.weight": Q.Q8_0,
+                                                           "blk.2.ffn_up_shexp.weight": Q.Q4_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
