@@ -158,6 +158,21 @@ FAMILIES = {
                     ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.3.attn_v.weight": Q.Q8_0,
                                                            "blk.0.ffn_down_exps.weight": Q.Q8_0,
                                                            "blk.2.ffn_up_shexp.weight": Q.Q4_0}),
+    # Kimi Linear: KDA and NoPE MLA layers (told by head_count_kv per layer), a dense first layer,
+    # then sigmoid routing with a selection bias and a shared expert; a Hub-style config
+    # (linear_attn_config), as the converter reads it
+    "kimi_linear": ("kimi-linear", "KimiLinearConfig",
+                    dict(SMALL, num_key_value_heads=4, num_hidden_layers=4, moe_intermediate_size=32, kv_lora_rank=32,
+                         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
+                         num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
+                         routed_scaling_factor=2.446, moe_renormalize=True, moe_router_activation_func="sigmoid",
+                         num_expert_group=1, topk_group=1, use_grouped_topk=True, mla_use_nope=True, moe_layer_freq=1,
+                         num_nextn_predict_layers=0, model_max_length=256, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False,
+                         linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16,
+                                             "num_heads": 4, "short_conv_kernel_size": 4}),
+                    ["kimi_linear_names", "kimi_linear"], {"blk.1.attn_output.weight": Q.Q8_0,
+                                                          "blk.2.ffn_up_exps.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
@@ -512,6 +527,17 @@ def test_qwen35_mtp_block_is_skipped_with_its_reason(tmp_path):
     assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_kimi_linear_softmax_routing_is_refused(tmp_path):
+    """A kimi-linear file routed by softmax (expert_gating_func 1; llama.cpp follows the file) is not
+    Kimi Linear's sigmoid router: refused, naming the key, its value and the file."""
+    ref = twin("KimiLinearConfig", FAMILIES["kimi_linear"][2])
+    ref.config.moe_router_activation_func = "softmax"
+    path = write_gguf(tmp_path / "kimi.gguf", ref, LAYOUTS["kimi-linear"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for kimi-linear "
+                                              rf"\(kimi-linear.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
 
 
 def test_what_the_new_maps_cannot_express(tmp_path):

@@ -268,6 +268,22 @@ def test_transpose_blocks_undoes_the_value_head_tiling():
         tb.shape([(31, 3)], blocks=[per_k, nk], start=6)
 
 
+def test_reshape_op():
+    """reshape (conf/rules/gguf_kimi-linear.yaml): llama.cpp's [1, C, 1, K] conv weights, or the
+    [C, 1, K] llama-quantize leaves, back to [C, 1, K]; a shape of other size is refused."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    rs = get_op("reshape", "test")
+    conv = torch.randn(6, 1, 4)
+    for stored in (conv.reshape(1, 6, 1, 4), conv):
+        assert torch.equal(rs.apply([stored], shape=[-1, 1, 4]), conv)
+        assert rs.shape([tuple(stored.shape)], shape=[-1, 1, 4]) == (6, 1, 4)
+    with pytest.raises(ValueError, match=r"cannot reshape \[1, 6, 1, 4\] \(24 entries\) to \[-1, 1, 5\]"):
+        rs.shape([(1, 6, 1, 4)], shape=[-1, 1, 5])
+    with pytest.raises(ValueError, match="cannot reshape"):
+        rs.shape([(6, 4)], shape=[-1, -1])
+
+
 def test_rule_then_steps(tmp_path, monkeypatch):
     """A rule's `then:` applies one-input ops in turn to its op's result (the conv of
     gguf_qwen35.yaml: transpose_blocks, then unsqueeze); a step with two inputs, an unknown

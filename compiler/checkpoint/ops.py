@@ -175,6 +175,23 @@ def _unsqueeze(xs, dim: int):
     return xs[0].unsqueeze(dim)
 
 
+def _reshape_shape(shapes, shape):
+    (have,) = shapes
+    want = [int(d) for d in shape]
+    n, known = math.prod(have), math.prod(d for d in want if d != -1)
+    if want.count(-1) > 1 or any(d <= 0 and d != -1 for d in want) or not known or n % known \
+            or (-1 not in want and known != n):
+        raise ValueError(f"cannot reshape {list(have)} ({n} entries) to {want}")
+    return tuple(n // known if d == -1 else d for d in want)
+
+
+@op("reshape", 1, _reshape_shape)
+def _reshape(xs, shape):
+    """The same entries in another shape (one dim may be -1: what is left), e.g. llama.cpp's Kimi
+    conv weights stored [1, C, 1, K] (or [C, 1, K]) back to the checkpoint's [C, 1, K]."""
+    return xs[0].reshape(_reshape_shape([tuple(xs[0].shape)], shape))
+
+
 @op("log_neg", 1, lambda shapes, flat=False: (math.prod(shapes[0]),) if flat else shapes[0])
 def _log_neg(xs, flat: bool = False):
     """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32
