@@ -579,6 +579,14 @@ def _kimi_linear_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _qwen35_fused_experts(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Qwen3_5MoeTextModel with --fuse-gate-up-exps: the stacked gate and up experts joined as one
+    ffn_gate_up_exps [E, 2F, D] (gate rows first: the twin's gate_up_proj as it is)."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return [(f"blk.{name.split('.')[2]}.ffn_gate_up_exps.weight", t)]
+    return _qwen35_tensors(name, t, cfg)
+
+
 def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
     """Olmo2Model / Exaone4Model with a window: the window and the per-layer pattern (true: sliding)."""
     if cfg.sliding_window is not None:
@@ -802,6 +810,7 @@ LAYOUTS = {
                           tensors=_kimi_linear_tensors),
     "qwen35": Layout(gguf.MODEL_ARCH.QWEN35, metadata=_qwen35, tensors=_qwen35_tensors),
     "qwen35moe": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_tensors),
+    "qwen35moe_fused": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_fused_experts),
 }
 
 

@@ -23,6 +23,14 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# Qwen3.5-MoE's twin (two FAMILIES cases: experts stored per kind, and fused)
+QWEN3_5_MOE = dict({k: v for k, v in SMALL.items() if k != "intermediate_size"}, num_hidden_layers=4,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                               "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
 # family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
 # rules zoo must pick, {tensor: block type} stored quantized)
 FAMILIES = {
@@ -148,31 +156,12 @@ FAMILIES = {
                                       "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
                 ["qwen3_5_names", "qwen3_5_text"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q8_0}),
     # Qwen3.5-MoE: Qwen3.5's layers with softmax top-k experts and a sigmoid-gated shared expert
-    "qwen3_5_moe": ("qwen35moe", "Qwen3_5MoeTextConfig",
-                    dict({k: v for k, v in SMALL.items() if k != "intermediate_size"}, num_hidden_layers=4,
-                         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                          "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
-                    ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.3.attn_v.weight": Q.Q8_0,
-                                                           "blk.0.ffn_down_exps.weight": Q.Q8_0,
-                                                           "blk.2.ffn_up_shexp.weight": Q.Q4_0}),
-    # Kimi Linear: KDA and NoPE MLA layers (told by head_count_kv per layer), a dense first layer,
-    # then sigmoid routing with a selection bias and a shared expert; a Hub-style config
-    # (linear_attn_config), as the converter reads it
-    "kimi_linear": ("kimi-linear", "KimiLinearConfig",
-                    dict(SMALL, num_key_value_heads=4, num_hidden_layers=4, moe_intermediate_size=32, kv_lora_rank=32,
-                         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
-                         num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
-                         routed_scaling_factor=2.446, moe_renormalize=True, moe_router_activation_func="sigmoid",
-                         num_expert_group=1, topk_group=1, use_grouped_topk=True, mla_use_nope=True, moe_layer_freq=1,
-                         num_nextn_predict_layers=0, model_max_length=256, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False,
-                         linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16,
-                                             "num_heads": 4, "short_conv_kernel_size": 4}),
-                    ["kimi_linear_names", "kimi_linear"], {"blk.1.attn_output.weight": Q.Q8_0,
-                                                          "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    "qwen3_5_moe": ("qwen35moe", "Qwen3_5MoeTextConfig", QWEN3_5_MOE, ["qwen3_5_names", "qwen3_5_moe_text"],
+                    {"blk.3.attn_v.weight": Q.Q8_0, "blk.0.ffn_down_exps.weight": Q.Q8_0,
+                     "blk.2.ffn_up_shexp.weight": Q.Q4_0}),
+    # the same with gate and up experts fused (the converter's --fuse-gate-up-exps)
+    "qwen3_5_moe_fused_experts": ("qwen35moe_fused", "Qwen3_5MoeTextConfig", QWEN3_5_MOE,
+                                  ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.1.ffn_gate_up_exps.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
