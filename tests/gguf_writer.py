@@ -579,6 +579,11 @@ def _kimi_linear_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _kimi_linear_kv_b(name: str, t: torch.Tensor, cfg) -> list | None:
+    """KimiLinearModel.modify_tensors as older converters ran it: kv_b_proj whole (attn_kv_b)."""
+    return None if name.endswith("kv_b_proj.weight") else _kimi_linear_tensors(name, t, cfg)
+
+
 def _qwen35_fused_experts(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3_5MoeTextModel with --fuse-gate-up-exps: the stacked gate and up experts joined as one
     ffn_gate_up_exps [E, 2F, D] (gate rows first: the twin's gate_up_proj as it is)."""
@@ -808,6 +813,8 @@ LAYOUTS = {
     # the converter's own keys on top of TextModel's (block count, widths, head count, epsilon)
     "kimi-linear": Layout(gguf.MODEL_ARCH.KIMI_LINEAR, metadata=_kimi_linear, head_dim_key=False,
                           tensors=_kimi_linear_tensors),
+    "kimi-linear_kv_b": Layout(gguf.MODEL_ARCH.KIMI_LINEAR, metadata=_kimi_linear, head_dim_key=False,
+                               tensors=_kimi_linear_kv_b),
     "qwen35": Layout(gguf.MODEL_ARCH.QWEN35, metadata=_qwen35, tensors=_qwen35_tensors),
     "qwen35moe": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_tensors),
     "qwen35moe_fused": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_fused_experts),

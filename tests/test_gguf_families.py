@@ -31,6 +31,17 @@ QWEN3_5_MOE = dict({k: v for k, v in SMALL.items() if k != "intermediate_size"},
               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                "mrope_section": [1, 1, 0], "mrope_interleaved": True})
 
+# Kimi Linear's twin: a Hub-style config (linear_attn_config), as the converter reads it (two
+# FAMILIES cases: a full-rank query with kv_b split, a low-rank one with kv_b whole)
+KIMI_LINEAR = dict(SMALL, num_key_value_heads=4, num_hidden_layers=4, moe_intermediate_size=32, kv_lora_rank=32,
+                   q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
+                   num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.446,
+                   moe_renormalize=True, moe_router_activation_func="sigmoid", num_expert_group=1, topk_group=1,
+                   use_grouped_topk=True, mla_use_nope=True, moe_layer_freq=1, num_nextn_predict_layers=0,
+                   model_max_length=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 4,
+                                       "short_conv_kernel_size": 4})
+
 # family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
 # rules zoo must pick, {tensor: block type} stored quantized)
 FAMILIES = {
@@ -162,6 +173,13 @@ FAMILIES = {
     # the same with gate and up experts fused (the converter's --fuse-gate-up-exps)
     "qwen3_5_moe_fused_experts": ("qwen35moe_fused", "Qwen3_5MoeTextConfig", QWEN3_5_MOE,
                                   ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.1.ffn_gate_up_exps.weight": Q.Q8_0}),
+    # Kimi Linear: KDA and NoPE MLA layers (told by head_count_kv per layer), a dense first layer,
+    # then sigmoid routing with a selection bias and a shared expert
+    "kimi_linear": ("kimi-linear", "KimiLinearConfig", KIMI_LINEAR, ["kimi_linear_names", "kimi_linear"],
+                    {"blk.1.attn_output.weight": Q.Q8_0, "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # a low-rank query (attn_q_a / attn_q_b), kv_b_proj whole as older converters wrote it
+    "kimi_linear_q_lora": ("kimi-linear_kv_b", "KimiLinearConfig", dict(KIMI_LINEAR, q_lora_rank=32),
+                           ["kimi_linear_names", "kimi_linear"], {"blk.3.attn_q_b.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
