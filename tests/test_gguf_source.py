@@ -297,9 +297,11 @@ def test_rule_then_steps(tmp_path, monkeypatch):
     (tmp_path / "rules" / "then_good.yaml").write_text(good)
     (rule,) = load_stage("then_good", {}).rules
     assert rule.then == (("unsqueeze", {"dim": 1}), ("log_neg", {}))
-    for name, step, match in [("then_join", "{op: join_kv_b}", r"then_join.yaml map\[0\] then\[0\]: op 'join_kv_b' takes 2 inputs"),
-                              ("then_arg", "{op: unsqueeze, args: {axis: 1}}", r"then\[0\]: op 'unsqueeze' takes no argument\(s\) \['axis'\]"),
-                              ("then_key", "{op: unsqueeze, dim: 1}", r"then\[0\]: expected a mapping with 'op'")]:
+    for name, step, match in [
+            ("then_join", "{op: join_kv_b}", r"then_join.yaml map\[0\] then\[0\]: op 'join_kv_b' takes 2 inputs"),
+            ("then_arg", "{op: unsqueeze, args: {axis: 1}}",
+             r"then\[0\]: op 'unsqueeze' takes no argument\(s\) \['axis'\]"),
+            ("then_key", "{op: unsqueeze, dim: 1}", r"then\[0\]: expected a mapping with 'op'")]:
         (tmp_path / "rules" / f"{name}.yaml").write_text(good.replace(
             "[{op: unsqueeze, args: {dim: 1}}, {op: log_neg}]", f"[{step}]"))
         with pytest.raises(CheckpointError, match=match):
