@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, kimi-linear, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -34,7 +34,8 @@ def _text_metadata(w: gguf.GGUFWriter, cfg, head_dim_key: bool = True) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if (ff := getattr(cfg, "intermediate_size", None)) is not None:  # MoE-only configs may lack it
+        w.add_feed_forward_length(ff)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -463,6 +464,134 @@ def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _qwen35(w: gguf.GGUFWriter, cfg) -> None:
+    """Qwen3_5TextModel / Qwen3_5MoeTextModel: Qwen3NextModel's keys over the config's dict (where
+    transformers 5 writes no top-level partial_rotary_factor or full_attention_interval: the
+    converter's defaults 0.25 and 4), TextModel's expert keys and Qwen2MoeModel's widths when the
+    config has experts, the MRoPE sections padded to 4 ([11, 11, 10, 0] without any), and
+    block_count counting the MTP layers."""
+    hp = cfg.to_dict()
+    if "num_experts" in hp:
+        w.add_expert_count(hp["num_experts"])
+        w.add_expert_used_count(hp["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(hp["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(hp["linear_key_head_dim"])
+    w.add_ssm_group_count(hp["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(hp["linear_num_value_heads"])
+    w.add_ssm_inner_size(hp["linear_value_head_dim"] * hp["linear_num_value_heads"])
+    w.add_full_attention_interval(hp.get("full_attention_interval", 4))
+    head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * hp.get("partial_rotary_factor", 0.25)))
+    sections = list((hp.get("rope_parameters") or {}).get("mrope_section", [11, 11, 10]))
+    w.add_rope_dimension_sections((sections + [0] * 4)[:4])
+    if (mtp := hp.get("mtp_num_hidden_layers", 0)) > 0:
+        w.add_block_count(hp["num_hidden_layers"] + mtp)
+        w.add_nextn_predict_layers(mtp)
+
+
+def _tile_v_heads(t: torch.Tensor, dim: int, nk: int, per_k: int, width: int) -> torch.Tensor:
+    """Value heads grouped per key head ([nk, per_k, width] along `dim`) -> tiled ([per_k, nk,
+    width]), as the converter reorders them for ggml's broadcast."""
+    dim %= t.ndim
+    return t.reshape(*t.shape[:dim], nk, per_k, width, *t.shape[dim + 1:]).transpose(dim, dim + 1).reshape(t.shape)
+
+
+def _qwen35_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Qwen3_5TextModel.modify_tensors: with more value heads than key heads, every value-head
+    dimension tiled (in_proj_qkv's and the conv's v part, in_proj_z / b / a, A_log, dt_bias,
+    out_proj's columns); then Qwen3NextModel's A = -exp(A_log), dt_bias as dt_proj.bias, conv1d
+    squeezed, zero-centred norms as 1 + w."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    qk, hv = 2 * nk * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if "conv1d" in name:
+        t = t.squeeze()
+    if nk != nv and "linear_attn." in name:
+        tile = lambda x, dim, width: _tile_v_heads(x, dim, nk, nv // nk, width)  # noqa: E731
+        if ".in_proj_qkv." in name or ".conv1d." in name:
+            t = torch.cat([t[:qk], tile(t[qk:], 0, hv)])
+        elif ".in_proj_z." in name:
+            t = tile(t, 0, hv)
+        elif name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+            t = tile(t, 0, 1)
+        elif ".out_proj." in name:
+            t = tile(t, 1, hv)
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    return [(name, t)]
+
+
+def _kimi_linear(w: gguf.GGUFWriter, cfg) -> None:
+    """KimiLinearModel (on a config with the Hub's linear_attn_config): MLA as MQA (one kv head,
+    key_length kv_lora_rank + rope, the true widths as *_mla), head_count_kv per layer (0 on KDA
+    layers), the KDA conv and head width, the MoE keys; TextModel's keys come from the config's
+    dict (model_max_length as the context, config.json's head_dim as value_length, sigmoid
+    scoring from moe_router_activation_func, topk_group as the groups used)."""
+    hp = cfg.to_dict()
+    la = hp["linear_attn_config"]
+    w.add_context_length(hp["model_max_length"])
+    w.add_expert_count(hp["num_experts"])
+    w.add_expert_used_count(hp["num_experts_per_token"])
+    w.add_expert_group_used_count(hp["topk_group"])
+    w.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
+                              "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[hp["moe_router_activation_func"]])
+    w.add_head_count_kv([1 if i + 1 in la["full_attn_layers"] else 0 for i in range(hp["num_hidden_layers"])])
+    w.add_ssm_conv_kernel(la["short_conv_kernel_size"])
+    w.add_kda_head_dim(la["head_dim"])
+    if hp["q_lora_rank"] is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    w.add_key_length(hp["kv_lora_rank"] + hp["qk_rope_head_dim"])
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["num_shared_experts"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+
+
+def _kimi_linear_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """KimiLinearModel.modify_tensors, on the Hub checkpoint's names (transformers 5 keeps the KDA
+    conv fused and the forget gate's parts under forget_gate): each conv [C, 1, K] as [1, C, 1, K],
+    A = -exp(A_log), dt_bias as ssm_dt.bias, kv_b_proj split as DeepseekV2Model does (the
+    converter counts its heads by num_key_value_heads: the twin has as many as heads)."""
+    if not name.startswith("model.layers."):
+        return None
+    bid = name.split(".")[2]
+    if name.endswith("self_attn.conv1d.weight"):
+        return [(f"blk.{bid}.ssm_conv1d_{p}.weight", c.reshape(1, c.shape[0], 1, c.shape[-1]))
+                for p, c in zip("qkv", t.chunk(3, dim=0))]
+    if name.endswith("forget_gate.A_log"):
+        return [(f"blk.{bid}.ssm_a", -torch.exp(t))]
+    if name.endswith("forget_gate.dt_bias"):
+        return [(f"blk.{bid}.ssm_dt.bias", t)]
+    if name.endswith(("forget_gate.f_a_proj.weight", "forget_gate.f_b_proj.weight")):
+        return [(f"blk.{bid}.ssm_{name.split('.')[-2][0]}_{name.split('.')[-2][2]}.weight", t)]
+    if name.endswith("kv_b_proj.weight"):
+        assert cfg.num_key_value_heads == cfg.num_attention_heads, "the converter splits kv_b by num_key_value_heads"
+        return _split_kv_b(name, t, cfg)
+    return None
+
+
+def _kimi_linear_kv_b(name: str, t: torch.Tensor, cfg) -> list | None:
+    """KimiLinearModel.modify_tensors as older converters ran it: kv_b_proj whole (attn_kv_b)."""
+    return None if name.endswith("kv_b_proj.weight") else _kimi_linear_tensors(name, t, cfg)
+
+
+def _qwen35_fused_experts(name: str, t: torch.Tensor, cfg) -> list | None:
+    """Qwen3_5MoeTextModel with --fuse-gate-up-exps: the stacked gate and up experts joined as one
+    ffn_gate_up_exps [E, 2F, D] (gate rows first: the twin's gate_up_proj as it is)."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return [(f"blk.{name.split('.')[2]}.ffn_gate_up_exps.weight", t)]
+    return _qwen35_tensors(name, t, cfg)
+
+
 def _sliding_pattern(w: gguf.GGUFWriter, cfg) -> None:
     """Olmo2Model / Exaone4Model with a window: the window and the per-layer pattern (true: sliding)."""
     if cfg.sliding_window is not None:
@@ -681,6 +810,14 @@ LAYOUTS = {
     "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
     "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
+    # the converter's own keys on top of TextModel's (block count, widths, head count, epsilon)
+    "kimi-linear": Layout(gguf.MODEL_ARCH.KIMI_LINEAR, metadata=_kimi_linear, head_dim_key=False,
+                          tensors=_kimi_linear_tensors),
+    "kimi-linear_kv_b": Layout(gguf.MODEL_ARCH.KIMI_LINEAR, metadata=_kimi_linear, head_dim_key=False,
+                               tensors=_kimi_linear_kv_b),
+    "qwen35": Layout(gguf.MODEL_ARCH.QWEN35, metadata=_qwen35, tensors=_qwen35_tensors),
+    "qwen35moe": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_tensors),
+    "qwen35moe_fused": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_fused_experts),
 }
 
 

@@ -23,6 +23,25 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# Qwen3.5-MoE's twin (two FAMILIES cases: experts stored per kind, and fused)
+QWEN3_5_MOE = dict({k: v for k, v in SMALL.items() if k != "intermediate_size"}, num_hidden_layers=4,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                               "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
+# Kimi Linear's twin: a Hub-style config (linear_attn_config), as the converter reads it (two
+# FAMILIES cases: a full-rank query with kv_b split, a low-rank one with kv_b whole)
+KIMI_LINEAR = dict(SMALL, num_key_value_heads=4, num_hidden_layers=4, moe_intermediate_size=32, kv_lora_rank=32,
+                   q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
+                   num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.446,
+                   moe_renormalize=True, moe_router_activation_func="sigmoid", num_expert_group=1, topk_group=1,
+                   use_grouped_topk=True, mla_use_nope=True, moe_layer_freq=1, num_nextn_predict_layers=0,
+                   model_max_length=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 4,
+                                       "short_conv_kernel_size": 4})
+
 # family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
 # rules zoo must pick, {tensor: block type} stored quantized)
 FAMILIES = {
@@ -138,6 +157,29 @@ FAMILIES = {
                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
                    ["qwen3_next_mtp", "qwen3_next"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ssm_out.weight": Q.Q8_0,
                                                       "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # Qwen3.5: Gated DeltaNet (3 value heads per key head, which llama.cpp stores tiled) and gated
+    # attention every 4th layer, a dense FFN; llama.cpp's A, conv, norm and value-head layouts
+    "qwen3_5": ("qwen35", "Qwen3_5TextConfig",
+                dict(SMALL, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+                     linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+                ["qwen3_5_names", "qwen3_5_text"], {"blk.3.attn_q.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q8_0}),
+    # Qwen3.5-MoE: Qwen3.5's layers with softmax top-k experts and a sigmoid-gated shared expert
+    "qwen3_5_moe": ("qwen35moe", "Qwen3_5MoeTextConfig", QWEN3_5_MOE, ["qwen3_5_names", "qwen3_5_moe_text"],
+                    {"blk.3.attn_v.weight": Q.Q8_0, "blk.0.ffn_down_exps.weight": Q.Q8_0,
+                     "blk.2.ffn_up_shexp.weight": Q.Q4_0}),
+    # the same with gate and up experts fused (the converter's --fuse-gate-up-exps)
+    "qwen3_5_moe_fused_experts": ("qwen35moe_fused", "Qwen3_5MoeTextConfig", QWEN3_5_MOE,
+                                  ["qwen3_5_names", "qwen3_5_moe_text"], {"blk.1.ffn_gate_up_exps.weight": Q.Q8_0}),
+    # Kimi Linear: KDA and NoPE MLA layers (told by head_count_kv per layer), a dense first layer,
+    # then sigmoid routing with a selection bias and a shared expert
+    "kimi_linear": ("kimi-linear", "KimiLinearConfig", KIMI_LINEAR, ["kimi_linear_names", "kimi_linear"],
+                    {"blk.1.attn_output.weight": Q.Q8_0, "blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # a low-rank query (attn_q_a / attn_q_b), kv_b_proj whole as older converters wrote it
+    "kimi_linear_q_lora": ("kimi-linear_kv_b", "KimiLinearConfig", dict(KIMI_LINEAR, q_lora_rank=32),
+                           ["kimi_linear_names", "kimi_linear"], {"blk.3.attn_q_b.weight": Q.Q8_0}),
     # V2-Lite: full-rank q, softmax routing (no gating key: llama.cpp's default), attn_k_b / attn_v_b
     "deepseek_v2_lite": ("deepseek2", "DeepseekV2Config",
                          dict(SMALL, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
@@ -473,6 +515,36 @@ def test_glm_mtp_block_is_skipped_with_its_reason(tmp_path):
     assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_qwen35_mtp_block_is_skipped_with_its_reason(tmp_path):
+    """Qwen3.5 files count the MTP layer in block_count (nextn_predict_layers of them) and store it
+    as the last block, blk.{n_layers}.*: the map reads the main layers' count, every tensor of the
+    block is skipped with the reason in the load report, and the model is the twin."""
+    ref = twin("Qwen3_5TextConfig", FAMILIES["qwen3_5"][2])
+    ref.config.mtp_num_hidden_layers = 1  # what a Qwen3.5 config.json says; the twin has no MTP weights
+    D, n = ref.config.hidden_size, ref.config.num_hidden_layers
+    mtp = {f"blk.{n}.nextn.eh_proj.weight": torch.randn(D, 2 * D), f"blk.{n}.nextn.enorm.weight": torch.ones(D),
+           f"blk.{n}.attn_norm.weight": torch.ones(D), f"blk.{n}.attn_q.weight": torch.randn(128, D)}
+    path = write_gguf(tmp_path / "q35_mtp.gguf", ref, LAYOUTS["qwen35"], extra_tensors=mtp)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.get_field("qwen35.block_count").contents() == n + 1
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    skipped = dict(m.info.load.ignored)
+    assert all("multi-token-prediction" in skipped[name] for name in mtp), skipped
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=1)
+
+
+def test_kimi_linear_softmax_routing_is_refused(tmp_path):
+    """A kimi-linear file routed by softmax (expert_gating_func 1; llama.cpp follows the file) is not
+    Kimi Linear's sigmoid router: refused, naming the key, its value and the file."""
+    ref = twin("KimiLinearConfig", FAMILIES["kimi_linear"][2])
+    ref.config.moe_router_activation_func = "softmax"
+    path = write_gguf(tmp_path / "kimi.gguf", ref, LAYOUTS["kimi-linear"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for kimi-linear "
+                                              rf"\(kimi-linear.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
 
 
 def test_what_the_new_maps_cannot_express(tmp_path):

@@ -245,6 +245,69 @@ def test_llama_cpp_layout_ops():
         sg.shape([(6, 1), (4, 1)], groups=2, sizes=[[], [1, 1]], whole=[0], order=[1, 0])
 
 
+def test_transpose_blocks_undoes_the_value_head_tiling():
+    """transpose_blocks (conf/rules/gguf_qwen35.yaml) inverts the converter's value-head reorder,
+    grouped per key head [nk, per_k, c] -> tiled [per_k, nk, c], along any dim and after `start`;
+    a dim that is not whole blocks is refused, naming the sizes."""
+    from tests.gguf_writer import _tile_v_heads
+    from zoo.compiler.checkpoint.ops import get_op, is_row_op
+
+    tb = get_op("transpose_blocks", "test")
+    nk, per_k, c = 2, 3, 4
+    out_proj = torch.randn(5, nk * per_k * c)
+    assert torch.equal(tb.apply([_tile_v_heads(out_proj, 1, nk, per_k, c)], blocks=[per_k, nk], dim=1), out_proj)
+    qk, v = torch.randn(6, 3), torch.randn(nk * per_k * c, 3)
+    stored = torch.cat([qk, _tile_v_heads(v, 0, nk, per_k, c)])
+    assert not torch.equal(stored[6:], v)
+    assert torch.equal(tb.apply([stored], blocks=[per_k, nk], start=6), torch.cat([qk, v]))
+    assert tb.shape([tuple(stored.shape)], blocks=[per_k, nk], start=6) == (30, 3)
+    a = torch.arange(6.0)  # one entry per value head: [k0v0 k0v1 k0v2 k1v0 k1v1 k1v2] tiled
+    assert tb.apply([torch.tensor([0.0, 3, 1, 4, 2, 5])], blocks=[per_k, nk]).tolist() == a.tolist()
+    assert is_row_op("transpose_blocks", {}) and not is_row_op("transpose_blocks", {"dim": 1})
+    with pytest.raises(ValueError, match=r"entries 6\.\.31 of dim 0 of \[31, 3\] are not 3 x 2 equal blocks"):
+        tb.shape([(31, 3)], blocks=[per_k, nk], start=6)
+
+
+def test_reshape_op():
+    """reshape (conf/rules/gguf_kimi-linear.yaml): llama.cpp's [1, C, 1, K] conv weights, or the
+    [C, 1, K] llama-quantize leaves, back to [C, 1, K]; a shape of other size is refused."""
+    from zoo.compiler.checkpoint.ops import get_op
+
+    rs = get_op("reshape", "test")
+    conv = torch.randn(6, 1, 4)
+    for stored in (conv.reshape(1, 6, 1, 4), conv):
+        assert torch.equal(rs.apply([stored], shape=[-1, 1, 4]), conv)
+        assert rs.shape([tuple(stored.shape)], shape=[-1, 1, 4]) == (6, 1, 4)
+    with pytest.raises(ValueError, match=r"cannot reshape \[1, 6, 1, 4\] \(24 entries\) to \[-1, 1, 5\]"):
+        rs.shape([(1, 6, 1, 4)], shape=[-1, 1, 5])
+    with pytest.raises(ValueError, match="cannot reshape"):
+        rs.shape([(6, 4)], shape=[-1, -1])
+
+
+def test_rule_then_steps(tmp_path, monkeypatch):
+    """A rule's `then:` applies one-input ops in turn to its op's result (the conv of
+    gguf_qwen35.yaml: transpose_blocks, then unsqueeze); a step with two inputs, an unknown
+    argument or no op is refused, naming the file, the rule and the step."""
+    from zoo.compiler.checkpoint.rules import load_stage
+
+    (tmp_path / "rules").mkdir()
+    monkeypatch.setenv("ZOO_CONF_DIR", str(tmp_path))
+    good = ("stage: rename\nmap:\n  - from: a.weight\n    to: b.weight\n    op: transpose_blocks\n"
+            "    args: {blocks: [3, 2]}\n    then: [{op: unsqueeze, args: {dim: 1}}, {op: log_neg}]\n")
+    (tmp_path / "rules" / "then_good.yaml").write_text(good)
+    (rule,) = load_stage("then_good", {}).rules
+    assert rule.then == (("unsqueeze", {"dim": 1}), ("log_neg", {}))
+    for name, step, match in [
+            ("then_join", "{op: join_kv_b}", r"then_join.yaml map\[0\] then\[0\]: op 'join_kv_b' takes 2 inputs"),
+            ("then_arg", "{op: unsqueeze, args: {axis: 1}}",
+             r"then\[0\]: op 'unsqueeze' takes no argument\(s\) \['axis'\]"),
+            ("then_key", "{op: unsqueeze, dim: 1}", r"then\[0\]: expected a mapping with 'op'")]:
+        (tmp_path / "rules" / f"{name}.yaml").write_text(good.replace(
+            "[{op: unsqueeze, args: {dim: 1}}, {op: log_neg}]", f"[{step}]"))
+        with pytest.raises(CheckpointError, match=match):
+            load_stage(name, {})
+
+
 def test_synthetic_types_and_shapes(tmp_path):
     rng = np.random.default_rng(0)
     f32 = rng.standard_normal((2, 3, 64)).astype(np.float32)

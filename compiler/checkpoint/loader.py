@@ -127,18 +127,24 @@ def _apply_rules(stage: Stage, nodes: dict[str, Node], source_desc: str
 
 
 def _derive(rule: Rule, inputs: list[Node], target: str, index: Optional[int], source_desc: str) -> Node:
-    op_ = get_op(rule.op, rule.where)
     args = dict(rule.args)
     if index is not None:
         args["index"] = index
-    if rule.op == "identity":
+    node = _op_node(rule, rule.op, args, inputs, target, source_desc, "")
+    for i, (op, then_args) in enumerate(rule.then):  # then: each step on the result before it
+        node = _op_node(rule, op, then_args, [node], target, source_desc, f" then[{i}] ({op})")
+    return node
+
+
+def _op_node(rule: Rule, op: str, args: dict, inputs: list[Node], target: str, source_desc: str, step: str) -> Node:
+    if op == "identity":
         return inputs[0]
     try:
-        shape = tuple(op_.shape([x.shape for x in inputs], **args))
+        shape = tuple(get_op(op, rule.where).shape([x.shape for x in inputs], **args))
     except (ValueError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{source_desc}: rule {rule.where} on {[x.name for x in inputs]}: {e}") from None
+        raise CheckpointError(f"{source_desc}: rule {rule.where}{step} on {[x.name for x in inputs]}: {e}") from None
     dtype = "F32" if any(x.dtype in _NEEDS_OP for x in inputs) else inputs[0].dtype
-    return Node(target, shape, dtype, tuple(inputs), rule.op, tuple(sorted(args.items())))
+    return Node(target, shape, dtype, tuple(inputs), op, tuple(sorted(args.items())))
 
 
 def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: bool = True,

@@ -175,12 +175,56 @@ def _unsqueeze(xs, dim: int):
     return xs[0].unsqueeze(dim)
 
 
+def _reshape_shape(shapes, shape):
+    (have,) = shapes
+    want = [int(d) for d in shape]
+    n, known = math.prod(have), math.prod(d for d in want if d != -1)
+    if want.count(-1) > 1 or any(d <= 0 and d != -1 for d in want) or not known or n % known \
+            or (-1 not in want and known != n):
+        raise ValueError(f"cannot reshape {list(have)} ({n} entries) to {want}")
+    return tuple(n // known if d == -1 else d for d in want)
+
+
+@op("reshape", 1, _reshape_shape)
+def _reshape(xs, shape):
+    """The same entries in another shape (one dim may be -1: what is left), e.g. llama.cpp's Kimi
+    conv weights stored [1, C, 1, K] (or [C, 1, K]) back to the checkpoint's [C, 1, K]."""
+    return xs[0].reshape(_reshape_shape([tuple(xs[0].shape)], shape))
+
+
 @op("log_neg", 1, lambda shapes, flat=False: (math.prod(shapes[0]),) if flat else shapes[0])
 def _log_neg(xs, flat: bool = False):
     """log(-x): a decay stored as A = -exp(A_log) (llama.cpp's ssm_a) back to A_log, to float32
     rounding; flat: as one vector (Mamba-2's A is stored [H, 1])."""
     a = torch.log(-xs[0].float())
     return a.reshape(-1) if flat else a
+
+
+def _transpose_blocks_shape(shapes, blocks, dim: int = 0, start: int = 0):
+    (shape,) = shapes
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"dim {dim} does not exist in a {len(shape)}-D tensor {list(shape)}")
+    a, b = (int(n) for n in blocks)
+    span = shape[dim] - start
+    if a <= 0 or b <= 0 or not 0 <= start <= shape[dim] or span % (a * b):
+        raise ValueError(f"entries {start}..{shape[dim]} of dim {dim} of {list(shape)} are not {a} x {b} "
+                         f"equal blocks")
+    return tuple(shape)
+
+
+@op("transpose_blocks", 1, _transpose_blocks_shape)
+def _transpose_blocks(xs, blocks, dim: int = 0, start: int = 0):
+    """Entries start.. of `dim` seen as a x b blocks (blocks = [a, b], each block the same size c)
+    -> b x a: block (i, j) moves to (j, i); the entries before `start` stay. llama.cpp stores
+    Qwen3.5's value heads tiled ([v of each key head] per value slot: a = value heads per key head,
+    b = key heads) where the checkpoint groups them per key head; this puts them back."""
+    x = xs[0]
+    dim = dim % x.ndim
+    a, b = (int(n) for n in blocks)
+    head, tail = x.split([start, x.shape[dim] - start], dim=dim)
+    c = tail.shape[dim] // (a * b)
+    tail = tail.reshape(*x.shape[:dim], a, b, c, *x.shape[dim + 1:]).transpose(dim, dim + 1)
+    return torch.cat([head, tail.reshape(tail.shape[:dim] + (a * b * c,) + tail.shape[dim + 3:])], dim=dim)
 
 
 # ---------------------------------------------------------------------------- dequantization
@@ -217,7 +261,7 @@ def _fp8_block_dequant(xs, block=(128, 128)):
 # ops that move whole rows (dim 0) and leave each row as it is: they apply unchanged to a block-
 # quantized tensor's stored bytes [rows, bytes per row] (loader.py keeps such weights quantized)
 _ROW_OPS = {"identity", "unpermute_rope", "split_groups", "join_groups"}
-_ROW_OPS_ON_DIM = {"cat", "split"}  # with dim 0
+_ROW_OPS_ON_DIM = {"cat", "split", "transpose_blocks"}  # with dim 0
 
 
 def is_row_op(name: str, args: dict) -> bool:

@@ -12,6 +12,11 @@ llama.cpp's), and the last, a `params` stage, must account for every tensor left
       - from: [a.{layer}.q, a.{layer}.k, a.{layer}.v]
         to: layers.{layer}.mixer.wqkv.weight
         op: cat                         # see ops.py; args: {dim: 0}
+      - from: blk.{layer}.ssm_conv1d.weight
+        to: layers.{layer}.mixer.conv_weight
+        op: transpose_blocks            # then: more one-input ops, each on the previous result
+        args: {blocks: [3, 2], start: 8}
+        then: [{op: unsqueeze, args: {dim: 1}}]
       - from: lm_head.weight
         to: head.weight
         when: ${zoo.not:${cfg.tie_embeddings}}   # interpolations see the model config as `cfg`
@@ -88,6 +93,7 @@ class Rule:
     op: str = "identity"
     args: dict = field(default_factory=dict)
     stack: Optional[str] = None
+    then: tuple = ()  # (op, args) applied in turn to the op's result
     why: str = ""
     where: str = ""  # "conf/rules/llama.yaml map[3]" for messages
 
@@ -191,7 +197,7 @@ def _rule_entries(name: str, chain: tuple[str, ...]):
 
 
 def _parse_rule(item: Any, where: str, ignore: bool) -> Optional[Rule]:
-    allowed = {"from", "why", "when"} if ignore else {"from", "to", "op", "args", "stack", "when"}
+    allowed = {"from", "why", "when"} if ignore else {"from", "to", "op", "args", "stack", "when", "then"}
     if not isinstance(item, dict) or "from" not in item:
         raise CheckpointError(f"{where}: expected a mapping with 'from', got {item!r}")
     unknown = sorted(set(item) - allowed)
@@ -217,7 +223,28 @@ def _parse_rule(item: Any, where: str, ignore: bool) -> Optional[Rule]:
     stack = item.get("stack")
     if stack is not None and f"{{{stack}}}" not in sources[0]:
         raise CheckpointError(f"{where}: stack: {stack!r} but the first 'from' pattern has no {{{stack}}}")
-    return Rule(sources=sources, targets=targets, op=op, args=args, stack=stack, where=where)
+    return Rule(sources=sources, targets=targets, op=op, args=args, stack=stack, then=_parse_then(item, where),
+                where=where)
+
+
+def _parse_then(item: dict, where: str) -> tuple:
+    """A rule's `then:` list, [{op, args}], as ((op, args), ...): each a one-input op."""
+    then = item.get("then") or []
+    if not isinstance(then, list):
+        raise CheckpointError(f"{where}: then must be a list of {{op, args}} mappings, got {then!r}")
+    out = []
+    for i, step in enumerate(then):
+        at = f"{where} then[{i}]"
+        if not isinstance(step, dict) or "op" not in step or set(step) - {"op", "args"}:
+            raise CheckpointError(f"{at}: expected a mapping with 'op' (and 'args'), got {step!r}")
+        op_ = get_op(step["op"], at)
+        args = dict(step.get("args") or {})
+        check_op_args(op_, args, at)
+        if op_.n_inputs not in (None, 1):
+            raise CheckpointError(f"{at}: op {step['op']!r} takes {op_.n_inputs} inputs; a then step takes "
+                                  f"the one result before it")
+        out.append((step["op"], args))
+    return tuple(out)
 
 
 def checkpoint_stages(source, spec) -> list[Stage]:
