@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -442,6 +442,69 @@ def _mamba2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return _ssm_tensors(name, t, cfg)
 
 
+def _mamba2_mixer(name: str, t: torch.Tensor, n_groups: int) -> list | None:
+    """Mamba2Model.modify_tensors on a hybrid's Mamba2 mixer: A = -exp(A_log) and D as [H, 1], the
+    gated norm as [n_groups, d_inner / n_groups], dt_bias as dt_proj.bias, conv1d squeezed."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t).reshape(-1, 1))]
+    if name.endswith(".D"):
+        return [(name, t.reshape(-1, 1))]
+    if name.endswith(".norm.weight"):
+        return [(name, t.reshape(n_groups, -1))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if "conv1d.weight" in name:
+        return [(name, t.squeeze())]
+    return None
+
+
+def _granitehybrid_attn_layers(cfg) -> list[int]:
+    """GraniteHybridModel.get_attn_layers on the Hub's config.json: layer_types' "attention" layers
+    (transformers 5 renames them full_attention), else Bamba's attn_layer_indices."""
+    if (types := getattr(cfg, "layer_types", None)) is not None:
+        return [i for i, t in enumerate(types) if t in ("attention", "full_attention")]
+    return list(cfg.attn_layer_indices)
+
+
+def _granitehybrid(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteHybridModel: GraniteMoeModel's keys (Granite's multipliers, TextModel's expert keys,
+    the shared MLP's width; LlamaModel's whole-head rope.dimension_count), the Mamba2 sizes,
+    head_count_kv per layer (0 on Mamba2 layers), the Hub config's attn_rotary_emb (Bamba's
+    rotated width) and rope.scaling.finetuned: RoPE only for Bamba, else a context of 2**20."""
+    for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+        if getattr(cfg, key, None):
+            add(getattr(cfg, key))
+    if getattr(cfg, "num_local_experts", None) is not None:
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "shared_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    attn = _granitehybrid_attn_layers(cfg)
+    bamba = cfg.model_type == "bamba"  # the converter's "BambaForCausalLM" in architectures
+    if bamba:  # Bamba-9B's config.json has attn_rotary_emb (transformers: partial_rotary_factor 0.5)
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    w.add_head_count_kv([cfg.num_key_value_heads if i in attn else 0 for i in range(cfg.num_hidden_layers)])
+    w.add_rope_scaling_finetuned(bamba)
+    if not bamba:
+        w.add_context_length(2 ** 20)
+
+
+def _granitehybrid_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GraniteHybridModel.modify_tensors: Mamba2Model's on the Mamba2 mixers (.mamba.), GraniteMoe's
+    expert and shared-MLP splits elsewhere."""
+    if ".mamba." in name:
+        return _mamba2_mixer(name, t, cfg.mamba_n_groups)
+    return _granitemoe_tensors(name, t, cfg)
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
@@ -681,6 +744,8 @@ LAYOUTS = {
     "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
     "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
+    "granitehybrid": Layout(gguf.MODEL_ARCH.GRANITE_HYBRID, permute_qk=True, metadata=_granitehybrid, head_dim_key=False,
+                            tensors=_granitehybrid_tensors),
 }
 
 

@@ -337,6 +337,23 @@ FAMILIES = {
                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                  ["lfm2_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # Granite-4.0-H: Mamba2 (8 heads of 16, 2 groups) around NoPE attention, MoE + shared MLP on
+    # every layer, Granite's multipliers; head_count_kv per layer tells the pattern
+    "granitemoehybrid": ("granitehybrid", "GraniteMoeHybridConfig",
+                         dict(SMALL, num_hidden_layers=3, intermediate_size=32, shared_intermediate_size=48,
+                              num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba"],
+                              mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                              embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2,
+                              logits_scaling=3.0, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["granitemoehybrid"], {"blk.0.ssm_in.weight": Q.Q8_0, "blk.1.ffn_down_exps.weight": Q.Q8_0}),
+    # Bamba (the same architecture, rope.scaling.finetuned): Mamba2 around GQA attention rotating
+    # half of each head, a dense SwiGLU on every layer
+    "bamba": ("granitehybrid", "BambaConfig",
+              dict(SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+                   mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["bamba"], {"blk.2.ssm_out.weight": Q.Q8_0}),
 }
 
 
@@ -492,4 +509,25 @@ def test_what_the_new_maps_cannot_express(tmp_path):
     path = write_gguf(tmp_path / "rplus.gguf", cohere, LAYOUTS["command-r"],
                       extra_tensors={f"blk.{i}.attn_{k}_norm.weight": torch.ones(4, 16) for i in (0, 1) for k in "qk"})
     with pytest.raises(ConfigError, match=rf"{path}.*use_qk_norm=True is not supported for model_type 'cohere'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_granitehybrid_files_the_maps_refuse_or_read(tmp_path):
+    """granitehybrid: a q/k bias only on the attention layer is found ({layer} in tensor_present);
+    a file without experts (the dense Granite-4.0-H) is refused by the granitemoehybrid import, and
+    a rotating (Bamba) file with Granite's multipliers by the bamba variant, each naming what it has."""
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+
+    bamba = twin("BambaConfig", dict(FAMILIES["bamba"][2], attention_bias=True))
+    path = write_gguf(tmp_path / "bias.gguf", bamba, LAYOUTS["granitehybrid"])
+    source = GGUFSource(path)
+    assert "blk.0.attn_q.bias" not in source.entries() and source.config()["attention_bias"] is True
+    source.close()
+    path = write_gguf(tmp_path / "mult.gguf", bamba, LAYOUTS["granitehybrid"], extra={"{arch}.embedding_scale": 2.0})
+    with pytest.raises(CheckpointError, match=rf"{path}.*Granite's multipliers in a granitehybrid file with RoPE "
+                                              rf".*\(granitehybrid.embedding_scale is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    moe = twin("GraniteMoeHybridConfig", FAMILIES["granitemoehybrid"][2])
+    path = write_gguf(tmp_path / "dense.gguf", moe, LAYOUTS["granitehybrid"], extra={"{arch}.expert_count": 0})
+    with pytest.raises(ConfigError, match=r"num_local_experts > 0.*MoE plus the shared MLP"):
         zoo.from_pretrained(str(path), compile=False)

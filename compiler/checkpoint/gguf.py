@@ -12,6 +12,7 @@ Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,10 @@ class GGUFSource(Source):
                 value = self._each(key, value, field["each"], field.get("each_other"))
             elif isinstance(field, dict) and field.get("largest") and isinstance(value, list):
                 value = max(value)  # a per-layer array's one value (LFM2's kv heads: 0 on conv layers)
+            elif isinstance(field, dict) and field.get("nonzero"):
+                # the layers whose element is set, as a list of indices (Bamba's attn_layer_indices:
+                # head_count_kv is 0 on its Mamba2 layers)
+                value = [i for i, v in enumerate(value if isinstance(value, list) else [value]) if v]
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -165,9 +170,9 @@ class GGUFSource(Source):
                 _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
-                _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
+                _put(cfg, hf_key, tensor["present"] if _present(tensor["tensor"], names) else tensor["absent"])
             else:
-                _put(cfg, hf_key, tensor in names)
+                _put(cfg, hf_key, _present(tensor, names))
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
@@ -363,6 +368,15 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
         return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
     raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
     return dequantize(raw, ggml_type.name)
+
+
+def _present(tensor: str, names) -> bool:
+    """Whether the file has `tensor`; a name with `{layer}` asks whether any block has it (a hybrid's
+    Mamba2 conv bias, on whichever layers are Mamba2 layers)."""
+    if "{layer}" not in tensor:
+        return tensor in names
+    pattern = re.compile(re.escape(tensor).replace(re.escape("{layer}"), r"\d+"))
+    return any(pattern.fullmatch(name) for name in names)
 
 
 def _put(cfg: dict, key: str, value: Any) -> None:
