@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -505,6 +505,43 @@ def _granitehybrid_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return _granitemoe_tensors(name, t, cfg)
 
 
+def _nemotron_h_pattern(cfg) -> str:
+    """The Hub config.json's hybrid_override_pattern (M: Mamba2, *: attention, -: MLP), which the
+    converter reads (transformers 5 gives layers_block_type)."""
+    symbols = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-"}
+    return "".join(symbols[t] for t in cfg.layers_block_type)
+
+
+def _nemotron_h(w: gguf.GGUFWriter, cfg) -> None:
+    """NemotronHModel (non-MoE: the Hub config.json has no num_experts_per_tok, which transformers 5
+    always writes): GraniteHybridModel's keys from the pattern (head_count_kv on attention layers,
+    no RoPE, a context of 2**20; mamba_head_dim is its "d_model", so inner_size = mamba_num_heads *
+    mamba_head_dim), LlamaModel's whole-head rope.dimension_count, the attention head width as
+    key_length / value_length and feed_forward_length on the MLP layers."""
+    pattern = _nemotron_h_pattern(cfg)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if c == "*" else 0 for c in pattern])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_feed_forward_length([cfg.intermediate_size if c == "-" else 0 for c in pattern])
+
+
+def _nemotron_h_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """NemotronHModel.modify_tensors on the checkpoint's names (backbone.; transformers 5 says
+    model.): Mamba2Model's on the Mamba2 layers' mixers, the rest as it is."""
+    name = name.replace("model.", "backbone.", 1) if name.startswith("model.") else name
+    if ".mixer." in name and _nemotron_h_pattern(cfg)[int(name.split(".")[2])] == "M":
+        return _mamba2_mixer(name, t, cfg.n_groups) or [(name, t)]
+    return [(name, t)]
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
@@ -746,6 +783,8 @@ LAYOUTS = {
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
     "granitehybrid": Layout(gguf.MODEL_ARCH.GRANITE_HYBRID, permute_qk=True, metadata=_granitehybrid, head_dim_key=False,
                             tensors=_granitehybrid_tensors),
+    "nemotron_h": Layout(gguf.MODEL_ARCH.NEMOTRON_H, permute_qk=True, metadata=_nemotron_h, head_dim_key=False,
+                         tensors=_nemotron_h_tensors),
 }
 
 

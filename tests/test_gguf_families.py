@@ -354,6 +354,13 @@ FAMILIES = {
                    mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
               ["bamba"], {"blk.2.ssm_out.weight": Q.Q8_0}),
+    # one sub-layer per layer: Mamba2 (8 heads of 16, 2 groups), NoPE attention, squared-ReLU MLP,
+    # Mamba2; the pattern from head_count_kv and feed_forward_length per layer
+    "nemotron_h": ("nemotron_h", "NemotronHConfig",
+                   dict(SMALL, layers_block_type=["mamba", "attention", "mlp", "mamba"], head_dim=16,
+                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=4,
+                        tie_word_embeddings=False),
+                   ["nemotron_h"], {"blk.2.ffn_up.weight": Q.Q8_0, "blk.3.ssm_in.weight": Q.Q8_0}),
 }
 
 
@@ -530,4 +537,14 @@ def test_granitehybrid_files_the_maps_refuse_or_read(tmp_path):
     moe = twin("GraniteMoeHybridConfig", FAMILIES["granitemoehybrid"][2])
     path = write_gguf(tmp_path / "dense.gguf", moe, LAYOUTS["granitehybrid"], extra={"{arch}.expert_count": 0})
     with pytest.raises(ConfigError, match=r"num_local_experts > 0.*MoE plus the shared MLP"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_nemotron_h_layer_claimed_by_two_arrays_is_refused(tmp_path):
+    """A nemotron_h file whose feed_forward_length is one width for every layer (not the per-layer
+    array the converter writes) sets the attention layer twice: refused, naming the layer and keys."""
+    ref = twin("NemotronHConfig", FAMILIES["nemotron_h"][2])
+    path = write_gguf(tmp_path / "nh.gguf", ref, LAYOUTS["nemotron_h"], extra={"{arch}.feed_forward_length": 128})
+    with pytest.raises(CheckpointError, match=rf"{path}.*layer 1 is set in both nemotron_h.attention.head_count_kv "
+                                              rf"and nemotron_h.feed_forward_length; expected one of attention, mlp"):
         zoo.from_pretrained(str(path), compile=False)

@@ -138,6 +138,9 @@ class GGUFSource(Source):
                 raise CheckpointError(f"{self.description}: {why}")
         cfg: dict[str, Any] = copy.deepcopy(mapping.get("config", {}))
         for hf_key, field in mapping.get("fields", {}).items():
+            if isinstance(field, dict) and "kinds" in field:
+                _put(cfg, hf_key, self._kinds(arch, field["kinds"], field["other"]))
+                continue
             key = field["key"] if isinstance(field, dict) else field
             if isinstance(key, list):  # the first key the file has (newer converters renamed some)
                 key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
@@ -254,6 +257,30 @@ class GGUFSource(Source):
             raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
                                   f"{', '.join(repr(k) for k in table)}")
         return [table[v] for v in values]
+
+    def _kinds(self, arch: str, kinds: dict, other: str) -> list:
+        """Per-layer kinds from several per-layer arrays (llama.cpp's hybrid patterns: NemotronH's
+        head_count_kv set on attention layers, feed_forward_length on MLP layers): each layer is the
+        kind whose array is set (nonzero) there, `other` where none is; a layer two arrays claim is
+        an error naming both keys (it holds what one kind cannot state). A scalar covers every layer."""
+        n = self._required(f"{arch}.block_count")
+        claims: list[list[str]] = [[] for _ in range(n)]
+        for kind, key in kinds.items():
+            key = key.format(arch=arch)
+            value = self.metadata(key, 0)
+            values = value if isinstance(value, list) else [value] * n
+            if len(values) != n:
+                raise CheckpointError(f"{self.description}: {key} has {len(values)} elements, expected one per "
+                                      f"layer ({arch}.block_count = {n})")
+            for layer, v in enumerate(values):
+                if v:
+                    claims[layer].append(key)
+        for layer, keys in enumerate(claims):
+            if len(keys) > 1:
+                raise CheckpointError(f"{self.description}: layer {layer} is set in both {keys[0]} and {keys[1]}; "
+                                      f"expected one of {', '.join(kinds)} per layer")
+        by_key = {key.format(arch=arch): kind for kind, key in kinds.items()}
+        return [by_key[keys[0]] if keys else other for keys in claims]
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""
