@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -542,6 +542,53 @@ def _nemotron_h_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return [(name, t)]
 
 
+def _falcon_h1(w: gguf.GGUFWriter, cfg) -> None:
+    """FalconH1Model: Mamba2Model's keys (inner_size mamba_d_ssm, the head count as time_step_rank),
+    then the vocabulary, context, FFN width, attention heads, the Hub config's head_dim as
+    key_length / value_length, and the rope base."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_inner_size(cfg.mamba_d_ssm)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_time_step_rank(cfg.mamba_d_ssm // cfg.mamba_d_head)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+
+
+def _falcon_h1_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """FalconH1Model.modify_tensors: Mamba2Model's on the mixer, then every µP multiplier folded
+    into the weight (and bias) its name picks, the SSM's in_proj per slice [z | x | B | C | dt]."""
+    if ".mamba." in name and (out := _mamba2_mixer(name, t, cfg.mamba_n_groups)) is not None:
+        (name, t), = out
+    mlp, attn_in = cfg.mlp_multipliers, cfg.attention_in_multiplier
+    scale = next((s for key, s in (("down_proj", mlp[1]), ("gate_proj", mlp[0]),
+                                   ("k_proj", cfg.key_multiplier * attn_in), ("q_proj", attn_in), ("v_proj", attn_in),
+                                   ("o_proj", cfg.attention_out_multiplier), ("out_proj", cfg.ssm_out_multiplier),
+                                   ("in_proj", cfg.ssm_in_multiplier), ("lm_head", cfg.lm_head_multiplier),
+                                   ("embed_tokens", cfg.embedding_multiplier)) if key in name), None)
+    if scale is None:
+        return [(name, t)]
+    t = t * scale
+    if "in_proj" in name:
+        inner, bc = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state
+        ends = [0, inner, 2 * inner, 2 * inner + bc, 2 * inner + 2 * bc, t.shape[0]]
+        t = torch.cat([t[a:b] * m for a, b, m in zip(ends, ends[1:], cfg.ssm_multipliers)])
+    return [(name, t)]
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
@@ -785,6 +832,7 @@ LAYOUTS = {
                             tensors=_granitehybrid_tensors),
     "nemotron_h": Layout(gguf.MODEL_ARCH.NEMOTRON_H, permute_qk=True, metadata=_nemotron_h, head_dim_key=False,
                          tensors=_nemotron_h_tensors),
+    "falcon-h1": Layout(gguf.MODEL_ARCH.FALCON_H1, metadata=_falcon_h1, text_metadata=False, tensors=_falcon_h1_tensors),
 }
 
 

@@ -23,6 +23,13 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# Falcon-H1's µP multipliers, every one off 1, and its Mamba2 sizes
+FALCON_H1 = dict(embedding_multiplier=1.5, lm_head_multiplier=0.6, key_multiplier=0.8, attention_in_multiplier=0.7,
+                 attention_out_multiplier=1.2, ssm_in_multiplier=1.1, ssm_out_multiplier=0.9,
+                 ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], mlp_multipliers=[0.8, 1.2], mamba_d_ssm=128,
+                 mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
 # family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
 # rules zoo must pick, {tensor: block type} stored quantized)
 FAMILIES = {
@@ -361,6 +368,13 @@ FAMILIES = {
                         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=4,
                         tie_word_embeddings=False),
                    ["nemotron_h"], {"blk.2.ffn_up.weight": Q.Q8_0, "blk.3.ssm_in.weight": Q.Q8_0}),
+    # attention and Mamba2 (8 heads of 16, 2 groups) summed on every layer; every µP multiplier off
+    # 1, folded into the weights by the converter
+    "falcon_h1": ("falcon-h1", "FalconH1Config", dict(SMALL, **FALCON_H1), ["falcon_h1"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # the same with the grouped Mamba2 output norm (after the gate, as llama.cpp runs it)
+    "falcon_h1_norm": ("falcon-h1", "FalconH1Config", dict(SMALL, **FALCON_H1, mamba_rms_norm=True,
+                                                           mamba_norm_before_gate=False),
+                       ["falcon_h1"], {"blk.0.ffn_up.weight": Q.Q4_0}),
 }
 
 
