@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, jamba, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -589,6 +589,38 @@ def _falcon_h1_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return [(name, t)]
 
 
+def _jamba(w: gguf.GGUFWriter, cfg) -> None:
+    """JambaModel: its own keys only (head_count_kv per layer from attn_layer_offset / period, the
+    Mamba-1 sizes as ssm.*, the RMSNorm epsilon, the expert counts; none for the MoE layers)."""
+    n, offset, period = cfg.num_hidden_layers, cfg.attn_layer_offset, cfg.attn_layer_period
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([0] * offset + [cfg.num_key_value_heads if (i - offset) % period == 0 else 0
+                                        for i in range(offset, n)])
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_time_step_rank(cfg.mamba_dt_rank)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def _jamba_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """JambaModel.modify_tensors: the experts stacked per kind (gate_up as the twin holds them,
+    split), A = -exp(A_log), conv1d squeezed."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("feed_forward.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("feed_forward.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    return _ssm_tensors(name, t, cfg)
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
@@ -833,6 +865,7 @@ LAYOUTS = {
     "nemotron_h": Layout(gguf.MODEL_ARCH.NEMOTRON_H, permute_qk=True, metadata=_nemotron_h, head_dim_key=False,
                          tensors=_nemotron_h_tensors),
     "falcon-h1": Layout(gguf.MODEL_ARCH.FALCON_H1, metadata=_falcon_h1, text_metadata=False, tensors=_falcon_h1_tensors),
+    "jamba": Layout(gguf.MODEL_ARCH.JAMBA, metadata=_jamba, text_metadata=False, tensors=_jamba_tensors),
 }
 
 

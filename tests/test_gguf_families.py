@@ -375,6 +375,13 @@ FAMILIES = {
     "falcon_h1_norm": ("falcon-h1", "FalconH1Config", dict(SMALL, **FALCON_H1, mamba_rms_norm=True,
                                                            mamba_norm_before_gate=False),
                        ["falcon_h1"], {"blk.0.ffn_up.weight": Q.Q4_0}),
+    # Mamba-1 with dt / B / C norms, NoPE attention on layer 2, 4 experts on layers 1 and 3 (told by
+    # their routers), a SwiGLU MLP on 0 and 2
+    "jamba": ("jamba", "JambaConfig",
+              dict(SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=8, mamba_d_state=8,
+                   tie_word_embeddings=False),
+              ["jamba"], {"blk.3.ffn_up_exps.weight": Q.Q8_0, "blk.0.ssm_x.weight": Q.Q8_0}),
 }
 
 
@@ -561,4 +568,16 @@ def test_nemotron_h_layer_claimed_by_two_arrays_is_refused(tmp_path):
     path = write_gguf(tmp_path / "nh.gguf", ref, LAYOUTS["nemotron_h"], extra={"{arch}.feed_forward_length": 128})
     with pytest.raises(CheckpointError, match=rf"{path}.*layer 1 is set in both nemotron_h.attention.head_count_kv "
                                               rf"and nemotron_h.feed_forward_length; expected one of attention, mlp"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_jamba_schedule_no_period_states_is_refused(tmp_path):
+    """Jamba's layers come back as layer % period == offset: a file whose routers sit on layers
+    no such schedule gives (here 1, 2 and 3 of 4) is refused, naming the tensor and the layers."""
+    ref = twin("JambaConfig", FAMILIES["jamba"][2])
+    D, E = ref.config.hidden_size, ref.config.num_experts
+    path = write_gguf(tmp_path / "j.gguf", ref, LAYOUTS["jamba"],
+                      extra_tensors={"blk.2.ffn_gate_inp.weight": torch.zeros(E, D)})
+    with pytest.raises(CheckpointError, match=rf"{path}.*blk.{{layer}}.ffn_gate_inp.weight is set on layers \[1, 2, 3\] "
+                                              rf"of 4; expected the layers i % period == offset"):
         zoo.from_pretrained(str(path), compile=False)

@@ -141,11 +141,17 @@ class GGUFSource(Source):
             if isinstance(field, dict) and "kinds" in field:
                 _put(cfg, hf_key, self._kinds(arch, field["kinds"], field["other"]))
                 continue
-            key = field["key"] if isinstance(field, dict) else field
-            if isinstance(key, list):  # the first key the file has (newer converters renamed some)
-                key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
-            key = key.format(arch=arch)
-            value = self.metadata(key) if isinstance(field, dict) else self._required(key)
+            if isinstance(field, dict) and "tensor" in field:
+                # which blocks have a tensor, per layer (llama.cpp tells Jamba's MoE layers by their
+                # router alone)
+                key = field["tensor"]
+                value = [key.format(layer=i) in names for i in range(self._required(f"{arch}.block_count"))]
+            else:
+                key = field["key"] if isinstance(field, dict) else field
+                if isinstance(key, list):  # the first key the file has (newer converters renamed some)
+                    key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
+                key = key.format(arch=arch)
+                value = self.metadata(key) if isinstance(field, dict) else self._required(key)
             if isinstance(field, dict) and "none_if" in field and value == field["none_if"]:
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
@@ -158,6 +164,8 @@ class GGUFSource(Source):
                 # the layers whose element is set, as a list of indices (Bamba's attn_layer_indices:
                 # head_count_kv is 0 on its Mamba2 layers)
                 value = [i for i, v in enumerate(value if isinstance(value, list) else [value]) if v]
+            elif isinstance(field, dict) and "period" in field:
+                value = self._period(key, value)[field["period"] == "offset"]
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -257,6 +265,19 @@ class GGUFSource(Source):
             raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
                                   f"{', '.join(repr(k) for k in table)}")
         return [table[v] for v in values]
+
+    def _period(self, key: str, value: Any) -> tuple[int, int]:
+        """(period, offset) of a per-layer array whose set layers are exactly those with
+        layer % period == offset (Jamba's attention and MoE schedules), the smallest period that
+        states them (any other that does gives the same layers); an error naming the key and the
+        layers when none does."""
+        values = value if isinstance(value, list) else [value]
+        n, layers = len(values), [i for i, v in enumerate(values) if v]
+        for period in range(1, n + 1):
+            if layers and layers[0] < period and layers == list(range(layers[0], n, period)):
+                return period, layers[0]
+        raise CheckpointError(f"{self.description}: {key} is set on layers {layers} of {n}; expected the layers "
+                              f"i % period == offset for some period and offset")
 
     def _kinds(self, arch: str, kinds: dict, other: str) -> list:
         """Per-layer kinds from several per-layer arrays (llama.cpp's hybrid patterns: NemotronH's
