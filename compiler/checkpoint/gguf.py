@@ -165,7 +165,7 @@ class GGUFSource(Source):
                 # head_count_kv is 0 on its Mamba2 layers)
                 value = [i for i, v in enumerate(value if isinstance(value, list) else [value]) if v]
             elif isinstance(field, dict) and "period" in field:
-                value = self._period(key, value)[field["period"] == "offset"]
+                value = self._period(key, value, self._required(f"{arch}.block_count"))[field["period"] == "offset"]
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -266,13 +266,16 @@ class GGUFSource(Source):
                                   f"{', '.join(repr(k) for k in table)}")
         return [table[v] for v in values]
 
-    def _period(self, key: str, value: Any) -> tuple[int, int]:
+    def _period(self, key: str, value: Any, n_layers: int) -> tuple[int, int]:
         """(period, offset) of a per-layer array whose set layers are exactly those with
         layer % period == offset (Jamba's attention and MoE schedules), the smallest period that
         states them (any other that does gives the same layers); an error naming the key and the
         layers when none does."""
-        values = value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else [value] * n_layers  # a scalar: every layer's
         n, layers = len(values), [i for i, v in enumerate(values) if v]
+        if n != n_layers:
+            raise CheckpointError(f"{self.description}: {key} has {n} elements, expected one per layer "
+                                  f"(block_count = {n_layers})")
         for period in range(1, n + 1):
             if layers and layers[0] < period and layers == list(range(layers[0], n, period)):
                 return period, layers[0]
