@@ -581,3 +581,13 @@ def test_jamba_schedule_no_period_states_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{path}.*blk.{{layer}}.ffn_gate_inp.weight is set on layers \[1, 2, 3\] "
                                               rf"of 4; expected the layers i % period == offset"):
         zoo.from_pretrained(str(path), compile=False)
+
+
+def test_falcon_h1_file_with_multipliers_as_metadata_is_refused(tmp_path):
+    """Falcon-H1 GGUFs from TII's pre-upstream fork keep µP multipliers as metadata (ssm.has_mup,
+    mlp_gate_multiplier, ...): whether their weights hold them cannot be told, so they are refused."""
+    ref = twin("FalconH1Config", FAMILIES["falcon_h1"][2])
+    path = write_gguf(tmp_path / "fh1.gguf", ref, LAYOUTS["falcon-h1"], extra={"{arch}.mlp_gate_multiplier": 0.5})
+    with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers kept as metadata .*are not supported "
+                                              rf"\(falcon-h1.mlp_gate_multiplier is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
