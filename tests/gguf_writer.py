@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, kimi-linear, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, jamba, kimi-linear, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -443,6 +443,185 @@ def _mamba2_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return _ssm_tensors(name, t, cfg)
 
 
+def _mamba2_mixer(name: str, t: torch.Tensor, n_groups: int) -> list | None:
+    """Mamba2Model.modify_tensors on a hybrid's Mamba2 mixer: A = -exp(A_log) and D as [H, 1], the
+    gated norm as [n_groups, d_inner / n_groups], dt_bias as dt_proj.bias, conv1d squeezed."""
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t).reshape(-1, 1))]
+    if name.endswith(".D"):
+        return [(name, t.reshape(-1, 1))]
+    if name.endswith(".norm.weight"):
+        return [(name, t.reshape(n_groups, -1))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if "conv1d.weight" in name:
+        return [(name, t.squeeze())]
+    return None
+
+
+def _granitehybrid_attn_layers(cfg) -> list[int]:
+    """GraniteHybridModel.get_attn_layers on the Hub's config.json: layer_types' "attention" layers
+    (transformers 5 renames them full_attention), else Bamba's attn_layer_indices."""
+    if (types := getattr(cfg, "layer_types", None)) is not None:
+        return [i for i, t in enumerate(types) if t in ("attention", "full_attention")]
+    return list(cfg.attn_layer_indices)
+
+
+def _granitehybrid(w: gguf.GGUFWriter, cfg) -> None:
+    """GraniteHybridModel: GraniteMoeModel's keys (Granite's multipliers, TextModel's expert keys,
+    the shared MLP's width; LlamaModel's whole-head rope.dimension_count), the Mamba2 sizes,
+    head_count_kv per layer (0 on Mamba2 layers), the Hub config's attn_rotary_emb (Bamba's
+    rotated width) and rope.scaling.finetuned: RoPE only for Bamba, else a context of 2**20."""
+    for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+        if getattr(cfg, key, None):
+            add(getattr(cfg, key))
+    if getattr(cfg, "num_local_experts", None) is not None:
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "shared_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    attn = _granitehybrid_attn_layers(cfg)
+    bamba = cfg.model_type == "bamba"  # the converter's "BambaForCausalLM" in architectures
+    if bamba:  # Bamba-9B's config.json has attn_rotary_emb (transformers: partial_rotary_factor 0.5)
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    w.add_head_count_kv([cfg.num_key_value_heads if i in attn else 0 for i in range(cfg.num_hidden_layers)])
+    w.add_rope_scaling_finetuned(bamba)
+    if not bamba:
+        w.add_context_length(2 ** 20)
+
+
+def _granitehybrid_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """GraniteHybridModel.modify_tensors: Mamba2Model's on the Mamba2 mixers (.mamba.), GraniteMoe's
+    expert and shared-MLP splits elsewhere."""
+    if ".mamba." in name:
+        return _mamba2_mixer(name, t, cfg.mamba_n_groups)
+    return _granitemoe_tensors(name, t, cfg)
+
+
+def _nemotron_h_pattern(cfg) -> str:
+    """The Hub config.json's hybrid_override_pattern (M: Mamba2, *: attention, -: MLP), which the
+    converter reads (transformers 5 gives layers_block_type)."""
+    symbols = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-"}
+    return "".join(symbols[t] for t in cfg.layers_block_type)
+
+
+def _nemotron_h(w: gguf.GGUFWriter, cfg) -> None:
+    """NemotronHModel (non-MoE: the Hub config.json has no num_experts_per_tok, which transformers 5
+    always writes): GraniteHybridModel's keys from the pattern (head_count_kv on attention layers,
+    no RoPE, a context of 2**20; mamba_head_dim is its "d_model", so inner_size = mamba_num_heads *
+    mamba_head_dim), LlamaModel's whole-head rope.dimension_count, the attention head width as
+    key_length / value_length and feed_forward_length on the MLP layers."""
+    pattern = _nemotron_h_pattern(cfg)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if c == "*" else 0 for c in pattern])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_feed_forward_length([cfg.intermediate_size if c == "-" else 0 for c in pattern])
+
+
+def _nemotron_h_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """NemotronHModel.modify_tensors on the checkpoint's names (backbone.; transformers 5 says
+    model.): Mamba2Model's on the Mamba2 layers' mixers, the rest as it is."""
+    name = name.replace("model.", "backbone.", 1) if name.startswith("model.") else name
+    if ".mixer." in name and _nemotron_h_pattern(cfg)[int(name.split(".")[2])] == "M":
+        return _mamba2_mixer(name, t, cfg.n_groups) or [(name, t)]
+    return [(name, t)]
+
+
+def _falcon_h1(w: gguf.GGUFWriter, cfg) -> None:
+    """FalconH1Model: Mamba2Model's keys (inner_size mamba_d_ssm, the head count as time_step_rank),
+    then the vocabulary, context, FFN width, attention heads, the Hub config's head_dim as
+    key_length / value_length, and the rope base."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_inner_size(cfg.mamba_d_ssm)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_time_step_rank(cfg.mamba_d_ssm // cfg.mamba_d_head)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+
+
+def _falcon_h1_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """FalconH1Model.modify_tensors: Mamba2Model's on the mixer, then every µP multiplier folded
+    into the weight (and bias) its name picks, the SSM's in_proj per slice [z | x | B | C | dt]."""
+    if ".mamba." in name and (out := _mamba2_mixer(name, t, cfg.mamba_n_groups)) is not None:
+        (name, t), = out
+    mlp, attn_in = cfg.mlp_multipliers, cfg.attention_in_multiplier
+    scale = next((s for key, s in (("down_proj", mlp[1]), ("gate_proj", mlp[0]),
+                                   ("k_proj", cfg.key_multiplier * attn_in), ("q_proj", attn_in), ("v_proj", attn_in),
+                                   ("o_proj", cfg.attention_out_multiplier), ("out_proj", cfg.ssm_out_multiplier),
+                                   ("in_proj", cfg.ssm_in_multiplier), ("lm_head", cfg.lm_head_multiplier),
+                                   ("embed_tokens", cfg.embedding_multiplier)) if key in name), None)
+    if scale is None:
+        return [(name, t)]
+    t = t * scale
+    if "in_proj" in name:
+        inner, bc = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state
+        ends = [0, inner, 2 * inner, 2 * inner + bc, 2 * inner + 2 * bc, t.shape[0]]
+        t = torch.cat([t[a:b] * m for a, b, m in zip(ends, ends[1:], cfg.ssm_multipliers)])
+    return [(name, t)]
+
+
+def _jamba(w: gguf.GGUFWriter, cfg) -> None:
+    """JambaModel: its own keys only (head_count_kv per layer from attn_layer_offset / period, the
+    Mamba-1 sizes as ssm.*, the RMSNorm epsilon, the expert counts; none for the MoE layers)."""
+    n, offset, period = cfg.num_hidden_layers, cfg.attn_layer_offset, cfg.attn_layer_period
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([0] * offset + [cfg.num_key_value_heads if (i - offset) % period == 0 else 0
+                                        for i in range(offset, n)])
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_time_step_rank(cfg.mamba_dt_rank)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def _jamba_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """JambaModel.modify_tensors: the experts stacked per kind (gate_up as the twin holds them,
+    split), A = -exp(A_log), conv1d squeezed."""
+    bid = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith("feed_forward.experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
+    if name.endswith("feed_forward.experts.down_proj"):
+        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    return _ssm_tensors(name, t, cfg)
+
+
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """Qwen3NextModel.modify_tensors: A = -exp(A_log), dt_bias as dt_proj.bias, conv1d squeezed,
     zero-centred norms as 1 + w, in_proj_qkvz (per key head [q | k | v | z]) as part-major
@@ -818,6 +997,12 @@ LAYOUTS = {
     "qwen35": Layout(gguf.MODEL_ARCH.QWEN35, metadata=_qwen35, tensors=_qwen35_tensors),
     "qwen35moe": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_tensors),
     "qwen35moe_fused": Layout(gguf.MODEL_ARCH.QWEN35MOE, metadata=_qwen35, tensors=_qwen35_fused_experts),
+    "granitehybrid": Layout(gguf.MODEL_ARCH.GRANITE_HYBRID, permute_qk=True, metadata=_granitehybrid, head_dim_key=False,
+                            tensors=_granitehybrid_tensors),
+    "nemotron_h": Layout(gguf.MODEL_ARCH.NEMOTRON_H, permute_qk=True, metadata=_nemotron_h, head_dim_key=False,
+                         tensors=_nemotron_h_tensors),
+    "falcon-h1": Layout(gguf.MODEL_ARCH.FALCON_H1, metadata=_falcon_h1, text_metadata=False, tensors=_falcon_h1_tensors),
+    "jamba": Layout(gguf.MODEL_ARCH.JAMBA, metadata=_jamba, text_metadata=False, tensors=_jamba_tensors),
 }
 
 

@@ -41,6 +41,12 @@ KIMI_LINEAR = dict(SMALL, num_key_value_heads=4, num_hidden_layers=4, moe_interm
                    model_max_length=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
                    linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 4,
                                        "short_conv_kernel_size": 4})
+# Falcon-H1's µP multipliers, every one off 1, and its Mamba2 sizes
+FALCON_H1 = dict(embedding_multiplier=1.5, lm_head_multiplier=0.6, key_multiplier=0.8, attention_in_multiplier=0.7,
+                 attention_out_multiplier=1.2, ssm_in_multiplier=1.1, ssm_out_multiplier=0.9,
+                 ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], mlp_multipliers=[0.8, 1.2], mamba_d_ssm=128,
+                 mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 # family -> (layout in tests/gguf_writer.py, transformers config class, config kwargs, the
 # rules zoo must pick, {tensor: block type} stored quantized)
@@ -379,6 +385,44 @@ FAMILIES = {
                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                  ["lfm2_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # Granite-4.0-H: Mamba2 (8 heads of 16, 2 groups) around NoPE attention, MoE + shared MLP on
+    # every layer, Granite's multipliers; head_count_kv per layer tells the pattern
+    "granitemoehybrid": ("granitehybrid", "GraniteMoeHybridConfig",
+                         dict(SMALL, num_hidden_layers=3, intermediate_size=32, shared_intermediate_size=48,
+                              num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba"],
+                              mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4,
+                              embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.2,
+                              logits_scaling=3.0, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                         ["granitemoehybrid"], {"blk.0.ssm_in.weight": Q.Q8_0, "blk.1.ffn_down_exps.weight": Q.Q8_0}),
+    # Bamba (the same architecture, rope.scaling.finetuned): Mamba2 around GQA attention rotating
+    # half of each head, a dense SwiGLU on every layer
+    "bamba": ("granitehybrid", "BambaConfig",
+              dict(SMALL, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+                   mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["bamba"], {"blk.2.ssm_out.weight": Q.Q8_0}),
+    # one sub-layer per layer: Mamba2 (8 heads of 16, 2 groups), NoPE attention, squared-ReLU MLP,
+    # Mamba2; the pattern from head_count_kv and feed_forward_length per layer
+    "nemotron_h": ("nemotron_h", "NemotronHConfig",
+                   dict(SMALL, layers_block_type=["mamba", "attention", "mlp", "mamba"], head_dim=16,
+                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=4,
+                        tie_word_embeddings=False),
+                   ["nemotron_h"], {"blk.2.ffn_up.weight": Q.Q8_0, "blk.3.ssm_in.weight": Q.Q8_0}),
+    # attention and Mamba2 (8 heads of 16, 2 groups) summed on every layer; every µP multiplier off
+    # 1, folded into the weights by the converter
+    "falcon_h1": ("falcon-h1", "FalconH1Config", dict(SMALL, **FALCON_H1), ["falcon_h1"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # the same with the grouped Mamba2 output norm (after the gate, as llama.cpp runs it)
+    "falcon_h1_norm": ("falcon-h1", "FalconH1Config", dict(SMALL, **FALCON_H1, mamba_rms_norm=True,
+                                                           mamba_norm_before_gate=False),
+                       ["falcon_h1"], {"blk.0.ffn_up.weight": Q.Q4_0}),
+    # Mamba-1 with dt / B / C norms, NoPE attention on layer 2, 4 experts on layers 1 and 3 (told by
+    # their routers), a SwiGLU MLP on 0 and 2
+    "jamba": ("jamba", "JambaConfig",
+              dict(SMALL, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=8, mamba_d_state=8,
+                   tie_word_embeddings=False),
+              ["jamba"], {"blk.3.ffn_up_exps.weight": Q.Q8_0, "blk.0.ssm_x.weight": Q.Q8_0}),
 }
 
 
@@ -564,4 +608,57 @@ def test_what_the_new_maps_cannot_express(tmp_path):
     path = write_gguf(tmp_path / "rplus.gguf", cohere, LAYOUTS["command-r"],
                       extra_tensors={f"blk.{i}.attn_{k}_norm.weight": torch.ones(4, 16) for i in (0, 1) for k in "qk"})
     with pytest.raises(ConfigError, match=rf"{path}.*use_qk_norm=True is not supported for model_type 'cohere'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_granitehybrid_files_the_maps_refuse_or_read(tmp_path):
+    """granitehybrid: a q/k bias only on the attention layer is found ({layer} in tensor_present);
+    a file without experts (the dense Granite-4.0-H) is refused by the granitemoehybrid import, and
+    a rotating (Bamba) file with Granite's multipliers by the bamba variant, each naming what it has."""
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+
+    bamba = twin("BambaConfig", dict(FAMILIES["bamba"][2], attention_bias=True))
+    path = write_gguf(tmp_path / "bias.gguf", bamba, LAYOUTS["granitehybrid"])
+    source = GGUFSource(path)
+    assert "blk.0.attn_q.bias" not in source.entries() and source.config()["attention_bias"] is True
+    source.close()
+    path = write_gguf(tmp_path / "mult.gguf", bamba, LAYOUTS["granitehybrid"], extra={"{arch}.embedding_scale": 2.0})
+    with pytest.raises(CheckpointError, match=rf"{path}.*Granite's multipliers in a granitehybrid file with RoPE "
+                                              rf".*\(granitehybrid.embedding_scale is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    moe = twin("GraniteMoeHybridConfig", FAMILIES["granitemoehybrid"][2])
+    path = write_gguf(tmp_path / "dense.gguf", moe, LAYOUTS["granitehybrid"], extra={"{arch}.expert_count": 0})
+    with pytest.raises(ConfigError, match=r"num_local_experts > 0.*MoE plus the shared MLP"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_nemotron_h_layer_claimed_by_two_arrays_is_refused(tmp_path):
+    """A nemotron_h file whose feed_forward_length is one width for every layer (not the per-layer
+    array the converter writes) sets the attention layer twice: refused, naming the layer and keys."""
+    ref = twin("NemotronHConfig", FAMILIES["nemotron_h"][2])
+    path = write_gguf(tmp_path / "nh.gguf", ref, LAYOUTS["nemotron_h"], extra={"{arch}.feed_forward_length": 128})
+    with pytest.raises(CheckpointError, match=rf"{path}.*layer 1 is set in both nemotron_h.attention.head_count_kv "
+                                              rf"and nemotron_h.feed_forward_length; expected one of attention, mlp"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_jamba_schedule_no_period_states_is_refused(tmp_path):
+    """Jamba's layers come back as layer % period == offset: a file whose routers sit on layers
+    no such schedule gives (here 1, 2 and 3 of 4) is refused, naming the tensor and the layers."""
+    ref = twin("JambaConfig", FAMILIES["jamba"][2])
+    D, E = ref.config.hidden_size, ref.config.num_experts
+    path = write_gguf(tmp_path / "j.gguf", ref, LAYOUTS["jamba"],
+                      extra_tensors={"blk.2.ffn_gate_inp.weight": torch.zeros(E, D)})
+    with pytest.raises(CheckpointError, match=rf"{path}.*blk.{{layer}}.ffn_gate_inp.weight is set on layers \[1, 2, 3\] "
+                                              rf"of 4; expected the layers i % period == offset"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_falcon_h1_file_with_multipliers_as_metadata_is_refused(tmp_path):
+    """Falcon-H1 GGUFs from TII's pre-upstream fork keep µP multipliers as metadata (ssm.has_mup,
+    mlp_gate_multiplier, ...): whether their weights hold them cannot be told, so they are refused."""
+    ref = twin("FalconH1Config", FAMILIES["falcon_h1"][2])
+    path = write_gguf(tmp_path / "fh1.gguf", ref, LAYOUTS["falcon-h1"], extra={"{arch}.mlp_gate_multiplier": 0.5})
+    with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers kept as metadata .*are not supported "
+                                              rf"\(falcon-h1.mlp_gate_multiplier is set\)"):
         zoo.from_pretrained(str(path), compile=False)

@@ -12,6 +12,7 @@ Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,20 @@ class GGUFSource(Source):
                 raise CheckpointError(f"{self.description}: {why}")
         cfg: dict[str, Any] = copy.deepcopy(mapping.get("config", {}))
         for hf_key, field in mapping.get("fields", {}).items():
-            key = field["key"] if isinstance(field, dict) else field
-            if isinstance(key, list):  # the first key the file has (newer converters renamed some)
-                key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
-            key = key.format(arch=arch)
-            value = self.metadata(key) if isinstance(field, dict) else self._required(key)
+            if isinstance(field, dict) and "kinds" in field:
+                _put(cfg, hf_key, self._kinds(arch, field["kinds"], field["other"]))
+                continue
+            if isinstance(field, dict) and "tensor" in field:
+                # which blocks have a tensor, per layer (llama.cpp tells Jamba's MoE layers by their
+                # router alone)
+                key = field["tensor"]
+                value = [key.format(layer=i) in names for i in range(self._required(f"{arch}.block_count"))]
+            else:
+                key = field["key"] if isinstance(field, dict) else field
+                if isinstance(key, list):  # the first key the file has (newer converters renamed some)
+                    key = next((k for k in key if self.metadata(k.format(arch=arch)) is not None), key[0])
+                key = key.format(arch=arch)
+                value = self.metadata(key) if isinstance(field, dict) else self._required(key)
             if isinstance(field, dict) and "none_if" in field and value == field["none_if"]:
                 value = None  # the converter's stand-in for "not set" (e.g. sliding_window 0)
             if value is None:
@@ -150,6 +160,12 @@ class GGUFSource(Source):
                 value = self._each(key, value, field["each"], field.get("each_other"))
             elif isinstance(field, dict) and field.get("largest") and isinstance(value, list):
                 value = max(value)  # a per-layer array's one value (LFM2's kv heads: 0 on conv layers)
+            elif isinstance(field, dict) and field.get("nonzero"):
+                # the layers whose element is set, as a list of indices (Bamba's attn_layer_indices:
+                # head_count_kv is 0 on its Mamba2 layers)
+                value = [i for i, v in enumerate(value if isinstance(value, list) else [value]) if v]
+            elif isinstance(field, dict) and "period" in field:
+                value = self._period(key, value, self._required(f"{arch}.block_count"))[field["period"] == "offset"]
             elif isinstance(field, dict) and ("minus" in field or "over" in field or "times" in field):
                 # a value the converter writes as a sum or a product (DeepSeek's key_length_mla =
                 # nope + rope; GLM's block_count counts the MTP layers; rope.dimension_count =
@@ -165,9 +181,9 @@ class GGUFSource(Source):
                 _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
-                _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
+                _put(cfg, hf_key, tensor["present"] if _present(tensor["tensor"], names) else tensor["absent"])
             else:
-                _put(cfg, hf_key, tensor in names)
+                _put(cfg, hf_key, _present(tensor, names))
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
@@ -249,6 +265,46 @@ class GGUFSource(Source):
             raise CheckpointError(f"{self.description}: {key} has {bad[0]!r}, expected one of "
                                   f"{', '.join(repr(k) for k in table)}")
         return [table[v] for v in values]
+
+    def _period(self, key: str, value: Any, n_layers: int) -> tuple[int, int]:
+        """(period, offset) of a per-layer array whose set layers are exactly those with
+        layer % period == offset (Jamba's attention and MoE schedules), the smallest period that
+        states them (any other that does gives the same layers); an error naming the key and the
+        layers when none does."""
+        values = value if isinstance(value, list) else [value] * n_layers  # a scalar: every layer's
+        n, layers = len(values), [i for i, v in enumerate(values) if v]
+        if n != n_layers:
+            raise CheckpointError(f"{self.description}: {key} has {n} elements, expected one per layer "
+                                  f"(block_count = {n_layers})")
+        for period in range(1, n + 1):
+            if layers and layers[0] < period and layers == list(range(layers[0], n, period)):
+                return period, layers[0]
+        raise CheckpointError(f"{self.description}: {key} is set on layers {layers} of {n}; expected the layers "
+                              f"i % period == offset for some period and offset")
+
+    def _kinds(self, arch: str, kinds: dict, other: str) -> list:
+        """Per-layer kinds from several per-layer arrays (llama.cpp's hybrid patterns: NemotronH's
+        head_count_kv set on attention layers, feed_forward_length on MLP layers): each layer is the
+        kind whose array is set (nonzero) there, `other` where none is; a layer two arrays claim is
+        an error naming both keys (it holds what one kind cannot state). A scalar covers every layer."""
+        n = self._required(f"{arch}.block_count")
+        claims: list[list[str]] = [[] for _ in range(n)]
+        for kind, key in kinds.items():
+            key = key.format(arch=arch)
+            value = self.metadata(key, 0)
+            values = value if isinstance(value, list) else [value] * n
+            if len(values) != n:
+                raise CheckpointError(f"{self.description}: {key} has {len(values)} elements, expected one per "
+                                      f"layer ({arch}.block_count = {n})")
+            for layer, v in enumerate(values):
+                if v:
+                    claims[layer].append(key)
+        for layer, keys in enumerate(claims):
+            if len(keys) > 1:
+                raise CheckpointError(f"{self.description}: layer {layer} is set in both {keys[0]} and {keys[1]}; "
+                                      f"expected one of {', '.join(kinds)} per layer")
+        by_key = {key.format(arch=arch): kind for kind, key in kinds.items()}
+        return [by_key[keys[0]] if keys else other for keys in claims]
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """Metadata value `key` as a Python value (str, int, float, bool, or a list of them)."""
@@ -363,6 +419,15 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
         return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
     raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
     return dequantize(raw, ggml_type.name)
+
+
+def _present(tensor: str, names) -> bool:
+    """Whether the file has `tensor`; a name with `{layer}` asks whether any block has it (a hybrid's
+    Mamba2 conv bias, on whichever layers are Mamba2 layers)."""
+    if "{layer}" not in tensor:
+        return tensor in names
+    pattern = re.compile(re.escape(tensor).replace(re.escape("{layer}"), r"\d+"))
+    return any(pattern.fullmatch(name) for name in names)
 
 
 def _put(cfg: dict, key: str, value: Any) -> None:
