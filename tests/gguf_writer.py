@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -621,6 +621,33 @@ def _olmo(w: gguf.GGUFWriter, cfg) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
 
 
+def _dbrx(w: gguf.GGUFWriter, cfg) -> None:
+    """DbrxModel: its own keys only (the sizes, the rope base, the clamp, the experts' count and
+    top-k, the fixed LayerNorm epsilon)."""
+    attn, ffn = cfg.attn_config, cfg.ffn_config
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(ffn.ffn_hidden_size)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(attn.kv_n_heads)
+    w.add_rope_freq_base(attn.rope_theta)
+    w.add_clamp_kqv(attn.clip_qkv)
+    w.add_expert_count(ffn.moe_num_experts)
+    w.add_expert_used_count(ffn.moe_top_k)
+    w.add_layer_norm_eps(1e-5)
+
+
+def _dbrx_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """DbrxModel.modify_tensors: each expert matrix [E * F, D] viewed as [E, F, D]; w2's
+    permuted to [E, D, F] (views: quantizing one writes the twin)."""
+    ffn = cfg.ffn_config
+    if name.endswith(("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")):
+        stack = t.view(ffn.moe_num_experts, ffn.ffn_hidden_size, cfg.d_model)
+        return [(name, stack.permute(0, 2, 1) if name.endswith("w2") else stack)]
+    return None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -681,6 +708,7 @@ LAYOUTS = {
     "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
     "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
+    "dbrx": Layout(gguf.MODEL_ARCH.DBRX, metadata=_dbrx, text_metadata=False, tensors=_dbrx_tensors),
 }
 
 

@@ -337,6 +337,17 @@ FAMILIES = {
                       moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                  ["lfm2_moe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0}),
+    # fused Wqkv clamped (0.05: the clamp bites), bias-free LayerNorms, the expert matrices stored
+    # as llama.cpp's stacks; the converter writes attn_config's rope_theta, which transformers'
+    # rotary ignores for rope_parameters: the twin has both the same
+    "dbrx": ("dbrx", "DbrxConfig",
+             dict(vocab_size=128, d_model=64, n_heads=4, n_layers=2, max_seq_len=256, tie_word_embeddings=False,
+                  attn_config=dict(kv_n_heads=2, clip_qkv=0.05, rope_theta=5e5),
+                  rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
+             ["dbrx"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0, "blk.0.ffn_down_exps.weight": Q.Q8_0},
+             1e-4),  # transformers' DBRX is 2e-5 from zoo's through safetensors too (reach_moe/dbrx's rtol)
 }
 
 
@@ -358,14 +369,14 @@ def twin(config_class: str, kwargs: dict):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gguf_family_matches_transformers(tmp_path, family):
-    layout, config_class, kwargs, rules, quantized = FAMILIES[family]
+    layout, config_class, kwargs, rules, quantized, *rtol = FAMILIES[family]  # rtol: as the family harness's
     ref = twin(config_class, kwargs)
     path = write_gguf(tmp_path / f"{family}.gguf", ref, LAYOUTS[layout], quantize=quantized)
     m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
     assert m.spec.checkpoint.rules == rules
     assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
     torch.manual_seed(1)
-    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4, rtol=rtol[0] if rtol else 1e-5)
 
 
 # ------------------------------------------------------------------------------ bad input
