@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -81,6 +81,8 @@ class Layout:
     # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
     # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
     tensors: Callable[[str, torch.Tensor, object], list | None] | None = None
+    # the converter's generate_extra_tensors: config -> {GGUF name: tensor} (MiniCPM3's LongRoPE factors)
+    extra_tensors: Callable[[object], dict] | None = None
 
     @property
     def name(self) -> str:
@@ -648,6 +650,33 @@ def _dbrx_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
+def _minicpm3(w: gguf.GGUFWriter, cfg) -> None:
+    """MiniCPM3Model: its own keys only (no rope base, no value_length, no µP scales: llama.cpp
+    fixes those), the MLA ranks, key_length = nope + rope and the rotated width."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
+def _minicpm3_rope_factors(cfg) -> dict:
+    """MiniCPM3Model.generate_extra_tensors: LongRoPE's factor lists as two F32 tensors."""
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") != "longrope":
+        return {}
+    return {"rope_factors_long.weight": torch.tensor(rope["long_factor"], dtype=torch.float32),
+            "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32)}
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -708,6 +737,8 @@ LAYOUTS = {
     "exaone-moe": Layout(gguf.MODEL_ARCH.EXAONE_MOE, metadata=_exaone_moe, tensors=_exaone_moe_tensors),
     "lfm2moe": Layout(gguf.MODEL_ARCH.LFM2MOE, metadata=_lfm2moe, text_metadata=False, tensors=_lfm2moe_tensors),
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
+    "minicpm3": Layout(gguf.MODEL_ARCH.MINICPM3, metadata=_minicpm3, text_metadata=False,
+                       extra_tensors=_minicpm3_rope_factors),
     "dbrx": Layout(gguf.MODEL_ARCH.DBRX, metadata=_dbrx, text_metadata=False, tensors=_dbrx_tensors),
 }
 
@@ -791,7 +822,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
             w.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(name, t.numpy())
-    for name, t in (extra_tensors or {}).items():
+    for name, t in {**(layout.extra_tensors(cfg) if layout.extra_tensors else {}), **(extra_tensors or {})}.items():
         w.add_tensor(name, t.detach().float().numpy())
     if quantize:
         raise KeyError(f"no tensors named {sorted(quantize)} in the twin")

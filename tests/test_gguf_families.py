@@ -348,6 +348,12 @@ FAMILIES = {
                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
              ["dbrx"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0, "blk.0.ffn_down_exps.weight": Q.Q8_0},
              1e-4),  # transformers' DBRX is 2e-5 from zoo's through safetensors too (reach_moe/dbrx's rtol)
+    # MLA with q_lora and a whole kv_b (no split), RoPE on halves, llama.cpp's fixed µP multipliers
+    "minicpm3": ("minicpm3", "MiniCPM3Config",
+                 dict(SMALL, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=16, scale_emb=12, scale_depth=1.4, dim_model_base=256,
+                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                 ["minicpm3"], {"blk.1.attn_kv_a_mqa.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q8_0}),
 }
 
 
@@ -503,4 +509,27 @@ def test_what_the_new_maps_cannot_express(tmp_path):
     path = write_gguf(tmp_path / "rplus.gguf", cohere, LAYOUTS["command-r"],
                       extra_tensors={f"blk.{i}.attn_{k}_norm.weight": torch.ones(4, 16) for i in (0, 1) for k in "qk"})
     with pytest.raises(ConfigError, match=rf"{path}.*use_qk_norm=True is not supported for model_type 'cohere'"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_minicpm3_longrope_factors_are_read_from_their_tensors(tmp_path):
+    """MiniCPM3's converter stores LongRoPE's factors as rope_factors_long / rope_factors_short
+    tensors (no metadata): the map reads them back as the rope's lists (the short ones below the
+    pre-training length, context_length, as transformers and llama.cpp pick), the tensors skipped
+    as config; and a file stating µP multipliers of its own is refused (llama.cpp fixes them)."""
+    long, short = [1.0, 2.0, 3.5, 5.0], [1.5, 1.0, 2.0, 1.25]
+    ref = twin("MiniCPM3Config", dict(FAMILIES["minicpm3"][2], rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "long_factor": long, "short_factor": short,
+        "original_max_position_embeddings": 256}))
+    path = write_gguf(tmp_path / "longrope.gguf", ref, LAYOUTS["minicpm3"])
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    rope = m.spec.rope
+    assert (rope.kind, list(rope.long_factor), list(rope.short_factor)) == ("longrope", long, short)
+    skipped = dict(m.info.load.ignored)
+    assert "LongRoPE" in skipped["rope_factors_long.weight"] and "LongRoPE" in skipped["rope_factors_short.weight"]
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    path = write_gguf(tmp_path / "mup.gguf", ref, LAYOUTS["minicpm3"], extra={"{arch}.embedding_scale": 10.0})
+    with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers of a file's own are not supported for "
+                                              rf"minicpm3 .*\(minicpm3.embedding_scale is set\)"):
         zoo.from_pretrained(str(path), compile=False)

@@ -165,9 +165,15 @@ class GGUFSource(Source):
                 _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
-                _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
+                if tensor["tensor"] in names or "absent" in tensor:  # no `absent`: the key stays unset
+                    _put(cfg, hf_key, tensor["present"] if tensor["tensor"] in names else tensor["absent"])
             else:
                 _put(cfg, hf_key, tensor in names)
+        for hf_key, tensor in mapping.get("tensor_values", {}).items():
+            # numbers the converter stores as a tensor, not as metadata (MiniCPM3's LongRoPE
+            # factors): config.json's list of them, when the file has the tensor
+            if tensor in names:
+                _put(cfg, hf_key, [float(v) for v in self.read(tensor).flatten().tolist()])
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
