@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "apertus, arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -83,6 +83,8 @@ class Layout:
     tensors: Callable[[str, torch.Tensor, object], list | None] | None = None
     # the converter's generate_extra_tensors: config -> {GGUF name: tensor} (MiniCPM3's LongRoPE factors)
     extra_tensors: Callable[[object], dict] | None = None
+    # metadata its modify_tensors writes from weights: (writer, model) (Apertus's xIELU arrays)
+    weight_metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
 
     @property
     def name(self) -> str:
@@ -677,6 +679,42 @@ def _minicpm3_rope_factors(cfg) -> dict:
             "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32)}
 
 
+def _llama3_rope_freqs(cfg) -> dict:
+    """LlamaModel.generate_extra_tensors: Llama 3 rope scaling as per-pair frequency divisors
+    (rope_freqs.weight: 1 for short wavelengths, factor for long ones, smoothed between)."""
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") != "llama3":
+        return {}
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high, old = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                              rope["original_max_position_embeddings"])
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * torch.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(out, dtype=torch.float32)}
+
+
+def _apertus(w: gguf.GGUFWriter, cfg) -> None:
+    """LlamaModel.set_gguf_parameters' own keys: the vocabulary and the rotated width."""
+    w.add_rope_dimension_count(cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _apertus_xielu(w: gguf.GGUFWriter, model) -> None:
+    """ApertusModel.modify_tensors: each layer's xIELU scalars (alpha_p / alpha_n raw, before
+    softplus) gathered into per-layer arrays; the tensors themselves are not written."""
+    for key, add in (("alpha_n", w.add_xielu_alpha_n), ("alpha_p", w.add_xielu_alpha_p),
+                     ("beta", w.add_xielu_beta), ("eps", w.add_xielu_eps)):
+        add([getattr(layer.mlp.act_fn, key).float().item() for layer in model.model.layers])
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -739,6 +777,8 @@ LAYOUTS = {
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
     "minicpm3": Layout(gguf.MODEL_ARCH.MINICPM3, metadata=_minicpm3, text_metadata=False,
                        extra_tensors=_minicpm3_rope_factors),
+    "apertus": Layout(gguf.MODEL_ARCH.APERTUS, metadata=_apertus, weight_metadata=_apertus_xielu,
+                      extra_tensors=_llama3_rope_freqs, skip=("rotary_emb.inv_freq", "mlp.act_fn.")),
     "dbrx": Layout(gguf.MODEL_ARCH.DBRX, metadata=_dbrx, text_metadata=False, tensors=_dbrx_tensors),
 }
 
@@ -776,6 +816,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
+    if layout.weight_metadata is not None:
+        layout.weight_metadata(w, model)
     for key, value in (extra or {}).items():
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)

@@ -13,6 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
 from zoo.compiler.errors import CheckpointError, ConfigError  # noqa: E402
 from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
 from tests.helpers import check_parity  # noqa: E402
@@ -354,6 +355,11 @@ FAMILIES = {
                       qk_rope_head_dim=8, v_head_dim=16, scale_emb=12, scale_depth=1.4, dim_model_base=256,
                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                  ["minicpm3"], {"blk.1.attn_kv_a_mqa.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q8_0}),
+    # per-head q/k norms, a non-gated xIELU MLP whose learned scalars llama.cpp stores as metadata
+    "apertus": ("apertus", "ApertusConfig",
+                dict(SMALL, head_dim=16, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                ["apertus"], {"blk.1.ffn_up.weight": Q.Q8_0}),
 }
 
 
@@ -380,7 +386,8 @@ def test_gguf_family_matches_transformers(tmp_path, family):
     path = write_gguf(tmp_path / f"{family}.gguf", ref, LAYOUTS[layout], quantize=quantized)
     m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
     assert m.spec.checkpoint.rules == rules
-    assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
+    # every tensor of the file is read, and those the map makes of metadata (Apertus's xIELU scalars)
+    assert m.info.load.tensors_read == len(GGUFSource(str(path)).entries()) >= len(gguf.GGUFReader(str(path)).tensors)
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4, rtol=rtol[0] if rtol else 1e-5)
 
@@ -532,4 +539,34 @@ def test_minicpm3_longrope_factors_are_read_from_their_tensors(tmp_path):
     path = write_gguf(tmp_path / "mup.gguf", ref, LAYOUTS["minicpm3"], extra={"{arch}.embedding_scale": 10.0})
     with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers of a file's own are not supported for "
                                               rf"minicpm3 .*\(minicpm3.embedding_scale is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_apertus_xielu_scalars_and_llama3_rope_from_the_file(tmp_path):
+    """Apertus's converter writes xIELU's per-layer scalars as metadata arrays and Llama 3 rope
+    scaling as rope_freqs.weight: both are read back (alpha_p / alpha_n made random per layer, so a
+    swapped or dropped one shows; the divisors as a LongRoPE without attention factor), and a file
+    whose beta differs from transformers' constant is refused."""
+    ref = twin("ApertusConfig", dict(FAMILIES["apertus"][2], rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}))
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.mlp.act_fn.alpha_p.uniform_(-1.0, 1.0)
+            layer.mlp.act_fn.alpha_n.uniform_(-1.0, 1.0)
+    path = write_gguf(tmp_path / "apertus.gguf", ref, LAYOUTS["apertus"], quantize={"blk.0.attn_q.weight": Q.Q8_0})
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    assert m.spec.rope.kind == "longrope" and "rope config" in dict(m.info.load.ignored)["rope_freqs.weight"]
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    path = write_gguf(tmp_path / "beta.gguf", ref, LAYOUTS["apertus"])
+    src = GGUFSource(path)
+    assert src.metadata("xielu.beta") == [0.5, 0.5]
+    src.close()
+    bad = twin("ApertusConfig", FAMILIES["apertus"][2])
+    bad.model.layers[1].mlp.act_fn.beta.fill_(0.25)
+    path = write_gguf(tmp_path / "beta.gguf", bad, LAYOUTS["apertus"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*xIELU with a beta other than transformers' 0.5 is not "
+                                              rf"supported \(xielu.beta = \[0.5, 0.25\], expected 0.5\)"):
         zoo.from_pretrained(str(path), compile=False)
