@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "apertus, arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "afmoe, apertus, arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitemoe, hunyuan-dense, hunyuan-moe, jais2, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -715,6 +715,28 @@ def _apertus_xielu(w: gguf.GGUFWriter, model) -> None:
         add([getattr(layer.mlp.act_fn, key).float().item() for layer in model.model.layers])
 
 
+def _afmoe(w: gguf.GGUFWriter, cfg) -> None:
+    """AfmoeModel: LlamaModel's rotated width, TextModel's expert keys, then its own: shared
+    experts, the experts' width, the dense lead, route_norm (where config.json has it: Trinity's
+    do) and route_scale, the window."""
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.num_shared_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    if getattr(cfg, "route_norm", None) is not None:
+        w.add_expert_weights_norm(cfg.route_norm)
+    w.add_expert_weights_scale(cfg.route_scale)
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _afmoe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """AfmoeModel.filter_tensors: the selection bias as expert_bias.bias (exp_probs_b.bias)."""
+    return [(name + ".bias", t)] if name.endswith("mlp.expert_bias") else None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -777,6 +799,7 @@ LAYOUTS = {
     "bloom": Layout(gguf.MODEL_ARCH.BLOOM, metadata=_bloom, text_metadata=False, tensors=_bloom_tensors),
     "minicpm3": Layout(gguf.MODEL_ARCH.MINICPM3, metadata=_minicpm3, text_metadata=False,
                        extra_tensors=_minicpm3_rope_factors),
+    "afmoe": Layout(gguf.MODEL_ARCH.AFMOE, metadata=_afmoe, tensors=_afmoe_tensors),
     "apertus": Layout(gguf.MODEL_ARCH.APERTUS, metadata=_apertus, weight_metadata=_apertus_xielu,
                       extra_tensors=_llama3_rope_freqs, skip=("rotary_emb.inv_freq", "mlp.act_fn.")),
     "dbrx": Layout(gguf.MODEL_ARCH.DBRX, metadata=_dbrx, text_metadata=False, tensors=_dbrx_tensors),

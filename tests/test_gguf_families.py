@@ -360,6 +360,16 @@ FAMILIES = {
                 dict(SMALL, head_dim=16, tie_word_embeddings=False,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
                 ["apertus"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # three sliding layers with RoPE (window 4 < the positions checked), one full without; q/k
+    # norms, a sigmoid output gate, sandwich norms; a dense first layer, then sigmoid routing with a
+    # selection bias, renormalised (route_norm: Trinity's config.json key the converter reads) x
+    # route_scale, a shared expert; embeddings x sqrt(d)
+    "afmoe": ("afmoe", "AfmoeConfig",
+              dict(SMALL, num_hidden_layers=4, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                   num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, route_scale=1.7, route_norm=True,
+                   mup_enabled=True, sliding_window=4, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["afmoe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0, "blk.0.attn_gate.weight": Q.Q8_0}),
 }
 
 
@@ -569,4 +579,21 @@ def test_apertus_xielu_scalars_and_llama3_rope_from_the_file(tmp_path):
     path = write_gguf(tmp_path / "beta.gguf", bad, LAYOUTS["apertus"])
     with pytest.raises(CheckpointError, match=rf"{path}.*xIELU with a beta other than transformers' 0.5 is not "
                                               rf"supported \(xielu.beta = \[0.5, 0.25\], expected 0.5\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_afmoe_files_llama_cpp_runs_otherwise_are_refused(tmp_path):
+    """llama.cpp leaves AFMoE's top-k weights as they are without expert_weights_norm (the
+    converter writes it only from config.json's route_norm) and routes by softmax when the file
+    says so; transformers' AFMoE always renormalises sigmoid scores: both files are refused,
+    naming the key and the file."""
+    kwargs = {k: v for k, v in FAMILIES["afmoe"][2].items() if k != "route_norm"}
+    path = write_gguf(tmp_path / "no_norm.gguf", twin("AfmoeConfig", kwargs), LAYOUTS["afmoe"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*top-k weights not renormalised .*not supported for afmoe "
+                                              rf"\(afmoe.expert_weights_norm is not set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    path = write_gguf(tmp_path / "softmax.gguf", twin("AfmoeConfig", FAMILIES["afmoe"][2]), LAYOUTS["afmoe"],
+                      extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for afmoe "
+                                              rf"\(afmoe.expert_gating_func = 1\)"):
         zoo.from_pretrained(str(path), compile=False)

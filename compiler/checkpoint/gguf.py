@@ -123,6 +123,9 @@ class GGUFSource(Source):
         arch, _, mapping = self._mapping()
         names = self._open_tensors()
         reject = mapping.get("reject", {})
+        for key, why in reject.get("absent", {}).items():  # a key llama.cpp defaults to what the map cannot express
+            if self.metadata(key.format(arch=arch)) is None:
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is not set)")
         for key, why in reject.get("metadata", {}).items():
             if self.metadata(key.format(arch=arch), 0):
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is set)")
