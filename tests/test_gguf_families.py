@@ -597,3 +597,14 @@ def test_afmoe_files_llama_cpp_runs_otherwise_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for afmoe "
                                               rf"\(afmoe.expert_gating_func = 1\)"):
         zoo.from_pretrained(str(path), compile=False)
+
+
+def test_dbrx_norm_epsilon_is_the_fixed_one(tmp_path):
+    """transformers' DBRX norms use nn.LayerNorm's 1e-5 whatever the file says (the converter
+    always writes 1e-5): a file with another epsilon is refused, naming the key, its value and
+    the one expected."""
+    ref = twin("DbrxConfig", FAMILIES["dbrx"][2])
+    path = write_gguf(tmp_path / "eps.gguf", ref, LAYOUTS["dbrx"], extra={"{arch}.attention.layer_norm_epsilon": 1e-6})
+    with pytest.raises(CheckpointError, match=rf"{path}.*LayerNorm epsilon other than DBRX's fixed 1e-5 is not "
+                                              rf"supported \(dbrx.attention.layer_norm_epsilon = 9.99.*e-07, expected 1e-05\)"):
+        zoo.from_pretrained(str(path), compile=False)
