@@ -319,6 +319,17 @@ def test_config_rejects_what_it_cannot_express(tmp_path):
     missing = {k: v for k, v in LLAMA_KV.items() if k != "llama.block_count"}
     with pytest.raises(CheckpointError, match="llama.block_count"):
         GGUFSource(write_gguf(tmp_path / "m.gguf", kv=missing)).config()
+    # metadata_tensors (conf/gguf/apertus.yaml): one tensor per layer of a per-layer array, or an
+    # error naming the key when the array does not give one number per layer
+    xielu = {"apertus.block_count": (2, V.UINT32), "xielu.alpha_n": ([0.25, -0.5], V.ARRAY, V.FLOAT32),
+             "xielu.alpha_p": ([1.5, 2.0], V.ARRAY, V.FLOAT32)}
+    src = GGUFSource(write_gguf(tmp_path / "x.gguf", arch="apertus", kv=xielu))
+    assert src.entries()["blk.1.xielu_alpha_n"].shape == (1,) and src.read("blk.1.xielu_alpha_n").tolist() == [-0.5]
+    assert src.read("blk.0.xielu_alpha_p").tolist() == [1.5] and "blk.1.xielu_alpha_n" in src.read_order()[0]
+    short = dict(xielu, **{"xielu.alpha_p": ([1.5], V.ARRAY, V.FLOAT32)})
+    with pytest.raises(CheckpointError, match=r"xielu.alpha_p = \[1.5\]: expected one number per layer "
+                                              r"\(apertus.block_count = 2\)"):
+        GGUFSource(write_gguf(tmp_path / "s.gguf", arch="apertus", kv=short)).entries()
 
 
 # -- bad files -------------------------------------------------------------------------------------
