@@ -21,7 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 # general.architecture values with a conf/gguf map of their own, as errors list them (a variant
 # map such as llama_moe is not one); a new map adds its architecture here
-MAPPED_ARCHITECTURES = "arcee, bloom, cohere2, command-r, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, jamba, kimi-linear, lfm2, lfm2moe, llama, mamba, mamba2, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
+MAPPED_ARCHITECTURES = "afmoe, apertus, arcee, bloom, cohere2, command-r, dbrx, deepseek2, dots1, ernie4_5, ernie4_5-moe, exaone, exaone-moe, exaone4, falcon, falcon-h1, gemma, gemma2, gemma3, glm4, glm4moe, gpt-oss, gpt2, gptneox, granite, granitehybrid, granitemoe, hunyuan-dense, hunyuan-moe, jais2, jamba, kimi-linear, lfm2, lfm2moe, llama, mamba, mamba2, minicpm3, minimax-m2, mpt, nemotron, nemotron_h, olmo, olmo2, olmoe, phi2, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, seed_oss, smollm3, stablelm, starcoder, starcoder2"
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -82,6 +82,10 @@ class Layout:
     # the converter's modify_tensors where it is more than a rename: (HF name, tensor, config) ->
     # [(HF name, tensor)] (names gguf-py's table knows) or None (the tensor as it is)
     tensors: Callable[[str, torch.Tensor, object], list | None] | None = None
+    # the converter's generate_extra_tensors: config -> {GGUF name: tensor} (MiniCPM3's LongRoPE factors)
+    extra_tensors: Callable[[object], dict] | None = None
+    # metadata its modify_tensors writes from weights: (writer, model) (Apertus's xIELU arrays)
+    weight_metadata: Callable[[gguf.GGUFWriter, object], None] | None = None
 
     @property
     def name(self) -> str:
@@ -929,6 +933,118 @@ def _olmo(w: gguf.GGUFWriter, cfg) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
 
 
+def _dbrx(w: gguf.GGUFWriter, cfg) -> None:
+    """DbrxModel: its own keys only (the sizes, the rope base, the clamp, the experts' count and
+    top-k, the fixed LayerNorm epsilon)."""
+    attn, ffn = cfg.attn_config, cfg.ffn_config
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(ffn.ffn_hidden_size)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(attn.kv_n_heads)
+    w.add_rope_freq_base(attn.rope_theta)
+    w.add_clamp_kqv(attn.clip_qkv)
+    w.add_expert_count(ffn.moe_num_experts)
+    w.add_expert_used_count(ffn.moe_top_k)
+    w.add_layer_norm_eps(1e-5)
+
+
+def _dbrx_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """DbrxModel.modify_tensors: each expert matrix [E * F, D] viewed as [E, F, D]; w2's
+    permuted to [E, D, F] (views: quantizing one writes the twin)."""
+    ffn = cfg.ffn_config
+    if name.endswith(("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2")):
+        stack = t.view(ffn.moe_num_experts, ffn.ffn_hidden_size, cfg.d_model)
+        return [(name, stack.permute(0, 2, 1) if name.endswith("w2") else stack)]
+    return None
+
+
+def _minicpm3(w: gguf.GGUFWriter, cfg) -> None:
+    """MiniCPM3Model: its own keys only (no rope base, no value_length, no µP scales: llama.cpp
+    fixes those), the MLA ranks, key_length = nope + rope and the rotated width."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
+def _minicpm3_rope_factors(cfg) -> dict:
+    """MiniCPM3Model.generate_extra_tensors: LongRoPE's factor lists as two F32 tensors."""
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") != "longrope":
+        return {}
+    return {"rope_factors_long.weight": torch.tensor(rope["long_factor"], dtype=torch.float32),
+            "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32)}
+
+
+def _llama3_rope_freqs(cfg) -> dict:
+    """LlamaModel.generate_extra_tensors: Llama 3 rope scaling as per-pair frequency divisors
+    (rope_freqs.weight: 1 for short wavelengths, factor for long ones, smoothed between)."""
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") != "llama3":
+        return {}
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high, old = (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                              rope["original_max_position_embeddings"])
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * torch.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(out, dtype=torch.float32)}
+
+
+def _apertus(w: gguf.GGUFWriter, cfg) -> None:
+    """LlamaModel.set_gguf_parameters' own keys: the vocabulary and the rotated width."""
+    w.add_rope_dimension_count(cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _apertus_xielu(w: gguf.GGUFWriter, model) -> None:
+    """ApertusModel.modify_tensors: each layer's xIELU scalars (alpha_p / alpha_n raw, before
+    softplus) gathered into per-layer arrays; the tensors themselves are not written."""
+    for key, add in (("alpha_n", w.add_xielu_alpha_n), ("alpha_p", w.add_xielu_alpha_p),
+                     ("beta", w.add_xielu_beta), ("eps", w.add_xielu_eps)):
+        add([getattr(layer.mlp.act_fn, key).float().item() for layer in model.model.layers])
+
+
+def _afmoe(w: gguf.GGUFWriter, cfg) -> None:
+    """AfmoeModel: LlamaModel's rotated width, TextModel's expert keys, then its own: shared
+    experts, the experts' width, the dense lead, route_norm (where config.json has it: Trinity's
+    do) and route_scale, the window."""
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.num_shared_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    if getattr(cfg, "route_norm", None) is not None:
+        w.add_expert_weights_norm(cfg.route_norm)
+    w.add_expert_weights_scale(cfg.route_scale)
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _afmoe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """AfmoeModel.filter_tensors: the selection bias as expert_bias.bias (exp_probs_b.bias)."""
+    return [(name + ".bias", t)] if name.endswith("mlp.expert_bias") else None
+
+
 def _mixtral(w: gguf.GGUFWriter, cfg) -> None:
     """LlamaModel on a Mixtral config: the expert count and top-k."""
     w.add_expert_count(cfg.num_local_experts)
@@ -1003,6 +1119,12 @@ LAYOUTS = {
                          tensors=_nemotron_h_tensors),
     "falcon-h1": Layout(gguf.MODEL_ARCH.FALCON_H1, metadata=_falcon_h1, text_metadata=False, tensors=_falcon_h1_tensors),
     "jamba": Layout(gguf.MODEL_ARCH.JAMBA, metadata=_jamba, text_metadata=False, tensors=_jamba_tensors),
+    "minicpm3": Layout(gguf.MODEL_ARCH.MINICPM3, metadata=_minicpm3, text_metadata=False,
+                       extra_tensors=_minicpm3_rope_factors),
+    "afmoe": Layout(gguf.MODEL_ARCH.AFMOE, metadata=_afmoe, tensors=_afmoe_tensors),
+    "apertus": Layout(gguf.MODEL_ARCH.APERTUS, metadata=_apertus, weight_metadata=_apertus_xielu,
+                      extra_tensors=_llama3_rope_freqs, skip=("rotary_emb.inv_freq", "mlp.act_fn.")),
+    "dbrx": Layout(gguf.MODEL_ARCH.DBRX, metadata=_dbrx, text_metadata=False, tensors=_dbrx_tensors),
 }
 
 
@@ -1039,6 +1161,8 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
         _text_metadata(w, cfg, layout.head_dim_key)
     if layout.metadata is not None:
         layout.metadata(w, cfg)
+    if layout.weight_metadata is not None:
+        layout.weight_metadata(w, model)
     for key, value in (extra or {}).items():
         key = key.format(arch=arch or layout.name)
         {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
@@ -1085,7 +1209,7 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
             w.add_tensor(name, blocks, raw_dtype=qtype)
         else:
             w.add_tensor(name, t.numpy())
-    for name, t in (extra_tensors or {}).items():
+    for name, t in {**(layout.extra_tensors(cfg) if layout.extra_tensors else {}), **(extra_tensors or {})}.items():
         w.add_tensor(name, t.detach().float().numpy())
     if quantize:
         raise KeyError(f"no tensors named {sorted(quantize)} in the twin")

@@ -13,6 +13,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
 from zoo.compiler.errors import CheckpointError, ConfigError  # noqa: E402
 from tests.gguf_writer import LAYOUTS, write_gguf  # noqa: E402
 from tests.helpers import check_parity  # noqa: E402
@@ -423,6 +424,38 @@ FAMILIES = {
                    expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=8, mamba_d_state=8,
                    tie_word_embeddings=False),
               ["jamba"], {"blk.3.ffn_up_exps.weight": Q.Q8_0, "blk.0.ssm_x.weight": Q.Q8_0}),
+    # fused Wqkv clamped (0.05: the clamp bites), bias-free LayerNorms, the expert matrices stored
+    # as llama.cpp's stacks; the converter writes attn_config's rope_theta, which transformers'
+    # rotary ignores for rope_parameters: the twin has both the same
+    "dbrx": ("dbrx", "DbrxConfig",
+             dict(vocab_size=128, d_model=64, n_heads=4, n_layers=2, max_seq_len=256, tie_word_embeddings=False,
+                  attn_config=dict(kv_n_heads=2, clip_qkv=0.05, rope_theta=5e5),
+                  rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
+             ["dbrx"], {"blk.1.ffn_gate_exps.weight": Q.Q8_0, "blk.0.ffn_down_exps.weight": Q.Q8_0},
+             1e-4),  # transformers' DBRX is 2e-5 from zoo's through safetensors too (reach_moe/dbrx's rtol)
+    # MLA with q_lora and a whole kv_b (no split), RoPE on halves, llama.cpp's fixed µP multipliers
+    "minicpm3": ("minicpm3", "MiniCPM3Config",
+                 dict(SMALL, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=16, scale_emb=12, scale_depth=1.4, dim_model_base=256,
+                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                 ["minicpm3"], {"blk.1.attn_kv_a_mqa.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q8_0}),
+    # per-head q/k norms, a non-gated xIELU MLP whose learned scalars llama.cpp stores as metadata
+    "apertus": ("apertus", "ApertusConfig",
+                dict(SMALL, head_dim=16, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                ["apertus"], {"blk.1.ffn_up.weight": Q.Q8_0}),
+    # three sliding layers with RoPE (window 4 < the positions checked), one full without; q/k
+    # norms, a sigmoid output gate, sandwich norms; a dense first layer, then sigmoid routing with a
+    # selection bias, renormalised (route_norm: Trinity's config.json key the converter reads) x
+    # route_scale, a shared expert; embeddings x sqrt(d)
+    "afmoe": ("afmoe", "AfmoeConfig",
+              dict(SMALL, num_hidden_layers=4, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                   num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, route_scale=1.7, route_norm=True,
+                   mup_enabled=True, sliding_window=4, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+              ["afmoe"], {"blk.2.ffn_up_exps.weight": Q.Q8_0, "blk.0.attn_gate.weight": Q.Q8_0}),
 }
 
 
@@ -444,14 +477,15 @@ def twin(config_class: str, kwargs: dict):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gguf_family_matches_transformers(tmp_path, family):
-    layout, config_class, kwargs, rules, quantized = FAMILIES[family]
+    layout, config_class, kwargs, rules, quantized, *rtol = FAMILIES[family]  # rtol: as the family harness's
     ref = twin(config_class, kwargs)
     path = write_gguf(tmp_path / f"{family}.gguf", ref, LAYOUTS[layout], quantize=quantized)
     m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
     assert m.spec.checkpoint.rules == rules
-    assert m.info.load.tensors_read == len(gguf.GGUFReader(str(path)).tensors)
+    # every tensor of the file is read, and those the map makes of metadata (Apertus's xIELU scalars)
+    assert m.info.load.tensors_read == len(GGUFSource(str(path)).entries()) >= len(gguf.GGUFReader(str(path)).tensors)
     torch.manual_seed(1)
-    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4, rtol=rtol[0] if rtol else 1e-5)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -661,4 +695,85 @@ def test_falcon_h1_file_with_multipliers_as_metadata_is_refused(tmp_path):
     path = write_gguf(tmp_path / "fh1.gguf", ref, LAYOUTS["falcon-h1"], extra={"{arch}.mlp_gate_multiplier": 0.5})
     with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers kept as metadata .*are not supported "
                                               rf"\(falcon-h1.mlp_gate_multiplier is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_minicpm3_longrope_factors_are_read_from_their_tensors(tmp_path):
+    """MiniCPM3's converter stores LongRoPE's factors as rope_factors_long / rope_factors_short
+    tensors (no metadata): the map reads them back as the rope's lists (the short ones below the
+    pre-training length, context_length, as transformers and llama.cpp pick), the tensors skipped
+    as config; and a file stating µP multipliers of its own is refused (llama.cpp fixes them)."""
+    long, short = [1.0, 2.0, 3.5, 5.0], [1.5, 1.0, 2.0, 1.25]
+    ref = twin("MiniCPM3Config", dict(FAMILIES["minicpm3"][2], rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "long_factor": long, "short_factor": short,
+        "original_max_position_embeddings": 256}))
+    path = write_gguf(tmp_path / "longrope.gguf", ref, LAYOUTS["minicpm3"])
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    rope = m.spec.rope
+    assert (rope.kind, list(rope.long_factor), list(rope.short_factor)) == ("longrope", long, short)
+    skipped = dict(m.info.load.ignored)
+    assert "LongRoPE" in skipped["rope_factors_long.weight"] and "LongRoPE" in skipped["rope_factors_short.weight"]
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    path = write_gguf(tmp_path / "mup.gguf", ref, LAYOUTS["minicpm3"], extra={"{arch}.embedding_scale": 10.0})
+    with pytest.raises(CheckpointError, match=rf"{path}.*µP multipliers of a file's own are not supported for "
+                                              rf"minicpm3 .*\(minicpm3.embedding_scale is set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_apertus_xielu_scalars_and_llama3_rope_from_the_file(tmp_path):
+    """Apertus's converter writes xIELU's per-layer scalars as metadata arrays and Llama 3 rope
+    scaling as rope_freqs.weight: both are read back (alpha_p / alpha_n made random per layer, so a
+    swapped or dropped one shows; the divisors as a LongRoPE without attention factor), and a file
+    whose beta differs from transformers' constant is refused."""
+    ref = twin("ApertusConfig", dict(FAMILIES["apertus"][2], rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}))
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.mlp.act_fn.alpha_p.uniform_(-1.0, 1.0)
+            layer.mlp.act_fn.alpha_n.uniform_(-1.0, 1.0)
+    path = write_gguf(tmp_path / "apertus.gguf", ref, LAYOUTS["apertus"], quantize={"blk.0.attn_q.weight": Q.Q8_0})
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32)
+    assert m.spec.rope.kind == "longrope" and "rope config" in dict(m.info.load.ignored)["rope_freqs.weight"]
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, SMALL["vocab_size"], (2, 7)), steps=4)
+    path = write_gguf(tmp_path / "beta.gguf", ref, LAYOUTS["apertus"])
+    src = GGUFSource(path)
+    assert src.metadata("xielu.beta") == [0.5, 0.5]
+    src.close()
+    bad = twin("ApertusConfig", FAMILIES["apertus"][2])
+    bad.model.layers[1].mlp.act_fn.beta.fill_(0.25)
+    path = write_gguf(tmp_path / "beta.gguf", bad, LAYOUTS["apertus"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*xIELU with a beta other than transformers' 0.5 is not "
+                                              rf"supported \(xielu.beta = \[0.5, 0.25\], expected 0.5\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_afmoe_files_llama_cpp_runs_otherwise_are_refused(tmp_path):
+    """llama.cpp leaves AFMoE's top-k weights as they are without expert_weights_norm (the
+    converter writes it only from config.json's route_norm) and routes by softmax when the file
+    says so; transformers' AFMoE always renormalises sigmoid scores: both files are refused,
+    naming the key and the file."""
+    kwargs = {k: v for k, v in FAMILIES["afmoe"][2].items() if k != "route_norm"}
+    path = write_gguf(tmp_path / "no_norm.gguf", twin("AfmoeConfig", kwargs), LAYOUTS["afmoe"])
+    with pytest.raises(CheckpointError, match=rf"{path}.*top-k weights not renormalised .*not supported for afmoe "
+                                              rf"\(afmoe.expert_weights_norm is not set\)"):
+        zoo.from_pretrained(str(path), compile=False)
+    path = write_gguf(tmp_path / "softmax.gguf", twin("AfmoeConfig", FAMILIES["afmoe"][2]), LAYOUTS["afmoe"],
+                      extra={"{arch}.expert_gating_func": 1})
+    with pytest.raises(CheckpointError, match=rf"{path}.*softmax routing is not supported for afmoe "
+                                              rf"\(afmoe.expert_gating_func = 1\)"):
+        zoo.from_pretrained(str(path), compile=False)
+
+
+def test_dbrx_norm_epsilon_is_the_fixed_one(tmp_path):
+    """transformers' DBRX norms use nn.LayerNorm's 1e-5 whatever the file says (the converter
+    always writes 1e-5): a file with another epsilon is refused, naming the key, its value and
+    the one expected."""
+    ref = twin("DbrxConfig", FAMILIES["dbrx"][2])
+    path = write_gguf(tmp_path / "eps.gguf", ref, LAYOUTS["dbrx"], extra={"{arch}.attention.layer_norm_epsilon": 1e-6})
+    with pytest.raises(CheckpointError, match=rf"{path}.*LayerNorm epsilon other than DBRX's fixed 1e-5 is not "
+                                              rf"supported \(dbrx.attention.layer_norm_epsilon = 9.99.*e-07, expected 1e-05\)"):
         zoo.from_pretrained(str(path), compile=False)

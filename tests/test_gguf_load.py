@@ -197,14 +197,14 @@ def test_package_file_is_found_without_importing_the_package():
 
 
 def test_unsupported_architecture_through_from_pretrained(tmp_path, random_llama):
-    path = write_llama_gguf(tmp_path / "dbrx.gguf", random_llama, arch="dbrx")
+    path = write_llama_gguf(tmp_path / "bert.gguf", random_llama, arch="bert")
     # every architecture with a map of its own, and no variant map (llama_moe is llama's)
     from tests.gguf_writer import MAPPED_ARCHITECTURES
 
     supported = rf"\(supported: {MAPPED_ARCHITECTURES}\)"
-    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'dbrx' " + supported):
+    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'bert' " + supported):
         zoo.from_pretrained(str(path), compile=False)
-    with pytest.raises(CheckpointError, match=r"conf/rules/gguf_dbrx.yaml " + supported):
+    with pytest.raises(CheckpointError, match=r"conf/rules/gguf_bert.yaml " + supported):
         GGUFSource(path).format_stages()
 
 

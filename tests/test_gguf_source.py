@@ -243,6 +243,17 @@ def test_llama_cpp_layout_ops():
     assert sg.apply([grouped], groups=2, sizes=[1, 1, 1], order=[0, 2, 1]).flatten().tolist() == [0, 3, 2, 5, 1, 4]
     with pytest.raises(ValueError, match="neither index nor order"):
         sg.shape([(6, 1), (4, 1)], groups=2, sizes=[[], [1, 1]], whole=[0], order=[1, 0])
+    # DBRX: the converter views w1 / w2 [E * F, D] as [E, F, D] (w2 then permuted to [E, D, F])
+    E, F, D = 3, 4, 5
+    w = torch.randn(E * F, D)
+    perm = get_op("permute", "test")
+    assert torch.equal(perm.apply([w.view(E, F, D)], flatten=[0, 1]), w)
+    assert torch.equal(perm.apply([w.view(E, F, D).permute(0, 2, 1)], dims=[0, 2, 1], flatten=[0, 1]), w)
+    assert perm.shape([(E, D, F)], dims=[0, 2, 1], flatten=[0, 1]) == (E * F, D)
+    with pytest.raises(ValueError, match="not a permutation"):
+        perm.shape([(E, D, F)], dims=[0, 1])
+    with pytest.raises(ValueError, match="not a dim range"):
+        perm.shape([(E, D, F)], flatten=[1, 0])
 
 
 def test_transpose_blocks_undoes_the_value_head_tiling():
@@ -363,14 +374,25 @@ def test_synthetic_config_and_rope_scaling(tmp_path):
 def test_config_rejects_what_it_cannot_express(tmp_path):
     from tests.gguf_writer import MAPPED_ARCHITECTURES
 
-    with pytest.raises(CheckpointError, match=rf"unsupported GGUF architecture 'dbrx' \(supported: {MAPPED_ARCHITECTURES}\)"):
-        GGUFSource(write_gguf(tmp_path / "g.gguf", arch="dbrx")).config()
+    with pytest.raises(CheckpointError, match=rf"unsupported GGUF architecture 'bert' \(supported: {MAPPED_ARCHITECTURES}\)"):
+        GGUFSource(write_gguf(tmp_path / "g.gguf", arch="bert")).config()
     freqs = {"x": np.zeros((2, 32), np.float32), "rope_freqs.weight": np.ones(8, np.float32)}
     with pytest.raises(CheckpointError, match="rope_freqs"):
         GGUFSource(write_gguf(tmp_path / "f.gguf", kv=LLAMA_KV, tensors=freqs)).config()
     missing = {k: v for k, v in LLAMA_KV.items() if k != "llama.block_count"}
     with pytest.raises(CheckpointError, match="llama.block_count"):
         GGUFSource(write_gguf(tmp_path / "m.gguf", kv=missing)).config()
+    # metadata_tensors (conf/gguf/apertus.yaml): one tensor per layer of a per-layer array, or an
+    # error naming the key when the array does not give one number per layer
+    xielu = {"apertus.block_count": (2, V.UINT32), "xielu.alpha_n": ([0.25, -0.5], V.ARRAY, V.FLOAT32),
+             "xielu.alpha_p": ([1.5, 2.0], V.ARRAY, V.FLOAT32)}
+    src = GGUFSource(write_gguf(tmp_path / "x.gguf", arch="apertus", kv=xielu))
+    assert src.entries()["blk.1.xielu_alpha_n"].shape == (1,) and src.read("blk.1.xielu_alpha_n").tolist() == [-0.5]
+    assert src.read("blk.0.xielu_alpha_p").tolist() == [1.5] and "blk.1.xielu_alpha_n" in src.read_order()[0]
+    short = dict(xielu, **{"xielu.alpha_p": ([1.5], V.ARRAY, V.FLOAT32)})
+    with pytest.raises(CheckpointError, match=r"xielu.alpha_p = \[1.5\]: expected one number per layer "
+                                              r"\(apertus.block_count = 2\)"):
+        GGUFSource(write_gguf(tmp_path / "s.gguf", arch="apertus", kv=short)).entries()
 
 
 # -- bad files -------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class GGUFSource(Source):
         except (OSError, GGUFFormatError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._tensors = {name: _Tensor(self._index, t) for name, t in self._index.tensors.items()}
+        self._made: dict[str, torch.Tensor] | None = None  # metadata_tensors, made on first use
         # every error from here on names the file and its architecture
         self.description = f"{self.path} (GGUF, general.architecture={self.metadata('general.architecture')!r})"
 
@@ -70,7 +71,7 @@ class GGUFSource(Source):
             more = f" and {len(unreadable) - 8} more" if len(unreadable) > 8 else ""
             raise CheckpointError(f"{self.description}: unsupported GGML quantization type(s) in "
                                   f"{', '.join(unreadable[:8])}{more} (supported: {supported})")
-        return {
+        entries = {
             name: TensorInfo(
                 shape=_torch_shape(t.shape),
                 dtype=t.tensor_type.name,
@@ -79,13 +80,18 @@ class GGUFSource(Source):
             )
             for name, t in self._open_tensors().items()
         }
+        for name, t in self._metadata_tensors().items():
+            entries[name] = TensorInfo(shape=tuple(t.shape), dtype="F32", file=self.path, nbytes=4 * t.numel())
+        return entries
 
     def read_order(self) -> list[list[str]]:
-        """One group: every tensor, in file order."""
-        return [list(self._open_tensors())]
+        """One group: every tensor, in file order, then those the map makes of metadata."""
+        return [[*self._open_tensors(), *self._metadata_tensors()]]
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` dequantized to float32, in torch order (shape as in `entries()`)."""
+        if name in (made := self._metadata_tensors()):
+            return made[name].clone()
         tensors = self._open_tensors()
         if name not in tensors:
             raise CheckpointError(f"{self.description}: no tensor named {name!r}")
@@ -118,6 +124,9 @@ class GGUFSource(Source):
         arch, _, mapping = self._mapping()
         names = self._open_tensors()
         reject = mapping.get("reject", {})
+        for key, why in reject.get("absent", {}).items():  # a key llama.cpp defaults to what the map cannot express
+            if self.metadata(key.format(arch=arch)) is None:
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is not set)")
         for key, why in reject.get("metadata", {}).items():
             if self.metadata(key.format(arch=arch), 0):
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} is set)")
@@ -133,6 +142,13 @@ class GGUFSource(Source):
             if value is not None and value != expected:
                 raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value}, "
                                       f"{other.format(arch=arch)} = {expected})")
+        for key, (expected, why) in reject.get("other_than", {}).items():
+            # a value llama.cpp reads but the modules fix (each element of a per-layer array)
+            value = self.metadata(key.format(arch=arch))
+            values = value if isinstance(value, list) else [value]
+            if value is not None and any(abs(v - expected) > 1e-6 * max(1.0, abs(expected)) for v in values):
+                raise CheckpointError(f"{self.description}: {why} ({key.format(arch=arch)} = {value}, "
+                                      f"expected {expected})")
         for tensor, why in reject.get("tensors", {}).items():
             if tensor in names:
                 raise CheckpointError(f"{self.description}: {why}")
@@ -181,9 +197,16 @@ class GGUFSource(Source):
                 _put(cfg, hf_key, value)  # nullable: config.json's explicit null (DeepSeek's full-rank q)
         for hf_key, tensor in mapping.get("tensor_present", {}).items():
             if isinstance(tensor, dict):  # {tensor, present, absent}: a value other than a boolean
-                _put(cfg, hf_key, tensor["present"] if _present(tensor["tensor"], names) else tensor["absent"])
+                present = _present(tensor["tensor"], names)
+                if present or "absent" in tensor:  # no `absent`: the key stays unset
+                    _put(cfg, hf_key, tensor["present"] if present else tensor["absent"])
             else:
                 _put(cfg, hf_key, _present(tensor, names))
+        for hf_key, tensor in mapping.get("tensor_values", {}).items():
+            # numbers the converter stores as a tensor, not as metadata (MiniCPM3's LongRoPE
+            # factors): config.json's list of them, when the file has the tensor
+            if tensor in names:
+                _put(cfg, hf_key, [float(v) for v in self.read(tensor).flatten().tolist()])
         for hf_key, tensor in mapping.get("tensor_absent", {}).items():
             cfg[hf_key] = tensor not in names
         # llama.cpp's own default for every architecture: key_length = embedding_length / head_count;
@@ -233,6 +256,7 @@ class GGUFSource(Source):
         """Drop the memory map (tensors already returned by `read` are independent copies)."""
         self._index = None
         self._tensors = {}
+        self._made = {}
 
     # -- metadata -------------------------------------------------------------------------------
 
@@ -252,6 +276,26 @@ class GGUFSource(Source):
                 return arch, variant["map"], _load_yaml(path)
         return arch, arch, mapping
 
+
+    def _metadata_tensors(self) -> dict[str, torch.Tensor]:
+        """The map's `metadata_tensors`: {tensor pattern with {layer}: metadata key} -> one [1]
+        float32 tensor per element of that per-layer array (parameters a converter writes as
+        metadata: Apertus's xIELU scalars), named by the pattern at the element's index. Empty for
+        an architecture without a map (config() reports that)."""
+        if self._made is None:
+            arch = self.metadata("general.architecture")
+            made: dict[str, torch.Tensor] = {}
+            if isinstance(arch, str) and arch in conf_files("gguf"):
+                for pattern, key in self._mapping()[2].get("metadata_tensors", {}).items():
+                    key = key.format(arch=arch)
+                    values = self._required(key)
+                    if not isinstance(values, list) or len(values) != self.metadata(f"{arch}.block_count", len(values)):
+                        raise CheckpointError(f"{self.description}: {key} = {values!r}: expected one number per "
+                                              f"layer ({arch}.block_count = {self.metadata(f'{arch}.block_count')})")
+                    for i, v in enumerate(values):
+                        made[pattern.format(layer=i)] = torch.tensor([float(v)], dtype=torch.float32)
+            self._made = made
+        return self._made
 
     def _each(self, key: str, value: Any, table: dict, other: Any = None) -> list:
         """A per-layer metadata array (e.g. llama.cpp's sliding_window_pattern [bool] * n_layers)

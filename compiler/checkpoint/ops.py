@@ -88,6 +88,31 @@ def _flatten(xs):
     return xs[0].reshape(-1)
 
 
+def _permute_shape(shapes, dims=None, flatten=None):
+    (shape,) = shapes
+    if dims is not None:
+        if sorted(dims) != list(range(len(shape))):
+            raise ValueError(f"dims {list(dims)} is not a permutation of the {len(shape)} dims of {list(shape)}")
+        shape = tuple(shape[d] for d in dims)
+    if flatten is not None:
+        start, end = (d % len(shape) for d in flatten)
+        if not start <= end:
+            raise ValueError(f"flatten {list(flatten)} is not a dim range of {list(shape)}")
+        shape = (*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:])
+    return tuple(shape)
+
+
+@op("permute", 1, _permute_shape)
+def _permute(xs, dims=None, flatten=None):
+    """Dims reordered (torch.permute), then the inclusive dim range `flatten` [start, end] merged
+    into one: llama.cpp's expert stacks [E, F, D] back to a checkpoint's one [E * F, D] matrix
+    (flatten [0, 1]), its down stack [E, D, F] to [E * F, D] (dims [0, 2, 1] first: DBRX's w2)."""
+    x = xs[0] if dims is None else xs[0].permute(*dims)
+    if flatten is not None:
+        x = x.flatten(*flatten)
+    return x.contiguous()
+
+
 def _transpose_shape(shapes, deinterleave: bool = False):
     (shape,) = shapes
     if len(shape) < 2:
