@@ -108,9 +108,16 @@ def _check(zoo_tok, hf_tok, lines=LINES, roundtrip=True):
             assert zoo_tok.decode(ids, skip_special_tokens=False) == text
 
 
-# llama.cpp's pre-tokenizer names of the shipped families' files (llama-bpe: Llama 3, SmolLM3;
-# qwen2: Qwen2 / 2.5 / 3 and their MoEs; gpt-4o: gpt-oss) and the generic ones
-@pytest.mark.parametrize("pre", ["default", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "tekken", "qwen35"])
+# The names transformers' GGUF loader gives a split (its GGUF_PRE_TOKENIZER_SPLITS) and those it reads
+# with GPT-2's split, which is llama.cpp's for them too (gpt-2, mpt, olmo, ...). "default" is not
+# here: llama.cpp's default is a sequence of four splits, transformers' GPT-2's; zoo follows llama.cpp
+# (test_pre_tokenizer_matches_llama_cpp).
+HF_PRE = ["gpt2", "gpt-2", "mpt", "olmo", "exaone4", "llama-bpe", "llama3", "falcon3", "falcon-h1", "pixtral",
+          "midm-2.0", "lfm2", "dbrx", "smaug-bpe", "qwen2", "deepseek-r1-qwen", "kormo", "megrez", "qwen35",
+          "gpt-4o", "llama4", "minimax-m2", "tekken"]
+
+
+@pytest.mark.parametrize("pre", HF_PRE)
 def test_byte_level_matches_transformers(tmp_path, byte_level, pre):
     zoo_tok, hf_tok = _both(_gpt2_file(tmp_path, byte_level, pre))
     _check(zoo_tok, hf_tok)
