@@ -33,8 +33,8 @@ _USER_DEFINED = 4
 # is kept before merging; add_bos: BOS by default). The regexes are spelled for `tokenizers`
 # (Oniguruma) so that they match what llama.cpp's matcher matches: llama.cpp runs a regex over text
 # whose non-ASCII characters are collapsed to their category, so \p{Lu}/\p{Ll}/... all mean \p{L}
-# there, its \p{S} leaves out "~" (its ASCII symbol list lacks it), its letter classes leave out
-# marks unless a regex names \p{M}, and `$` is the end of the piece (\z here). Regexes llama.cpp
+# there, its letter classes leave out marks unless a regex names \p{M}, and `$` is the end of the
+# piece (\z here). Regexes llama.cpp
 # implements by hand (GPT-2's, Llama 3's, Kimi K2's, AFMoE's digits) are written as the regex the
 # hand-written matcher implements.
 _C = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"  # contractions, case-insensitive
@@ -59,10 +59,9 @@ _GRANITE_EMB = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP_M}*{_LOW_M}+{_C}?|[^\r\n\p{{L}}\p{
 # Cased letter classes written with \p{Lu}.. that llama.cpp reads as letters or marks (Tiny Aya, Youtu).
 _LM_WORDS = (rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]*[\p{{L}}\p{{M}}]+{_C}?"
              rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+[\p{{L}}\p{{M}}]*{_C}?")
-# ASCII punctuation glued to an ASCII word, letters with marks, punctuation/symbol runs (DeepSeek-V3
-# and kin; "~" is neither \p{P} nor \p{S} to llama.cpp).
-_PS = r"(?:(?!~)[\p{P}\p{S}])"
-_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|(?:[^\r\n\p{L}\p{P}\p{S}]|~)?[\p{L}\p{M}]+"
+# ASCII punctuation glued to an ASCII word, letters with marks, punctuation/symbol runs (DeepSeek-V3 and kin)
+_PS = r"[\p{P}\p{S}]"
+_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
 _DEEPSEEK3 = _PUNCT_WORD + rf"| ?{_PS}+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _CJK_KANA = r"[\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+"
 _CJK_HANGUL = r"[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+"
