@@ -261,8 +261,9 @@ def smollm2_vocab(smollm2_gguf):
     return _smollm2_vocab(smollm2_gguf)
 
 
-def _pre_file(path: Path, vocab, pre: str) -> Path:
-    """A vocabulary-only GGUF (llama.cpp reads it with vocab_only) with SmolLM2's tokens and merges."""
+def _pre_file(path: Path, vocab, pre: str, add_bos: bool | None = False) -> Path:
+    """A vocabulary-only GGUF (llama.cpp reads it with vocab_only) with SmolLM2's tokens and merges
+    (add_bos None: no tokenizer.ggml.add_bos_token, the name's default)."""
     tokens, merges, types = vocab
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
@@ -272,7 +273,8 @@ def _pre_file(path: Path, vocab, pre: str) -> Path:
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -302,6 +304,16 @@ def test_pre_tokenizer_matches_llama_cpp(tmp_path, smollm2_vocab, pre):
     path = _pre_file(tmp_path / f"{pre}.gguf", smollm2_vocab, pre)
     texts = [line for line in TEXT.split("\n") if line] + [TEXT, *SHORT]
     assert _zoo_ids(path, texts) == _llama_cpp_ids(path, texts)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "lfm2", "pixtral", "tekken", "chameleon", "qwen2", "gpt-2", "glm4"])
+def test_pre_tokenizer_default_bos_matches_llama_cpp(tmp_path, smollm2_vocab, pre):
+    """Without tokenizer.ggml.add_bos_token, BOS is added as llama.cpp adds it for that name."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) is the oracle")
+    path = _pre_file(tmp_path / f"{pre}.gguf", smollm2_vocab, pre, add_bos=None)
+    ids = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(b"Hi there", add_bos=True, special=False)
+    assert Tokenizer.from_gguf(GGUFSource(path)).encode("Hi there") == ids
+    assert (ids[0] == 1) == (pre in ("llama-bpe", "lfm2", "pixtral", "tekken", "chameleon"))
 
 
 @pytest.mark.parametrize("pre", LLAMA_CPP_PRE)
