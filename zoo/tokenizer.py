@@ -7,6 +7,7 @@ model's jinja chat template and incremental (streaming) detokenization.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,66 +26,166 @@ if TYPE_CHECKING:
 _CONTROL = 3
 _USER_DEFINED = 4
 
-# llama.cpp's `tokenizer.ggml.pre` names -> the split its merges were learned with (llama.cpp's
-# llama-vocab.cpp; transformers' GGUF loader keeps the same table). Letters with at most one
-# leading non-letter, digits in runs of up to three (Llama 3) or one by one (Qwen2), punctuation
-# runs swallowing trailing newlines.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# llama.cpp's `tokenizer.ggml.pre` names -> the split its merges were learned with: one entry per
+# split of llama.cpp's src/llama-vocab.cpp (a LLAMA_VOCAB_PRE_TYPE and its regexes, which llama.cpp
+# applies in turn, each to the pieces the previous ones left, keeping the unmatched gaps as pieces),
+# with the per-name flags that change ids (ignore_merges: a whole pre-token found in the vocabulary
+# is kept before merging; add_bos: BOS by default). The regexes are spelled for `tokenizers`
+# (Oniguruma) so that they match what llama.cpp's matcher matches: llama.cpp runs a regex over text
+# whose non-ASCII characters are collapsed to their category, so \p{Lu}/\p{Ll}/... all mean \p{L}
+# there, its letter classes leave out marks unless a regex names \p{M}, and `$` is the end of the
+# piece (\z here). Regexes llama.cpp
+# implements by hand (GPT-2's, Llama 3's, Kimi K2's, AFMoE's digits) are written as the regex the
+# hand-written matcher implements.
+_C = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"  # contractions, case-insensitive
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = _C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_C + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_JAIS2 = (_C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)"
+          r"|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}")
+# Upper-then-lower letter runs (GPT-4o, Tekken): a letter that is not a-z, then letters that are
+# not A-Z (llama.cpp's rewrite of \p{Lu}..\p{Ll}, which it cannot tell apart beyond ASCII).
+_UP, _LOW = r"(?:(?=\p{L})[^a-z])", r"(?:(?=\p{L})[^A-Z])"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LOW}+{_C}?|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LOW}*{_C}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP}*{_LOW}+|[^\r\n\p{{L}}\p{{N}}]?{_UP}+{_LOW}*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UP_M, _LOW_M = r"(?:(?=[\p{L}\p{M}])[^a-z])", r"(?:(?=[\p{L}\p{M}])[^A-Z])"
+_GRANITE_EMB = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UP_M}*{_LOW_M}+{_C}?|[^\r\n\p{{L}}\p{{N}}]?{_UP_M}+{_LOW_M}*{_C}?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Cased letter classes written with \p{Lu}.. that llama.cpp reads as letters or marks (Tiny Aya, Youtu).
+_LM_WORDS = (rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]*[\p{{L}}\p{{M}}]+{_C}?"
+             rf"|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+[\p{{L}}\p{{M}}]*{_C}?")
+# ASCII punctuation glued to an ASCII word, letters with marks, punctuation/symbol runs (DeepSeek-V3 and kin)
+_PS = r"[\p{P}\p{S}]"
+_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+_DEEPSEEK3 = _PUNCT_WORD + rf"| ?{_PS}+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CJK_KANA = r"[\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+"
+_CJK_HANGUL = r"[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+"
+_DEEPSEEK_LETTERS = (
+    r"\s?[A-Za-z\x{B5}\x{C0}-\x{D6}\x{D8}-\x{F6}\x{F8}-\x{1BA}\x{1BC}-\x{1BF}\x{1C4}-\x{293}\x{295}-\x{2AF}"
+    r"\x{370}-\x{373}\x{376}\x{377}\x{37B}-\x{37D}\x{37F}\x{386}\x{388}-\x{38A}\x{38C}\x{38E}-\x{3A1}"
+    r"\x{3A3}-\x{3F5}\x{3F7}-\x{481}\x{48A}-\x{52F}\x{531}-\x{556}\x{10A0}-\x{10C5}\x{13A0}-\x{13F5}"
+    r"\x{13F8}-\x{13FD}\x{1C90}-\x{1CBA}\x{1CBD}-\x{1CBF}\x{1D00}-\x{1D2B}\x{1D6B}-\x{1D77}\x{1D79}-\x{1D9A}"
+    r"\x{1E00}-\x{1F15}\x{1F18}-\x{1F1D}\x{1F20}-\x{1F45}\x{1F48}-\x{1F4D}\x{1F50}-\x{1F57}\x{1F59}\x{1F5B}"
+    r"\x{1F5D}\x{1F5F}-\x{1F7D}\x{1F80}-\x{1FB4}\x{1FB6}-\x{1FBC}\x{1FBE}\x{1FC2}-\x{1FC4}\x{1FC6}-\x{1FCC}"
+    r"\x{1FD0}-\x{1FD3}\x{1FD6}-\x{1FDB}\x{1FE0}-\x{1FEC}\x{1FF2}-\x{1FF4}\x{1FF6}-\x{1FFC}\x{2102}\x{2107}"
+    r"\x{210A}-\x{2113}\x{2115}\x{2119}-\x{211D}\x{2124}\x{2126}\x{2128}\x{212A}-\x{212D}\x{212F}-\x{2134}"
+    r"\x{2139}\x{213C}-\x{213F}\x{2145}-\x{2149}\x{214E}\x{2183}\x{2184}\x{2C00}-\x{2C7B}\x{2C7E}-\x{2CE4}"
+    r"\x{2CEB}-\x{2CEE}\x{2CF2}\x{2CF3}\x{A640}-\x{A66D}\x{A680}-\x{A69B}\x{A722}-\x{A76F}\x{A771}-\x{A787}"
+    r"\x{A78B}-\x{A78E}\x{AB70}-\x{ABBF}\x{FB00}-\x{FB06}\x{FB13}-\x{FB17}\x{FF21}-\x{FF3A}\x{FF41}-\x{FF5A}"
+    r"\x{10400}-\x{1044F}\x{104B0}-\x{104D3}\x{104D8}-\x{104FB}\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2}"
+    r"\x{118A0}-\x{118DF}\x{1E900}-\x{1E943}]+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_BLOOM = r" ?[^(\s|.,!?\x{2026}\x{3002}\x{FF0C}\x{3001}\x{964}\x{6D4}\x{60C})]+"
+# Kimi K2: Han runs apart, then GPT-4o-like words over the other letters (llama.cpp's hand-written
+# matcher, its Han ranges)
+_HAN = (r"\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{20000}-\x{2A6DF}\x{2A700}-\x{2B73F}\x{2B740}-\x{2B81F}"
+        r"\x{2B820}-\x{2CEAF}\x{2CEB0}-\x{2EBEF}\x{F900}-\x{FAFF}\x{2F800}-\x{2FA1F}")
+_KIMI_K2 = (rf"[{_HAN}]+|[^\r\n\p{{L}}\p{{N}}]?(?:(?![{_HAN}])\p{{L}})+{_C}?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# AFMoE: a digit run as its leading len % 3 digits, then groups of three
+_AFMOE_DIGITS = r"(?<!\p{N})\p{N}{1,2}(?=(?:\p{N}{3})*(?!\p{N}))|\p{N}{3}"
+_AFMOE_SCRIPTS = (r"[\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{8C48}-\x{FAFF}\x{3040}-\x{309F}\x{30A0}-\x{30FF}"
+                  r"\x{FF65}-\x{FF9F}\x{2F00}-\x{2FDF}\x{E40}-\x{E7F}\x{E80}-\x{EFF}\x{1780}-\x{17FF}"
+                  r"\x{1000}-\x{109F}\x{AA60}-\x{AA7F}\x{A9E0}-\x{A9FF}\x{AC00}-\x{D7AF}\x{1100}-\x{11FF}]+")
+_YOUTU_SCRIPTS = (r"[\x{AC00}-\x{D7A3}\x{3131}-\x{318E}]+|[\x{FF01}\x{2026}\x{201C}\x{201D}\x{2018}\x{2019}"
+                  r"\x{2014}\x{FF1A}\x{FF1B}\x{FF0C}\x{3001}-\x{303F}\x{FE30}-\x{FE4F}]+|[\x{3105}-\x{312F}]+|"
+                  + _CJK_KANA)
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+@dataclass(frozen=True)
+class _Split:
+    names: tuple[str, ...]
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_SPLIT_TABLE = (
+    _Split(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+            "jina-v5-nano"), (_LLAMA3,), ignore_merges=True, add_bos=True),
+    _Split(("dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), (_LLAMA3,)),
+    _Split(("default",), (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
+    # "gpt2" is not llama.cpp's name (that is "gpt-2"); zoo has always read it as GPT-2's split
+    _Split(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling",
+            "gigachat", "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "modern-bert"),
+           (_GPT2,)),
+    _Split(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+           (r"\p{N}", _GPT2)),
+    _Split(("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
+    _Split(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+            "grok-2"), (_QWEN2,)),
+    _Split(("qwen35",), (_QWEN35,)),
+    _Split(("jais-2",), (_JAIS2,)),
+    _Split(("deepseek-llm",), ("[\r\n]", _DEEPSEEK_LETTERS,
+                               r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+",
+                               r"\s+\z", _CJK_HANGUL, r"\p{N}+")),
+    _Split(("deepseek-coder",), ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")),
+    _Split(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), (r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3)),
+    _Split(("spark2_5",), (r"\p{N}{1,3}", _CJK_KANA,
+                           _PUNCT_WORD + rf"| ?{_PS}+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}")),
+    _Split(("afmoe",), (_AFMOE_DIGITS, _AFMOE_SCRIPTS, _DEEPSEEK3)),
+    _Split(("poro-chat", "bloom", "gpt3-finnish"), (_BLOOM,)),
+    _Split(("viking",), (_BLOOM, r"\p{N}")),
+    _Split(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O,)),
+    _Split(("tekken",), (_TEKKEN,), ignore_merges=True, add_bos=True),
+    _Split(("granite-embed-multi-97m",), (_GRANITE_EMB,), ignore_merges=True),
+    _Split(("tiny_aya", "cohere2moe"), (r"[0-9]{1,3}(?=(?:[0-9]{3})*(?![0-9A-Za-z_]))",
+                                        _LM_WORDS + r"|\p{N}{1,3}" + _TAIL)),
+    _Split(("youtu",), (_YOUTU_SCRIPTS, _LM_WORDS + r"|\p{N}" + _TAIL), ignore_merges=True),
+    _Split(("kimi-k2",), (_KIMI_K2,)),
+    _Split(("bailingmoe", "bailingmoe2", "llada-moe"),
+           (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",)),
+    _Split(("seed-coder",), (_C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                             r"|\s+(?!\S)|\s+",)),
+    _Split(("ufakzeka",), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)),
+    _Split(("laguna",), (r"[^\n]+|[\n]+", _QWEN2)),
+    _Split(("exaone-moe",), (_C + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                             r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",)),
+    _Split(("minicpm5",), (r"\p{N}{1,3}", _C + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                                                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"), ignore_merges=True),
+    _Split(("chameleon",), ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\t\n]|    |  )",
+                            r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2), add_bos=True),
 )
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
-_SPLITS = {
-    **dict.fromkeys((*_LLAMA3_PRE, "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
+_SPLITS = {name: split for split in _SPLIT_TABLE for name in split.names}
+# llama.cpp names whose vocabulary is not byte-level BPE over these splits: why zoo refuses them
+_REFUSED_PRE = {
+    **dict.fromkeys(("gemma4", "granite-embed-multi-311m", "sarvam-moe"),
+                    "a SentencePiece-style BPE over raw UTF-8 (not byte-level)"),
+    "whitespace": "a whitespace-split vocabulary (not byte-level)",
+    **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), "an encoder vocabulary that appends a SEP token"),
+    "superbpe": "a zero-width digit split (lookahead-only matches) that zoo does not reproduce",
 }
 # SentencePiece vocabularies (`tokenizer.ggml.model` llama) as an architecture's conf/gguf map
 # names them (`tokenizer: {sentencepiece: ...}`): how its spaces are spelled and its merges ranked
 _SENTENCEPIECE = ("llama", "gemma", "phi3")
 
 
-def _gguf_pre_tokenizer(pre: str):
-    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name (how the merges were learned).
-
-    ByteLevel(use_regex=True) applies GPT-2's split; its byte-to-unicode spelling is what GGUF
-    byte-level vocabularies are written in.
-    """
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("gpt2", "default"):
-        # "default" means the converter did not recognise the tokenizer; GPT-2's split is the
-        # generic byte-level choice (llama.cpp warns that quality may degrade).
-        return gpt2
-    if pre == "smollm":
-        # GPT-2's split after putting every digit on its own.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+def _gguf_split(pre: str, description: str) -> _Split:
+    """The split llama.cpp applies for the `tokenizer.ggml.pre` name `pre` (how the merges were learned)."""
     if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    supported = ", ".join(sorted(("default", "gpt2", "smollm", *_SPLITS)))
-    raise ZooError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
+        return _SPLITS[pre]
+    if pre in _REFUSED_PRE:
+        raise ZooError(f"{description}: unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre): it is "
+                       f"{_REFUSED_PRE[pre]}; zoo reads byte-level BPE with one of: {', '.join(sorted(_SPLITS))}")
+    raise ZooError(f"{description}: unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre; supported: "
+                   f"{', '.join(sorted(_SPLITS))})")
+
+
+def _gguf_pre_tokenizer(split: _Split):
+    """llama.cpp's regexes in turn (each piece the previous ones left is split again; unmatched gaps
+    stay pieces, as `isolated` keeps them), then the byte-to-unicode spelling GGUF byte-level
+    vocabularies are written in."""
+    return pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in split.regexes),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -228,15 +329,16 @@ class Tokenizer:
             if not merges:
                 # Without merges byte-level BPE would silently fall apart into single bytes.
                 raise ZooError(f"{source.description}: GGUF tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
+            split = _gguf_split(pre, source.description)
             backend = Backend(models.BPE(
                 vocab={t: i for i, t in enumerate(tokens)},
                 merges=[tuple(m.split(" ", 1)) for m in merges],
-                # llama.cpp looks a whole Llama-3 pre-token up in the vocabulary before merging.
-                ignore_merges=pre in _LLAMA3_PRE,
+                # llama.cpp looks a whole pre-token up in the vocabulary before merging (Llama 3, Tekken, ...)
+                ignore_merges=split.ignore_merges,
             ))
-            backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+            backend.pre_tokenizer = _gguf_pre_tokenizer(split)
             backend.decoder = decoders.ByteLevel()
-            add_bos_default = pre in _LLAMA3_PRE  # llama.cpp adds BOS by default for Llama-3 vocabularies only
+            add_bos_default = split.add_bos  # llama.cpp's default for this name (Llama 3, Tekken, Chameleon)
         elif model == "llama":
             scores: list[float] | None = source.metadata("tokenizer.ggml.scores")
             if not scores or len(scores) != len(tokens):
