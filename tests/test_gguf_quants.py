@@ -142,9 +142,10 @@ def test_int8g_kernel_computes_its_reference(group):
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
-    for I in (384, 416):  # 12 and 13 blocks: the AVX512 kernels take blocks in pairs, the odd one apart
+    # 12, 13 and 1 blocks (the AVX512 kernels take blocks in pairs, the odd one apart), an odd O
+    for O, I in ((200, 384), (200, 416), (37, 32)):
         if I % group == 0:
-            check_int8g_kernel(group, 200, I)
+            check_int8g_kernel(group, O, I)
 
 
 def check_int8g_kernel(group, O, I):
@@ -158,7 +159,7 @@ def check_int8g_kernel(group, O, I):
             sm[:, 1] = 0
         if offsets == "no m":
             sm = sm[:, :1]
-        for rows in (1, 3, 16, 17, 40):
+        for rows in (1, 2, 3, 5, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, :32] = 0.0
             want = cpu_kernels.int8g_reference(x, qw, sm, group)
@@ -169,22 +170,22 @@ def check_int8g_kernel(group, O, I):
 
 @pytest.mark.parametrize("scales", [torch.float16, torch.float32])
 def test_int5_kernel_computes_its_reference(scales):
-    """zoo_quant.int5_linear against its torch reference: 1, 3, 16 rows (integer dots over the
-    int8-rounded x, 3 and 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
-    path), odd O, an odd number of blocks (AVX512 takes them in pairs), a zero block of x, every
-    code 0..31 and both groups of 32 and 64."""
+    """zoo_quant.int5_linear against its torch reference: 1, 2, 3, 5, 16 rows (integer dots over the
+    int8-rounded x, 2 to 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
+    path), odd O, an odd number of blocks (AVX512 takes them in pairs) and a single one, a zero
+    block of x, every code 0..31 and both groups of 32 and 64."""
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
     torch.manual_seed(2)
-    for O, I, group in ((37, 416, 32), (50, 384, 64)):
+    for O, I, group in ((5, 32, 32), (37, 416, 32), (50, 384, 64)):
         q = torch.randint(0, 32, (O, I))
         q[0, :32] = torch.arange(32)
         qs, qh, sm = cpu_kernels.pack_int5(q, torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05)
         sm = sm.to(scales)
         w = q.float() * sm[:, 0].float().repeat_interleave(group, 1) + sm[:, 1].float().repeat_interleave(group, 1)
         np.testing.assert_array_equal(cpu_kernels.int4_dequantize(qs, sm, qh).numpy(), w.numpy())
-        for rows in (1, 3, 16, 17, 40):
+        for rows in (1, 2, 3, 5, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, 32:64] = 0.0
             want = cpu_kernels.int5_reference(x, qs, qh, sm, group)

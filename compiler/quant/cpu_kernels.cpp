@@ -48,11 +48,14 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ZOO_AVX2 1
 #endif
-// AVX512 with VNNI (native.py's "avx512_vnni" level): vpdpbusd takes a 4-byte dot product per
-// int32 lane in one instruction (maddubs + madd on AVX2), and 512-bit vectors take two blocks of
-// 32 codes at a time
-#if defined(ZOO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX512 (native.py's "avx512" level, F + BW + VL): 512-bit vectors take two blocks of 32 codes at
+// a time; with VNNI ("avx512_vnni") vpdpbusd takes a 4-byte dot product per int32 lane in one
+// instruction (maddubs + madd without it)
+#if defined(ZOO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZOO_AVX512 1
+#if defined(__AVX512VNNI__)
 #define ZOO_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -172,7 +175,7 @@ inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float*
 }
 #endif
 
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // the 64 codes of two consecutive Q4 blocks (32 bytes) in input order: each block's 16 bytes in
@@ -199,7 +202,12 @@ inline __m512i codes64(const uint8_t* qs, const uint8_t* qh, int64_t p) {
 
 // 64 unsigned codes times 64 signed activations -> 16 int32 sums (8 per block of 32), as floats
 inline __m512 dot64(__m512i w_u8, __m512i x_i8) {
+#ifdef ZOO_VNNI
   return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_u8, x_i8));
+#else
+  const __m512i p16 = _mm512_maddubs_epi16(w_u8, x_i8);
+  return _mm512_cvtepi32_ps(_mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
+#endif
 }
 
 // signed codes: |w| times x with w's sign (vpdpbusd multiplies unsigned by signed)
@@ -237,7 +245,7 @@ inline int32_t high5(const uint8_t* qh, int64_t t) {
 template <typename S, bool Q5>
 inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xs) {
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   float ds[kMaxBlocks];
   block_scales(d, sh, dx, nb, ds);
   auto pair = [&](int64_t p, __m512 acc) {
@@ -314,7 +322,7 @@ inline void int8_rows(const int8_t* qw, float sc, int64_t nb, const int8_t* xq, 
 
 // sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
 inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
@@ -370,7 +378,7 @@ inline void half_block_scales(const float* d, int64_t group, const float* dx, in
 inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
   half_block_scales(d, group, dx, nb, ds);
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
@@ -636,6 +644,8 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
 
 int64_t simd_level() {
 #ifdef ZOO_VNNI
+  return 4;
+#elif defined(ZOO_AVX512)
   return 3;
 #elif defined(ZOO_AVX2)
   return 2;

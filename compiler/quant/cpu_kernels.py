@@ -158,5 +158,5 @@ def status() -> str:
     if why is not None:
         return f"torch reference (dequantize + matmul; zoo's kernel did not build: {why})"
     simd = torch.ops.zoo_quant.simd_level()
-    return "zoo cpu kernel (" + {3: "avx512 + vnni", 2: "avx2 + fma"}.get(simd, "portable loops") + ", float32)"
+    return "zoo cpu kernel (" + {4: "avx512 + vnni", 3: "avx512", 2: "avx2 + fma"}.get(simd, "portable loops") + ", float32)"
 
