@@ -19,8 +19,11 @@
 //   zoo_quant::int8g_linear(x, qw, sm, group)
 //       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
 //          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
-//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q6_K / ...:
+//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q3_K / ...:
 //          4 bytes a group less to read, and no m term)
+//   zoo_quant::q6k_linear(x, blocks)
+//       blocks [O, I/256 * 210] uint8: GGUF Q6_K blocks as stored (6.5625 bits a weight), I a
+//          multiple of 256: W = d * sc[i / 16] * (q - 32), q 6 bits (the layout at q6k_rows)
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
@@ -642,6 +645,200 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
   return y;
 }
 
+// ----------------------------------------------------------------------------- Q6_K as stored
+//
+// One Q6_K block (210 bytes, 256 inputs): ql[128] | qh[64] | sc[16] int8 | d float16. In each half
+// h of 128 inputs (ql[64h..], qh[32h..]) input 32k + t (k < 4, t < 32) has the code
+//   q = (k & 1 ? ql[32 + t] : ql[t]) >> (k & 2 ? 4 : 0) & 15  |  (qh[t] >> 2k & 3) << 4
+// and W = d * sc[i / 16] * (q - 32) (gguf_blocks.py's _q6_k). The dots take the codes unsigned
+// (0..63) and add -32 * (the sum of the activations) per 4 inputs, off[] below, in integers.
+constexpr int64_t kQ6Bytes = 210, kQ6Block = 256;
+
+inline float q6_d(const uint8_t* blk) {
+  uint16_t bits;
+  std::memcpy(&bits, blk + 208, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// the row of x as the Q6_K dots take it: codes xq and scales dx per 32 (quantize_rows), off [I/4]
+// int32 = -32 * the sum of each 4 codes, dx2 [I/16] = the scale of each 16 inputs' block
+void q6_activations(const int8_t* xq, const float* dx, int64_t I, int32_t* off, float* dx2) {
+  for (int64_t j = 0; j < I / 4; ++j)
+    off[j] = -32 * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
+  for (int64_t j = 0; j < I / 16; ++j) dx2[j] = dx[j / 2];
+}
+
+// the 16 group scales of one block times d, as floats
+inline void q6_scales(const uint8_t* blk, float* dsc) {
+  const float d = q6_d(blk);
+  for (int j = 0; j < 16; ++j) dsc[j] = d * float(int8_t(blk[192 + j]));
+}
+
+#ifdef ZOO_AVX2
+// the 32 codes of block k of half h (inputs 128h + 32k ..) as bytes 0..63
+inline __m256i q6_codes32(const uint8_t* blk, int h, int k) {
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+  const __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+  // bits 2k, 2k + 1 of each qh byte to bits 4, 5 (16-bit shifts: the bits crossing bytes are masked off)
+  const __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2)
+                   : k == 2 ? qh : _mm256_srli_epi16(qh, 2);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+// sum_t (q - 32) x over the 32 inputs of a block as 8 int32 sums of 4 (off: the block's 8 offsets)
+inline __m256i q6_dot32(__m256i q, __m256i xv, const int32_t* off) {
+  const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off));
+#ifdef ZOO_VNNI
+  return _mm256_dpbusd_epi32(o, q, xv);
+#else
+  return _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+#ifdef ZOO_AVX512
+// blocks k, k + 1 (k = 0 or 2) of half h: 64 codes, inputs 128h + 32k .. + 63
+inline __m512i q6_codes64(const uint8_t* blk, int h, int k) {
+  const __m512i ql = _mm512_loadu_si512(blk + 64 * h);  // bytes 0-31 block k's, 32-63 block k + 1's
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+  const __m512i lo = _mm512_and_si512(k ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+  // block k's high bits (2k, 2k + 1) and block k + 1's (2k + 2, 2k + 3) to bits 4, 5
+  const __m512i hi = k == 0 ? _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2))
+                            : _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2));
+  return _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+}
+
+// two blocks' dots, 16 int32 sums of 4 (off: their 16 offsets)
+inline __m512i q6_dot64(__m512i q, __m512i xv, const int32_t* off) {
+  const __m512i o = _mm512_loadu_si512(off);
+#ifdef ZOO_VNNI
+  return _mm512_dpbusd_epi32(o, q, xv);
+#else
+  return _mm512_add_epi32(o, _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), _mm512_set1_epi16(1)));
+#endif
+}
+#endif
+
+// One Q6_K weight row (nsb blocks of 256) against M rows of x (xq [M, I], off [M, I/4], dx2
+// [M, I/16]): out[r * O] for r < M. Each block's codes are decoded once for all M rows.
+void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* off, const float* dx2, int64_t M,
+              int64_t I, float* out, int64_t O) {
+  float dsc[16];
+#if defined(ZOO_AVX512)
+  float ds[16];
+  __m512 acc[kGemvRows][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    q6_scales(blk, dsc);
+    const __m512 vdsc = _mm512_loadu_ps(dsc);
+    const __m512i q[4] = {q6_codes64(blk, 0, 0), q6_codes64(blk, 0, 2), q6_codes64(blk, 1, 0), q6_codes64(blk, 1, 2)};
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;  // the block's first input in row r of x
+      _mm512_storeu_ps(ds, _mm512_mul_ps(vdsc, _mm512_loadu_ps(dx2 + i0 / 16)));
+      for (int p = 0; p < 4; ++p) {  // pair p: groups 4p .. 4p + 3, 4 int32 lanes each
+        const __m512i xv = _mm512_loadu_si512(xq + i0 + 64 * p);
+        const __m512 dot = _mm512_cvtepi32_ps(q6_dot64(q[p], xv, off + i0 / 4 + 16 * p));
+        acc[r][p & 1] = _mm512_fmadd_ps(dot, spread(ds + 4 * p, 4, kFourHalves), acc[r][p & 1]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1]));
+#elif defined(ZOO_AVX2)
+  float ds[16];
+  __m256 acc[kGemvRows][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    q6_scales(blk, dsc);
+    __m256i q[8];
+    for (int b = 0; b < 8; ++b) q[b] = q6_codes32(blk, b / 4, b % 4);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;
+      for (int j = 0; j < 16; j += 8)
+        _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(dsc + j), _mm256_loadu_ps(dx2 + i0 / 16 + j)));
+      for (int b = 0; b < 8; ++b) {  // lanes 0-3: group 2b, 4-7: group 2b + 1
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i0 + 32 * b));
+        const __m256 dot = _mm256_cvtepi32_ps(q6_dot32(q[b], xv, off + i0 / 4 + 8 * b));
+        const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
+        acc[r][b & 1] = _mm256_fmadd_ps(dot, sc, acc[r][b & 1]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+  uint8_t q[kQ6Block];
+  float acc[kGemvRows] = {};
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    q6_scales(blk, dsc);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int t = 0; t < 32; ++t)
+          q[128 * h + 32 * k + t] = ((blk[64 * h + 32 * (k & 1) + t] >> (k & 2 ? 4 : 0)) & 15) |
+                                    (((blk[128 + 32 * h + t] >> (2 * k)) & 3) << 4);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;
+      for (int j = 0; j < 16; ++j) {
+        int32_t dot = 0;
+        for (int t = 0; t < 16; ++t) dot += int32_t(q[16 * j + t]) * xq[i0 + 16 * j + t];
+        for (int t = 0; t < 4; ++t) dot += off[i0 / 4 + 4 * j + t];
+        acc[r] += dsc[j] * dx2[i0 / 16 + j] * float(dot);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = acc[r];
+#endif
+}
+
+// Weight rows [r0, r1) of Q6_K blocks dequantized into out [r1 - r0, I] float32 (d * sc * (q - 32)).
+void q6k_dequantize(const uint8_t* blocks, int64_t I, int64_t r0, int64_t r1, float* out) {
+  const int64_t nsb = I / kQ6Block;
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    float dsc[16];
+    for (int64_t o = a; o < b; ++o)
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* blk = blocks + (o * nsb + s) * kQ6Bytes;
+        float* w = out + (o - r0) * I + s * kQ6Block;
+        q6_scales(blk, dsc);
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 4; ++k)
+            for (int t = 0; t < 32; ++t) {
+              const int i = 128 * h + 32 * k + t;
+              const int q = ((blk[64 * h + 32 * (k & 1) + t] >> (k & 2 ? 4 : 0)) & 15) |
+                            (((blk[128 + 32 * h + t] >> (2 * k)) & 3) << 4);
+              w[i] = dsc[i / 16] * float(q - 32);
+            }
+      }
+  });
+}
+
+at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_) {
+  TORCH_CHECK(blocks_.scalar_type() == at::kByte && blocks_.dim() == 2 && blocks_.size(1) % kQ6Bytes == 0,
+              "q6k_linear: expected blocks [O, I/256 * 210] uint8 (GGUF Q6_K rows as stored), got ", blocks_.sizes(),
+              " ", blocks_.scalar_type());
+  const int64_t O = blocks_.size(0), I = blocks_.size(1) / kQ6Bytes * kQ6Block;
+  check_x(x_, I, "q6k_linear");
+  const at::Tensor x = x_.contiguous(), blocks = blocks_.contiguous();
+  const uint8_t* q = blocks.data_ptr<uint8_t>();
+  const int64_t M = x.size(0), nb = I / kBlock, nsb = I / kQ6Block;
+  if (M > kGemvRows)
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q6k_dequantize(q, I, r0, r1, out); });
+  at::Tensor y = at::empty({M, O}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * I);
+  std::vector<float> dx(M * nb), dx2(M * I / 16);
+  std::vector<int32_t> off(M * I / 4);
+  quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
+  q6_activations(xq.data(), dx.data(), M * I, off.data(), dx2.data());
+  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o)
+      q6k_rows(q + o * nsb * kQ6Bytes, nsb, xq.data(), off.data(), dx2.data(), M, I, yp + o, O);
+  });
+  return y;
+}
+
 int64_t simd_level() {
 #ifdef ZOO_VNNI
   return 4;
@@ -661,6 +858,7 @@ TORCH_LIBRARY(zoo_quant, m) {
   m.def("int5_linear(Tensor x, Tensor qs, Tensor qh, Tensor sm, int group) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
   m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("simd_level() -> int");
 }
 
@@ -669,6 +867,7 @@ TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
   m.impl("int5_linear", &int5_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8g_linear", &int8g_linear);
+  m.impl("q6k_linear", &q6k_linear);
 }
 
 TORCH_LIBRARY_IMPL(zoo_quant, CompositeExplicitAutograd, m) { m.impl("simd_level", &simd_level); }
