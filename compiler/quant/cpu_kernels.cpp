@@ -657,7 +657,11 @@ constexpr int64_t kQ6Bytes = 210, kQ6Block = 256;
 inline float q6_d(const uint8_t* blk) {
   uint16_t bits;
   std::memcpy(&bits, blk + 208, 2);
+#ifdef ZOO_AVX2
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // the row of x as the Q6_K dots take it: codes xq and scales dx per 32 (quantize_rows), off [I/4]
@@ -675,6 +679,12 @@ inline void q6_scales(const uint8_t* blk, float* dsc) {
 }
 
 #ifdef ZOO_AVX2
+// d * sc of the 8 groups 8u .. 8u + 7 of a block, as floats
+inline __m256 q6_scales8(const uint8_t* blk, int u) {
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * u));
+  return _mm256_mul_ps(_mm256_set1_ps(q6_d(blk)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+}
+
 // the 32 codes of block k of half h (inputs 128h + 32k ..) as bytes 0..63
 inline __m256i q6_codes32(const uint8_t* blk, int h, int k) {
   const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
@@ -698,6 +708,12 @@ inline __m256i q6_dot32(__m256i q, __m256i xv, const int32_t* off) {
 #endif
 
 #ifdef ZOO_AVX512
+// d * sc of a block's 16 groups, as floats
+inline __m512 q6_scales16(const uint8_t* blk) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  return _mm512_mul_ps(_mm512_set1_ps(q6_d(blk)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
 // blocks k, k + 1 (k = 0 or 2) of half h: 64 codes, inputs 128h + 32k .. + 63
 inline __m512i q6_codes64(const uint8_t* blk, int h, int k) {
   const __m512i ql = _mm512_loadu_si512(blk + 64 * h);  // bytes 0-31 block k's, 32-63 block k + 1's
@@ -724,50 +740,55 @@ inline __m512i q6_dot64(__m512i q, __m512i xv, const int32_t* off) {
 // [M, I/16]): out[r * O] for r < M. Each block's codes are decoded once for all M rows.
 void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* off, const float* dx2, int64_t M,
               int64_t I, float* out, int64_t O) {
-  float dsc[16];
 #if defined(ZOO_AVX512)
-  float ds[16];
+  // pair p's 16 lanes take groups 4p .. 4p + 3, 4 lanes each, of the block's 16 scales
+  const __m512i lanes[4] = {kFourHalves, _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(4)),
+                            _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(8)),
+                            _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(12))};
   __m512 acc[kGemvRows][2];
   for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kQ6Bytes;
-    q6_scales(blk, dsc);
-    const __m512 vdsc = _mm512_loadu_ps(dsc);
+    const __m512 dsc = q6_scales16(blk);
     const __m512i q[4] = {q6_codes64(blk, 0, 0), q6_codes64(blk, 0, 2), q6_codes64(blk, 1, 0), q6_codes64(blk, 1, 2)};
     for (int64_t r = 0; r < M; ++r) {
       const int64_t i0 = r * I + s * kQ6Block;  // the block's first input in row r of x
-      _mm512_storeu_ps(ds, _mm512_mul_ps(vdsc, _mm512_loadu_ps(dx2 + i0 / 16)));
-      for (int p = 0; p < 4; ++p) {  // pair p: groups 4p .. 4p + 3, 4 int32 lanes each
+      const __m512 ds = _mm512_mul_ps(dsc, _mm512_loadu_ps(dx2 + i0 / 16));
+      for (int p = 0; p < 4; ++p) {
         const __m512i xv = _mm512_loadu_si512(xq + i0 + 64 * p);
         const __m512 dot = _mm512_cvtepi32_ps(q6_dot64(q[p], xv, off + i0 / 4 + 16 * p));
-        acc[r][p & 1] = _mm512_fmadd_ps(dot, spread(ds + 4 * p, 4, kFourHalves), acc[r][p & 1]);
+        acc[r][p & 1] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes[p], ds), acc[r][p & 1]);
       }
     }
   }
   for (int64_t r = 0; r < M; ++r) out[r * O] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1]));
 #elif defined(ZOO_AVX2)
-  float ds[16];
+  // block b's 8 lanes take groups 2b (lanes 0-3) and 2b + 1 (4-7) of the 8 scales of its half
+  const __m256i lanes[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+                            _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
   __m256 acc[kGemvRows][2];
   for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kQ6Bytes;
-    q6_scales(blk, dsc);
+    const __m256 dsc[2] = {q6_scales8(blk, 0), q6_scales8(blk, 1)};
     __m256i q[8];
     for (int b = 0; b < 8; ++b) q[b] = q6_codes32(blk, b / 4, b % 4);
     for (int64_t r = 0; r < M; ++r) {
       const int64_t i0 = r * I + s * kQ6Block;
-      for (int j = 0; j < 16; j += 8)
-        _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(dsc + j), _mm256_loadu_ps(dx2 + i0 / 16 + j)));
-      for (int b = 0; b < 8; ++b) {  // lanes 0-3: group 2b, 4-7: group 2b + 1
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i0 + 32 * b));
-        const __m256 dot = _mm256_cvtepi32_ps(q6_dot32(q[b], xv, off + i0 / 4 + 8 * b));
-        const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
-        acc[r][b & 1] = _mm256_fmadd_ps(dot, sc, acc[r][b & 1]);
+      for (int u = 0; u < 2; ++u) {
+        const __m256 ds = _mm256_mul_ps(dsc[u], _mm256_loadu_ps(dx2 + i0 / 16 + 8 * u));
+        for (int c = 0; c < 4; ++c) {
+          const int b = 4 * u + c;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i0 + 32 * b));
+          const __m256 dot = _mm256_cvtepi32_ps(q6_dot32(q[b], xv, off + i0 / 4 + 8 * b));
+          acc[r][c & 1] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(ds, lanes[c]), acc[r][c & 1]);
+        }
       }
     }
   }
   for (int64_t r = 0; r < M; ++r) out[r * O] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
+  float dsc[16];
   uint8_t q[kQ6Block];
   float acc[kGemvRows] = {};
   for (int64_t s = 0; s < nsb; ++s) {
