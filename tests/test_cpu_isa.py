@@ -55,7 +55,8 @@ def test_a_forced_level_the_cpu_lacks_or_an_unknown_one_is_refused(monkeypatch):
 @pytest.mark.parametrize("level", list(LEVEL))
 def test_kernels_compute_their_reference_at_each_level(level):
     if level not in usable_levels():
-        pytest.skip(f"this CPU does not run {level}")
+        lacking = sorted(set(native.ISAS[level][0]) - native.cpu_flags()) or ["torch AVX2 dispatch"]
+        pytest.skip(f"this CPU does not run {level}: it lacks {', '.join(lacking)}")
     if level == native.isa():
         pytest.skip(f"{level} is this process's level: the kernel tests run on it in the suite itself")
     env = dict(os.environ, **{native.ISA_ENV: level})
