@@ -718,11 +718,13 @@ inline __m512 q6_scales16(const uint8_t* blk) {
 inline __m512i q6_codes64(const uint8_t* blk, int h, int k) {
   const __m512i ql = _mm512_loadu_si512(blk + 64 * h);  // bytes 0-31 block k's, 32-63 block k + 1's
   const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
-  const __m512i lo = _mm512_and_si512(k ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
-  // block k's high bits (2k, 2k + 1) and block k + 1's (2k + 2, 2k + 3) to bits 4, 5
-  const __m512i hi = k == 0 ? _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2))
-                            : _mm512_mask_blend_epi64(0xF0, qh, _mm512_srli_epi16(qh, 2));
-  return _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+  // block k's high bits (2k, 2k + 1) and block k + 1's (2k + 2, 2k + 3) to bits 4, 5: one shift
+  // per 64-bit lane (the bits crossing bytes are masked off below)
+  const __m512i hi = k == 0 ? _mm512_sllv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4))
+                            : _mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+  // the nibbles where 0x0F is set, else hi (ternary logic 0xE4: c ? a : b), then 6 bits
+  const __m512i q = _mm512_ternarylogic_epi32(k ? _mm512_srli_epi16(ql, 4) : ql, hi, _mm512_set1_epi8(0x0F), 0xE4);
+  return _mm512_and_si512(q, _mm512_set1_epi8(0x3F));
 }
 
 // two blocks' dots, 16 int32 sums of 4 (off: their 16 offsets)
