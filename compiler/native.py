@@ -24,6 +24,9 @@ from .cache_root import zoo_cache_root
 ISAS = {
     "avx512_vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
                     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    # (Skylake-X, Cascade Lake without VNNI): 512-bit vectors, maddubs + madd for the integer dots
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+               ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
     "portable": ((), []),
 }

@@ -142,9 +142,10 @@ def test_int8g_kernel_computes_its_reference(group):
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
-    for I in (384, 416):  # 12 and 13 blocks: the AVX512 kernels take blocks in pairs, the odd one apart
+    # 12, 13 and 1 blocks (the AVX512 kernels take blocks in pairs, the odd one apart), an odd O
+    for O, I in ((200, 384), (200, 416), (37, 32)):
         if I % group == 0:
-            check_int8g_kernel(group, 200, I)
+            check_int8g_kernel(group, O, I)
 
 
 def check_int8g_kernel(group, O, I):
@@ -158,7 +159,7 @@ def check_int8g_kernel(group, O, I):
             sm[:, 1] = 0
         if offsets == "no m":
             sm = sm[:, :1]
-        for rows in (1, 3, 16, 17, 40):
+        for rows in (1, 2, 3, 5, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, :32] = 0.0
             want = cpu_kernels.int8g_reference(x, qw, sm, group)
@@ -169,22 +170,22 @@ def check_int8g_kernel(group, O, I):
 
 @pytest.mark.parametrize("scales", [torch.float16, torch.float32])
 def test_int5_kernel_computes_its_reference(scales):
-    """zoo_quant.int5_linear against its torch reference: 1, 3, 16 rows (integer dots over the
-    int8-rounded x, 3 and 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
-    path), odd O, an odd number of blocks (AVX512 takes them in pairs), a zero block of x, every
-    code 0..31 and both groups of 32 and 64."""
+    """zoo_quant.int5_linear against its torch reference: 1, 2, 3, 5, 16 rows (integer dots over the
+    int8-rounded x, 2 to 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
+    path), odd O, an odd number of blocks (AVX512 takes them in pairs) and a single one, a zero
+    block of x, every code 0..31 and both groups of 32 and 64."""
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
     torch.manual_seed(2)
-    for O, I, group in ((37, 416, 32), (50, 384, 64)):
+    for O, I, group in ((5, 32, 32), (37, 416, 32), (50, 384, 64)):
         q = torch.randint(0, 32, (O, I))
         q[0, :32] = torch.arange(32)
         qs, qh, sm = cpu_kernels.pack_int5(q, torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05)
         sm = sm.to(scales)
         w = q.float() * sm[:, 0].float().repeat_interleave(group, 1) + sm[:, 1].float().repeat_interleave(group, 1)
         np.testing.assert_array_equal(cpu_kernels.int4_dequantize(qs, sm, qh).numpy(), w.numpy())
-        for rows in (1, 3, 16, 17, 40):
+        for rows in (1, 2, 3, 5, 16, 17, 40):
             x = torch.randn(rows, I)
             x[0, 32:64] = 0.0
             want = cpu_kernels.int5_reference(x, qs, qh, sm, group)
@@ -195,6 +196,41 @@ def test_int5_kernel_computes_its_reference(scales):
                 _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w), "rounded")
     with pytest.raises(RuntimeError, match=r"int5_linear: expected qh \[O, I/8\] uint8"):
         torch.ops.zoo_quant.int5_linear(torch.randn(1, 64), qs[:, :32], qh[:, :4], sm[:, :, :2].float(), 32)
+
+
+def test_q6k_kernel_computes_its_reference():
+    """zoo_quant.q6k_linear over Q6_K blocks as stored against its torch reference (int8g's d-only
+    case of the blocks' codes) and gguf's dequantization: 1, 2, 3, 5, 16 rows (integer dots over the
+    int8-rounded x, every row of x against each decoded block), 17 and 40 (dequantize + GEMM), odd
+    O, one block of 256 inputs and several, a zero block of x and a zero d, every code 0..63."""
+    from zoo.compiler.quant import cpu_kernels
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    torch.manual_seed(3)
+    rng = np.random.default_rng(3)
+    for O, nsb in ((5, 1), (37, 3), (64, 2)):
+        b = random_blocks("Q6_K", O, nsb, seed=O).reshape(O * nsb, 210)
+        d = (rng.standard_normal(O * nsb) * 0.01).astype(np.float16)
+        d[1] = 0
+        b[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+        b = b.reshape(O, nsb * 210)
+        I = 256 * nsb
+        blocks = torch.from_numpy(b)
+        w = torch.from_numpy(gguf.quants.dequantize(b, Q.Q6_K)).reshape(O, I)
+        qw, sm = cpu_kernels.q6k_codes(blocks)
+        np.testing.assert_array_equal(cpu_kernels.int8g_dequantize(qw, sm).numpy(), w.numpy())
+        assert set(qw.unique().tolist()) == set(range(-32, 32))
+        for rows in (1, 2, 3, 5, 16, 17, 40):
+            x = torch.randn(rows, I)
+            x[0, 32:64] = 0.0
+            want = cpu_kernels.q6k_reference(x, blocks)
+            _assert_close(torch.ops.zoo_quant.q6k_linear(x, blocks), want, f"O={O} I={I} rows={rows}")
+            ref_x = x if rows > cpu_kernels.FEW_ROWS else cpu_kernels.round_activations(x)
+            _assert_close(want, torch.nn.functional.linear(ref_x, w), "gguf's weights")
+    with pytest.raises(RuntimeError, match=r"q6k_linear: expected blocks \[O, I/256 \* 210\] uint8"):
+        torch.ops.zoo_quant.q6k_linear(torch.randn(1, 256), blocks[:, :200])
+    with pytest.raises(RuntimeError, match="q6k_linear: x has 256 inputs, the weight 512"):
+        torch.ops.zoo_quant.q6k_linear(torch.randn(1, 256), blocks)
 
 
 def test_int4_kernel_takes_float32_scales():
@@ -223,7 +259,7 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
 KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
         "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
-        "Q6_K": "int8 g16 (float32 scales)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
+        "Q6_K": "stored (6.5625 bits a weight)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -250,19 +286,23 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
             # the types without an offset keep d only: 4 bytes a group less to read
-            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "Q6_K", "IQ4_XS", "MXFP4")
+            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "IQ4_XS", "MXFP4")
             assert q.scales.shape == (O, 1 if ggml_type in no_m else 2, I // q.group), q.scales.shape
         elif q.layout == "int5":
             ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
             # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where
             # Q5_0's d (q - 16) gives -0 for d < 0, q = 16: no product or sum tells them apart)
             np.testing.assert_array_equal(cpu_kernels.int4_dequantize(q.qweight, q.scales, q.qhigh).numpy(), want.numpy())
+        elif q.layout == "q6k":  # the blocks' bytes as they are, nothing beside them
+            assert set(q.state_dict()) == {"qweight"} and torch.equal(q.qweight, b.data)
+            ref = cpu_kernels.q6k_reference(x, q.qweight)
         else:
             ref = cpu_kernels.int4_reference(x, q.qweight, q.scales, q.group)
         _assert_close(q(x), ref, "decode")
         assert (q(x) - x @ want.t()).abs().max() < 0.05 * (x.abs() @ want.abs().t()).max()
     bytes_per_weight = q.quantized_bytes() / (O * I)
-    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.75}.get(q.layout, 1.5)  # no float copy (int5: 24 / 32)
+    # no float copy (int5: 24 / 32, Q6_K 210 / 256)
+    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.75, "q6k": 210 / 256}.get(q.layout, 1.5)
 
 
 def test_blocks_not_kept_say_why():
@@ -372,6 +412,10 @@ def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mi
         if types[part] in ("Q5_0", "Q5_1") and len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1:
             name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
             assert report[name] == f"kept {types[part]} blocks as int5 g32", (name, report[name])
+    for part in ("attn_q", "attn_output", "ffn_down", "output"):  # Q6_K as stored
+        if types[part] == "Q6_K" and (part != "attn_q" or {types["attn_k"], types["attn_v"]} == {"Q6_K"}):
+            name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
+            assert report[name] == "kept Q6_K blocks as stored (6.5625 bits a weight)", (name, report[name])
     if len({types["attn_q"], types["attn_k"], types["attn_v"]}) > 1:
         assert report["blk.0.attn_v.weight"].startswith(f"{types['attn_v']} kept (with parts of other types) as int8 g")
     torch.manual_seed(1)
@@ -425,10 +469,12 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("mix, wqkv_layout", [("Q4_K_M", ("int8g", 16, torch.int8)),
-                                               ("q5_fallbacks", ("int5", 32, torch.uint8))])
+                                               ("q5_fallbacks", ("int5", 32, torch.uint8)),
+                                               ("Q6_K", ("q6k", 16, torch.uint8))])
 def test_kept_layouts_are_planned_so_the_weight_cache_holds_them(tmp_path, kquant_llama, monkeypatch, mix, wqkv_layout):
     """The buffers take the kept blocks' layout while the load is planned (on the meta model), so
-    a second build is a weight-cache hit with the same state (int5's high bits included)."""
+    a second build is a weight-cache hit with the same state (int5's high bits included; Q6_K's
+    blocks as stored, no scales buffer)."""
     import zoo
 
     monkeypatch.setenv("ZOO_WEIGHT_CACHE", str(tmp_path / "weights"))
@@ -456,4 +502,4 @@ def test_report_says_why_blocks_were_not_kept(tmp_path, kquant_llama):
     assert how["blk.0.ffn_up.weight"] == ("Q4_K quantized -> int4 g64 (Q4_K blocks not kept: int4 g64 does not hold "
                                           "groups of 32 (runtime.quant_group=32 keeps them))")
     assert how["blk.0.attn_v.weight"].startswith("Q6_K quantized -> int4 g64 (Q6_K blocks not kept")
-    assert how["output.weight"] == "kept Q6_K blocks as int8 g16 (float32 scales)"  # the head is int8: kept
+    assert how["output.weight"] == "kept Q6_K blocks as stored (6.5625 bits a weight)"  # the head is int8: kept

@@ -81,9 +81,11 @@ def test_cpu_kernel_computes_its_reference(mode, group):
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
-    for I in (384, 416):  # 12 and 13 blocks: the AVX512 kernels take blocks in pairs, the odd one apart
+    # 12, 13, 1 and 36 blocks (the AVX512 kernels take blocks in pairs, the odd one apart; one block:
+    # no pair at all), an odd O (uneven thread splits)
+    for O, I in ((200, 384), (200, 416), (37, 32), (37, 1152)):
         if I % (group or 32) == 0:
-            check_kernel_against_reference(mode, group, 200, I)
+            check_kernel_against_reference(mode, group, O, I)
 
 
 def check_kernel_against_reference(mode, group, O, I):
@@ -101,9 +103,10 @@ def check_kernel_against_reference(mode, group, O, I):
         qw, scale = torch.randint(-127, 128, (O, I), dtype=torch.int8), torch.rand(O) * 0.01
         kernel = lambda x: torch.ops.zoo_quant.int8_linear(x, qw, scale)
         reference = lambda x: cpu_kernels.int8_reference(x, qw, scale)
-    for rows in (1, 3, 16, 17, 40):
+    for rows in (1, 2, 3, 5, 16, 17, 40):
         x = torch.randn(rows, I)
-        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+        if I > 32:  # an all-zero block: scale 0, no division by it (beside non-zero ones: the check below)
+            x[0, :32] = 0.0
         want = reference(x)
         assert_logits_close(kernel(x), want, rtol=1e-5, what=f"{mode} g{group} rows={rows}")
         if rows <= cpu_kernels.FEW_ROWS:  # the rounding is real: the float product differs

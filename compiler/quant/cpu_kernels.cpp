@@ -19,8 +19,11 @@
 //   zoo_quant::int8g_linear(x, qw, sm, group)
 //       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
 //          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
-//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q6_K / ...:
+//       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q3_K / ...:
 //          4 bytes a group less to read, and no m term)
+//   zoo_quant::q6k_linear(x, blocks)
+//       blocks [O, I/256 * 210] uint8: GGUF Q6_K blocks as stored (6.5625 bits a weight), I a
+//          multiple of 256: W = d * sc[i / 16] * (q - 32), q 6 bits (the layout at q6k_rows)
 //
 // Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
 // llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
@@ -48,11 +51,14 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ZOO_AVX2 1
 #endif
-// AVX512 with VNNI (native.py's "avx512_vnni" level): vpdpbusd takes a 4-byte dot product per
-// int32 lane in one instruction (maddubs + madd on AVX2), and 512-bit vectors take two blocks of
-// 32 codes at a time
-#if defined(ZOO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX512 (native.py's "avx512" level, F + BW + VL): 512-bit vectors take two blocks of 32 codes at
+// a time; with VNNI ("avx512_vnni") vpdpbusd takes a 4-byte dot product per int32 lane in one
+// instruction (maddubs + madd without it)
+#if defined(ZOO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZOO_AVX512 1
+#if defined(__AVX512VNNI__)
 #define ZOO_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -172,7 +178,7 @@ inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float*
 }
 #endif
 
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // the 64 codes of two consecutive Q4 blocks (32 bytes) in input order: each block's 16 bytes in
@@ -199,7 +205,12 @@ inline __m512i codes64(const uint8_t* qs, const uint8_t* qh, int64_t p) {
 
 // 64 unsigned codes times 64 signed activations -> 16 int32 sums (8 per block of 32), as floats
 inline __m512 dot64(__m512i w_u8, __m512i x_i8) {
+#ifdef ZOO_VNNI
   return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_u8, x_i8));
+#else
+  const __m512i p16 = _mm512_maddubs_epi16(w_u8, x_i8);
+  return _mm512_cvtepi32_ps(_mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
+#endif
 }
 
 // signed codes: |w| times x with w's sign (vpdpbusd multiplies unsigned by signed)
@@ -237,7 +248,7 @@ inline int32_t high5(const uint8_t* qh, int64_t t) {
 template <typename S, bool Q5>
 inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
                     const int8_t* xq, const float* dx, const float* xs) {
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   float ds[kMaxBlocks];
   block_scales(d, sh, dx, nb, ds);
   auto pair = [&](int64_t p, __m512 acc) {
@@ -314,7 +325,7 @@ inline void int8_rows(const int8_t* qw, float sc, int64_t nb, const int8_t* xq, 
 
 // sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
 inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
@@ -370,7 +381,7 @@ inline void half_block_scales(const float* d, int64_t group, const float* dx, in
 inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
   half_block_scales(d, group, dx, nb, ds);
-#ifdef ZOO_VNNI
+#ifdef ZOO_AVX512
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
@@ -634,8 +645,227 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
   return y;
 }
 
+// ----------------------------------------------------------------------------- Q6_K as stored
+//
+// One Q6_K block (210 bytes, 256 inputs): ql[128] | qh[64] | sc[16] int8 | d float16. In each half
+// h of 128 inputs (ql[64h..], qh[32h..]) input 32k + t (k < 4, t < 32) has the code
+//   q = (k & 1 ? ql[32 + t] : ql[t]) >> (k & 2 ? 4 : 0) & 15  |  (qh[t] >> 2k & 3) << 4
+// and W = d * sc[i / 16] * (q - 32) (gguf_blocks.py's _q6_k). The dots take the codes unsigned
+// (0..63) and add -32 * (the sum of the activations) per 4 inputs, off[] below, in integers.
+constexpr int64_t kQ6Bytes = 210, kQ6Block = 256;
+
+inline float q6_d(const uint8_t* blk) {
+  uint16_t bits;
+  std::memcpy(&bits, blk + 208, 2);
+#ifdef ZOO_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// the row of x as the Q6_K dots take it: codes xq and scales dx per 32 (quantize_rows), off [I/4]
+// int32 = -32 * the sum of each 4 codes, dx2 [I/16] = the scale of each 16 inputs' block
+void q6_activations(const int8_t* xq, const float* dx, int64_t I, int32_t* off, float* dx2) {
+  for (int64_t j = 0; j < I / 4; ++j)
+    off[j] = -32 * (int32_t(xq[4 * j]) + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]);
+  for (int64_t j = 0; j < I / 16; ++j) dx2[j] = dx[j / 2];
+}
+
+// the 16 group scales of one block times d, as floats
+inline void q6_scales(const uint8_t* blk, float* dsc) {
+  const float d = q6_d(blk);
+  for (int j = 0; j < 16; ++j) dsc[j] = d * float(int8_t(blk[192 + j]));
+}
+
+#ifdef ZOO_AVX2
+// d * sc of the 8 groups 8u .. 8u + 7 of a block, as floats
+inline __m256 q6_scales8(const uint8_t* blk, int u) {
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * u));
+  return _mm256_mul_ps(_mm256_set1_ps(q6_d(blk)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+}
+
+// the 32 codes of block k of half h (inputs 128h + 32k ..) as bytes 0..63
+inline __m256i q6_codes32(const uint8_t* blk, int h, int k) {
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+  const __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+  // bits 2k, 2k + 1 of each qh byte to bits 4, 5 (16-bit shifts: the bits crossing bytes are masked off)
+  const __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2)
+                   : k == 2 ? qh : _mm256_srli_epi16(qh, 2);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+// sum_t (q - 32) x over the 32 inputs of a block as 8 int32 sums of 4 (off: the block's 8 offsets)
+inline __m256i q6_dot32(__m256i q, __m256i xv, const int32_t* off) {
+  const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(off));
+#ifdef ZOO_VNNI
+  return _mm256_dpbusd_epi32(o, q, xv);
+#else
+  return _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+#ifdef ZOO_AVX512
+// d * sc of a block's 16 groups, as floats
+inline __m512 q6_scales16(const uint8_t* blk) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  return _mm512_mul_ps(_mm512_set1_ps(q6_d(blk)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
+// blocks k, k + 1 (k = 0 or 2) of half h: 64 codes, inputs 128h + 32k .. + 63
+inline __m512i q6_codes64(const uint8_t* blk, int h, int k) {
+  const __m512i ql = _mm512_loadu_si512(blk + 64 * h);  // bytes 0-31 block k's, 32-63 block k + 1's
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+  // block k's high bits (2k, 2k + 1) and block k + 1's (2k + 2, 2k + 3) to bits 4, 5: one shift
+  // per 64-bit lane (the bits crossing bytes are masked off below)
+  const __m512i hi = k == 0 ? _mm512_sllv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4))
+                            : _mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+  // the nibbles where 0x0F is set, else hi (ternary logic 0xE4: c ? a : b), then 6 bits
+  const __m512i q = _mm512_ternarylogic_epi32(k ? _mm512_srli_epi16(ql, 4) : ql, hi, _mm512_set1_epi8(0x0F), 0xE4);
+  return _mm512_and_si512(q, _mm512_set1_epi8(0x3F));
+}
+
+// two blocks' dots, 16 int32 sums of 4 (off: their 16 offsets)
+inline __m512i q6_dot64(__m512i q, __m512i xv, const int32_t* off) {
+  const __m512i o = _mm512_loadu_si512(off);
+#ifdef ZOO_VNNI
+  return _mm512_dpbusd_epi32(o, q, xv);
+#else
+  return _mm512_add_epi32(o, _mm512_madd_epi16(_mm512_maddubs_epi16(q, xv), _mm512_set1_epi16(1)));
+#endif
+}
+#endif
+
+// One Q6_K weight row (nsb blocks of 256) against M rows of x (xq [M, I], off [M, I/4], dx2
+// [M, I/16]): out[r * O] for r < M. Each block's codes are decoded once for all M rows.
+void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* off, const float* dx2, int64_t M,
+              int64_t I, float* out, int64_t O) {
+#if defined(ZOO_AVX512)
+  // pair p's 16 lanes take groups 4p .. 4p + 3, 4 lanes each, of the block's 16 scales
+  const __m512i lanes[4] = {kFourHalves, _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(4)),
+                            _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(8)),
+                            _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(12))};
+  __m512 acc[kGemvRows][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    const __m512 dsc = q6_scales16(blk);
+    const __m512i q[4] = {q6_codes64(blk, 0, 0), q6_codes64(blk, 0, 2), q6_codes64(blk, 1, 0), q6_codes64(blk, 1, 2)};
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;  // the block's first input in row r of x
+      const __m512 ds = _mm512_mul_ps(dsc, _mm512_loadu_ps(dx2 + i0 / 16));
+      for (int p = 0; p < 4; ++p) {
+        const __m512i xv = _mm512_loadu_si512(xq + i0 + 64 * p);
+        const __m512 dot = _mm512_cvtepi32_ps(q6_dot64(q[p], xv, off + i0 / 4 + 16 * p));
+        acc[r][p & 1] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes[p], ds), acc[r][p & 1]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum512(_mm512_add_ps(acc[r][0], acc[r][1]));
+#elif defined(ZOO_AVX2)
+  // block b's 8 lanes take groups 2b (lanes 0-3) and 2b + 1 (4-7) of the 8 scales of its half
+  const __m256i lanes[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+                            _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
+  __m256 acc[kGemvRows][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    const __m256 dsc[2] = {q6_scales8(blk, 0), q6_scales8(blk, 1)};
+    __m256i q[8];
+    for (int b = 0; b < 8; ++b) q[b] = q6_codes32(blk, b / 4, b % 4);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;
+      for (int u = 0; u < 2; ++u) {
+        const __m256 ds = _mm256_mul_ps(dsc[u], _mm256_loadu_ps(dx2 + i0 / 16 + 8 * u));
+        for (int c = 0; c < 4; ++c) {
+          const int b = 4 * u + c;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i0 + 32 * b));
+          const __m256 dot = _mm256_cvtepi32_ps(q6_dot32(q[b], xv, off + i0 / 4 + 8 * b));
+          acc[r][c & 1] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(ds, lanes[c]), acc[r][c & 1]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+  float dsc[16];
+  uint8_t q[kQ6Block];
+  float acc[kGemvRows] = {};
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* blk = row + s * kQ6Bytes;
+    q6_scales(blk, dsc);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int t = 0; t < 32; ++t)
+          q[128 * h + 32 * k + t] = ((blk[64 * h + 32 * (k & 1) + t] >> (k & 2 ? 4 : 0)) & 15) |
+                                    (((blk[128 + 32 * h + t] >> (2 * k)) & 3) << 4);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t i0 = r * I + s * kQ6Block;
+      for (int j = 0; j < 16; ++j) {
+        int32_t dot = 0;
+        for (int t = 0; t < 16; ++t) dot += int32_t(q[16 * j + t]) * xq[i0 + 16 * j + t];
+        for (int t = 0; t < 4; ++t) dot += off[i0 / 4 + 4 * j + t];
+        acc[r] += dsc[j] * dx2[i0 / 16 + j] * float(dot);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = acc[r];
+#endif
+}
+
+// Weight rows [r0, r1) of Q6_K blocks dequantized into out [r1 - r0, I] float32 (d * sc * (q - 32)).
+void q6k_dequantize(const uint8_t* blocks, int64_t I, int64_t r0, int64_t r1, float* out) {
+  const int64_t nsb = I / kQ6Block;
+  at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
+    float dsc[16];
+    for (int64_t o = a; o < b; ++o)
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* blk = blocks + (o * nsb + s) * kQ6Bytes;
+        float* w = out + (o - r0) * I + s * kQ6Block;
+        q6_scales(blk, dsc);
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 4; ++k)
+            for (int t = 0; t < 32; ++t) {
+              const int i = 128 * h + 32 * k + t;
+              const int q = ((blk[64 * h + 32 * (k & 1) + t] >> (k & 2 ? 4 : 0)) & 15) |
+                            (((blk[128 + 32 * h + t] >> (2 * k)) & 3) << 4);
+              w[i] = dsc[i / 16] * float(q - 32);
+            }
+      }
+  });
+}
+
+at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_) {
+  TORCH_CHECK(blocks_.scalar_type() == at::kByte && blocks_.dim() == 2 && blocks_.size(1) % kQ6Bytes == 0,
+              "q6k_linear: expected blocks [O, I/256 * 210] uint8 (GGUF Q6_K rows as stored), got ", blocks_.sizes(),
+              " ", blocks_.scalar_type());
+  const int64_t O = blocks_.size(0), I = blocks_.size(1) / kQ6Bytes * kQ6Block;
+  check_x(x_, I, "q6k_linear");
+  const at::Tensor x = x_.contiguous(), blocks = blocks_.contiguous();
+  const uint8_t* q = blocks.data_ptr<uint8_t>();
+  const int64_t M = x.size(0), nb = I / kBlock, nsb = I / kQ6Block;
+  if (M > kGemvRows)
+    return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q6k_dequantize(q, I, r0, r1, out); });
+  at::Tensor y = at::empty({M, O}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::vector<int8_t> xq(M * I);
+  std::vector<float> dx(M * nb), dx2(M * I / 16);
+  std::vector<int32_t> off(M * I / 4);
+  quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
+  q6_activations(xq.data(), dx.data(), M * I, off.data(), dx2.data());
+  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
+    for (int64_t o = a; o < b; ++o)
+      q6k_rows(q + o * nsb * kQ6Bytes, nsb, xq.data(), off.data(), dx2.data(), M, I, yp + o, O);
+  });
+  return y;
+}
+
 int64_t simd_level() {
 #ifdef ZOO_VNNI
+  return 4;
+#elif defined(ZOO_AVX512)
   return 3;
 #elif defined(ZOO_AVX2)
   return 2;
@@ -651,6 +881,7 @@ TORCH_LIBRARY(zoo_quant, m) {
   m.def("int5_linear(Tensor x, Tensor qs, Tensor qh, Tensor sm, int group) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
   m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("simd_level() -> int");
 }
 
@@ -659,6 +890,7 @@ TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
   m.impl("int5_linear", &int5_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8g_linear", &int8g_linear);
+  m.impl("q6k_linear", &q6k_linear);
 }
 
 TORCH_LIBRARY_IMPL(zoo_quant, CompositeExplicitAutograd, m) { m.impl("simd_level", &simd_level); }

@@ -12,7 +12,10 @@
     int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32, g) -> [M, O] f32
         W[o, i] = qw * d + m per group of g = 16 or a multiple of 32 inputs: every GGUF block
         type's integer codes with their group scales and offsets, exactly (gguf_blocks.py);
-        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q6_K, ...)
+        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q3_K, ...)
+    q6k_linear(x [M, I] f32, blocks [O, I/256 * 210] u8) -> [M, O] f32
+        GGUF Q6_K at its stored width (6.5625 bits a weight), the file's blocks as they are:
+        W = d * sc * (q - 32) per group of 16 (gguf_blocks.py), computed as int8g's d-only case
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) stream a fraction of what a plain read does at one row (their float32
@@ -39,9 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
+from . import gguf_blocks
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BLOCK = 32  # inputs per Q4 block (the nibble pairing of qs) and per activation scale
+Q6K_GROUP = 16  # inputs per Q6_K group scale
 FEW_ROWS = 16  # up to this many rows of x: integer dots over int8-rounded activations (kGemvRows)
 
 
@@ -106,6 +111,19 @@ def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: 
     return y + F.linear(x, sm[:, 1].repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
 
 
+def q6k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [O, I/256 * 210] uint8 -> (qw [O, I] int8 in -32..31, sm [O, 1, I/16] float32
+    d * sc): int8g's d-only layout of the same weights (gguf_blocks.py reads the blocks)."""
+    c = gguf_blocks.codes(blocks, "Q6_K")
+    return c.q.to(torch.int8), c.d[:, None]
+
+
+def q6k_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """What q6k_linear computes: int8g_reference of the blocks' codes and group scales."""
+    qw, sm = q6k_codes(blocks)
+    return int8g_reference(x, qw, sm, Q6K_GROUP)
+
+
 def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What int8_linear computes (x rounded to int8 per 32 inputs up to FEW_ROWS rows)."""
     return F.linear(round_activations(x) if x.shape[0] <= FEW_ROWS else x, qw.float() * scale[:, None])
@@ -145,6 +163,8 @@ def _load() -> str | None:
             lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
         torch.library.register_fake("zoo_quant::int8g_linear")(
             lambda x, qw, sm, group: x.new_empty(x.shape[0], qw.shape[0]))
+        torch.library.register_fake("zoo_quant::q6k_linear")(
+            lambda x, blocks: x.new_empty(x.shape[0], blocks.shape[0]))
     return why
 
 
@@ -158,5 +178,5 @@ def status() -> str:
     if why is not None:
         return f"torch reference (dequantize + matmul; zoo's kernel did not build: {why})"
     simd = torch.ops.zoo_quant.simd_level()
-    return "zoo cpu kernel (" + {3: "avx512 + vnni", 2: "avx2 + fma"}.get(simd, "portable loops") + ", float32)"
+    return "zoo cpu kernel (" + {4: "avx512 + vnni", 3: "avx512", 2: "avx2 + fma"}.get(simd, "portable loops") + ", float32)"
 

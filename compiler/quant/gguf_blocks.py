@@ -33,7 +33,8 @@ Q4_0 (m = -8 d), Q4_1 and Q4_K are that with the same codes; Q4_0 / Q4_1's d and
 as stored, Q4_K's d * sc and dmin * mn need float32 (`int4_parts`). Its int5 layout adds a fifth
 bit per code, q in 0..31: Q5_0 (m = -16 d) and Q5_1 at their stored width, the blocks' own nibbles,
 high-bit words and float16 d, m (`int5_parts`). The other types need more than 5 bits per code (or
-IQ4's codebook): zoo's int8g layout holds their codes as int8 with d, m float32 per group
+IQ4's codebook). Q6_K is kept as its bytes (`Q6K_TYPES`: zoo_quant.q6k_linear reads the blocks
+at their 6.5625 bits a weight). The rest: zoo's int8g layout holds their codes as int8 with d, m float32 per group
 (`block_codes`), and weights joined from parts of different types go through
 the ZQ8 block format below (`mixed_format`, `to_mixed`).
 """
@@ -221,6 +222,7 @@ LAYOUTS: dict[str, Layout] = {
 }
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
 INT5_TYPES = ("Q5_0", "Q5_1")  # codes 0..31 (Q5_0 shifted by 16) with one d, m per 32
+Q6K_TYPES = ("Q6_K",)  # kept as their bytes (zoo_quant.q6k_linear reads the blocks)
 
 
 # zoo's own block format for weights whose parts are stored in different types (llama.cpp's
@@ -332,6 +334,11 @@ def _blocks(b: StoredBlocks) -> torch.Tensor:
         raise CheckpointError(f"{b.ggml_type} blocks of shape {list(b.data.shape)} do not hold a [{O}, {I}] "
                               f"weight ({lay.nbytes} bytes per {lay.block} weights)")
     return b.data
+
+
+def block_bytes(b: StoredBlocks) -> torch.Tensor:
+    """b.data [O, nb * bytes] uint8, checked against b.shape [O, I] (the layouts that keep the bytes)."""
+    return _blocks(b)
 
 
 def block_codes(b: StoredBlocks) -> Codes:

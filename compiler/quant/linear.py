@@ -18,9 +18,11 @@ Two kernel families, chosen by `compute_dtype`:
           float32 scales [O, 2, I/32])
         Q5_0 / Q5_1 -> int5 g32: int4's qweight and float16 scales plus qhigh [O, I/8] uint8, the
           codes' fifth bits (the blocks' bytes as they are, 24 bytes per 32 weights)
+        Q6_K -> q6k: qweight [O, I/256 * 210] uint8, the blocks' bytes as they are (6.5625 bits a
+          weight; zoo_quant.q6k_linear reads them), no scales buffer
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
           (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py);
-          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q6_K, ...)
+          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q3_K, ...)
         parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
           ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
@@ -42,8 +44,8 @@ from torch import nn
 from ..contracts import Slice, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ConfigError
 from . import cpu_kernels
-from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, has_offset, int4_parts,
-                          int5_parts, layout, q4_codes, q8_0_values)
+from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, Q6K_TYPES, block_bytes, block_codes,
+                          has_offset, int4_parts, int5_parts, layout, q4_codes, q8_0_values)
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -94,7 +96,7 @@ class QuantLinear(nn.Module, WeightSink):
             raise ValueError(f"quant mode {mode!r}: expected one of {list(MODES)}")
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group = mode, (group if mode == "int4" else None)
-        self.layout = mode  # what the buffers hold: int8 | int4 | int5 | int8g (GGUF blocks, see block_layout)
+        self.layout = mode  # what the buffers hold: int8 | int4 | int5 | int8g | q6k (GGUF blocks, see block_layout)
         self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.tied_to = tied_to
         self.compute_dtype = compute_dtype
@@ -172,6 +174,10 @@ class QuantLinear(nn.Module, WeightSink):
         return y if self.bias is None else y + self.bias
 
     def _zoo_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.layout == "q6k":
+            if self.compiled_kernel:
+                return torch.ops.zoo_quant.q6k_linear(x2, self.qweight)
+            return cpu_kernels.q6k_reference(x2, self.qweight)
         if self.layout == "int8g":
             if self.compiled_kernel:
                 return torch.ops.zoo_quant.int8g_linear(x2, self.qweight, self.scales, self.group)
@@ -191,13 +197,14 @@ class QuantLinear(nn.Module, WeightSink):
     # ------------------------------------------------------------------ filling
 
     def block_layout(self, ggml_type: str) -> Optional[str]:
-        """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int5" / "int8g" (kept exactly,
+        """How `load_weight` takes stored GGUF blocks of this type: "int4" / "int5" / "q6k" / "int8g" (kept exactly,
         see the module docstring), "convert" (Q8_0 through its values to int8 per channel, torch's
         kernels), or None (the loader dequantizes them and they are quantized here; why_not_kept says why)."""
         if self.mode == "int4" and self.mode_group != 32:
             return None
         if self.zoo_kernel and (ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS):
-            return "int4" if ggml_type in INT4_TYPES else "int5" if ggml_type in INT5_TYPES else "int8g"
+            return ("int4" if ggml_type in INT4_TYPES else "int5" if ggml_type in INT5_TYPES
+                    else "q6k" if ggml_type in Q6K_TYPES else "int8g")
         if self.mode == "int4" and ggml_type in ("Q4_0", "Q4_1"):
             return "int4"
         return "convert" if ggml_type == "Q8_0" else None
@@ -247,6 +254,8 @@ class QuantLinear(nn.Module, WeightSink):
                     fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
                 elif kind == "int5":  # Q5_0 / Q5_1: their bytes
                     fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
+                elif kind == "q6k":  # Q6_K: its bytes
+                    fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
@@ -261,6 +270,8 @@ class QuantLinear(nn.Module, WeightSink):
         return what
 
     def _what(self) -> str:
+        if self.layout == "q6k":
+            return "Q6_K blocks as stored"
         return "int8 per channel" if self.layout == "int8" else f"{self.layout.replace('int8g', 'int8')} g{self.group}"
 
     def prepare_blocks(self, ggml_type: str) -> None:
@@ -268,22 +279,32 @@ class QuantLinear(nn.Module, WeightSink):
         kernels the buffers take their layout now, on the meta model, so that the model is
         allocated (and the weight cache keyed) as it will be filled."""
         kind = self.block_layout(ggml_type)
-        if self.zoo_kernel and kind in ("int4", "int5", "int8g"):
+        if self.zoo_kernel and kind in ("int4", "int5", "int8g", "q6k"):
             self._relayout(kind, ggml_type)
 
     def _relayout(self, kind: str, ggml_type: str) -> str:
-        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int5 | int8g), new
-        empty ones unless they already do; returns the load report's line."""
+        """Make the buffers hold GGUF blocks of `ggml_type` kept as `kind` (int4 | int5 | int8g | q6k),
+        new empty ones unless they already do; returns the load report's line."""
         O, I = self.weight_shape
         dev = self.qweight.device
+        if kind == "q6k":  # the blocks' bytes, scales inside
+            lay = layout(ggml_type)
+            codes = (O, I // lay.block * lay.nbytes)
+            if self.layout != kind or tuple(self.qweight.shape) != codes or self.qweight.dtype != torch.uint8:
+                self.layout, self.group = kind, lay.group
+                self._buffers["qweight"] = torch.empty(codes, dtype=torch.uint8, device=dev)
+                self._buffers.pop("scales", None)
+                self._buffers.pop("qhigh", None)
+            return f"kept {ggml_type} blocks as stored ({lay.nbytes * 8 / lay.block} bits a weight)"
         ns = 2  # scales' rows: d, m (int8g of a type without offsets: d only)
         if kind in ("int4", "int5"):
             g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
         else:
             g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
             ns = 2 if has_offset(ggml_type) else 1
-        if (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(self.scales.shape),
-                self.scales.dtype) != (kind, g, codes[:2], codes[2], (O, ns, I // g), scales):
+        held = self._buffers.get("scales")
+        if (held is None or (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(held.shape),
+                             held.dtype) != (kind, g, codes[:2], codes[2], (O, ns, I // g), scales)):
             self.layout, self.group = kind, g
             self._buffers["qweight"] = torch.empty(codes[:2], dtype=codes[2], device=dev)
             self._buffers["scales"] = torch.empty(O, ns, I // g, dtype=scales, device=dev)
