@@ -24,6 +24,16 @@ def _deterministic():
     yield
 
 
+@pytest.fixture
+def two_threads():
+    """Kernel tests whose rows split unevenly between threads: two threads, whatever the
+    worker's own count (one under pytest-xdist)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def families(tmp_path_factory):
     """tests/test_family_parity.py's families: references, checkpoints and eager zoo models built

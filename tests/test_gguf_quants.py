@@ -135,6 +135,7 @@ def _assert_close(got, want, what):
     assert err <= 1e-5 * want.abs().max().item() + 1e-6, f"{what}: max error {err}"
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("group", [16, 32, 64])
 def test_int8g_kernel_computes_its_reference(group):
     """zoo_quant.int8g_linear against its torch reference, decode-sized (int8-rounded x) and
@@ -168,6 +169,7 @@ def check_int8g_kernel(group, O, I):
                 _assert_close(want, torch.nn.functional.linear(x, cpu_kernels.int8g_dequantize(qw, sm)), "float")
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("scales", [torch.float16, torch.float32])
 def test_int5_kernel_computes_its_reference(scales):
     """zoo_quant.int5_linear against its torch reference: 1, 2, 3, 5, 16 rows (integer dots over the
@@ -198,6 +200,7 @@ def test_int5_kernel_computes_its_reference(scales):
         torch.ops.zoo_quant.int5_linear(torch.randn(1, 64), qs[:, :32], qh[:, :4], sm[:, :, :2].float(), 32)
 
 
+@pytest.mark.usefixtures("two_threads")
 def test_q6k_kernel_computes_its_reference():
     """zoo_quant.q6k_linear over Q6_K blocks as stored against its torch reference (int8g's d-only
     case of the blocks' codes) and gguf's dequantization: 1, 2, 3, 5, 16 rows (integer dots over the

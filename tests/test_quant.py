@@ -73,6 +73,7 @@ def test_q4_blocks_are_int4_group32_exactly(qtype):
     assert (kernel_weight(qbf) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("mode,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)])
 def test_cpu_kernel_computes_its_reference(mode, group):
     """zoo's compiled CPU kernel against its torch-op reference (cpu_kernels.py), for decode-sized
