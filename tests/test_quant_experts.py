@@ -23,6 +23,7 @@ gguf = pytest.importorskip("gguf")
 
 import zoo  # noqa: E402
 from zoo.compiler.contracts import StoredBlocks  # noqa: E402
+from zoo.compiler.errors import CheckpointError  # noqa: E402
 from zoo.compiler.quant.experts import QuantExperts  # noqa: E402
 from zoo.compiler.quant.linear import QuantLinear  # noqa: E402
 from tests.deepseek_v3_fixtures import randomize, tiny_config  # noqa: E402
@@ -145,21 +146,34 @@ def test_quantized_experts_compute_their_dequantized_weights(conf, mode):
     assert m.info.param_bytes < f.info.param_bytes
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_fill_one_expert(qtype):
+@pytest.mark.parametrize("qtype,mode", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q8_0", "int4"),
+                                        ("Q5_1", "int8"), ("Q4_1", "int8")])
+def test_gguf_blocks_fill_one_expert(qtype, mode):
+    """Blocks of one expert at a time (a `stack: expert` rule) are kept exactly: the experts'
+    weights are gguf's dequantization, and the kernel applies them (more than 16 rows: no rounding
+    of the activations)."""
     Q = getattr(gguf.GGMLQuantizationType, qtype)
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((2, 48, 64)) * 0.05).astype(np.float32)
-    mode = "int8" if qtype == "Q8_0" else "int4"
-    q = QuantExperts(2, 48, 64, mode, 32, torch.float32)
+    q = QuantExperts(2, 48, 64, mode, 32, torch.bfloat16)
+    q.prepare_blocks(qtype)
+    kept = "int4 g32 (float16 scales)" if qtype in ("Q4_0", "Q4_1") else "int8 g32 (float32 scales)"
     for e in range(2):
         data = gguf.quants.quantize(w[e], Q)
         ref = torch.from_numpy(gguf.quants.dequantize(data, Q).reshape(48, 64))
         done = q.load_weight(StoredBlocks(qtype, torch.from_numpy(data.copy()), (48, 64)), e)
-        got = kernel_weight(q, e)
-        if mode == "int4":  # the same codes: a float32 rounding or two
-            assert done == f"kept {qtype} blocks as int4 g32, 2 experts"
-            assert (got - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max()
-        else:  # one scale per row instead of one per 32 weights
-            assert done == "converted Q8_0 -> int8 per channel, 2 experts"
-            assert 0 < ((got - ref).norm() / ref.norm()).item() < 0.01
+        assert done == f"kept {qtype} blocks as {kept}, 2 experts"
+        assert torch.equal(q.dequantize(e), ref)
+        torch.testing.assert_close(kernel_weight(q, e), ref, rtol=0, atol=1e-6)
+
+
+def test_gguf_blocks_of_another_layout_or_floats_are_refused():
+    q = QuantExperts(2, 48, 64, "int4", 32, torch.bfloat16)
+    data = torch.from_numpy(gguf.quants.quantize(np.zeros((48, 64), np.float32), gguf.GGMLQuantizationType.Q4_0))
+    with pytest.raises(CheckpointError, match="prepare_blocks was not told"):
+        q.load_weight(StoredBlocks("Q4_0", data, (48, 64)), 0)
+    q.prepare_blocks("Q4_0")
+    with pytest.raises(CheckpointError, match="as float values cannot be loaded"):
+        q.load_weight(torch.zeros(48, 64), 1)
+    g64 = QuantExperts(2, 48, 64, "int4", 64, torch.bfloat16)
+    assert not g64.accepts_blocks("Q4_0") and "quant_group=32" in g64.why_not_kept("Q4_0")

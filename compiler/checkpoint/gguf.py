@@ -99,15 +99,17 @@ class GGUFSource(Source):
         return _dequantize(t.data, t.tensor_type, f"{self.description}: tensor {name!r}").reshape(_torch_shape(t.shape))
 
     def read_blocks(self, name: str, as_format: str | None = None) -> torch.Tensor:
-        """A block-quantized tensor's stored bytes, uint8 [rows, bytes per row] (rows: the torch
-        shape's first dim), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py);
+        """A block-quantized tensor's stored bytes, uint8 [..., rows, bytes per row] (the torch
+        shape but its last dim: [E, O, bytes] for a stack of experts), for a loader that keeps the blocks (compiler/quant/gguf_blocks.py);
         as_format: a mixed_blocks format the bytes are re-blocked into (exactly)."""
         t = self._open_tensors()[name]
         if t.tensor_type.name not in LAYOUTS:
             raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
-        rows = _torch_shape(t.shape)[0]
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
-        return raw if as_format is None or as_format == t.tensor_type.name else to_mixed(raw, t.tensor_type.name, as_format)
+        lead = _torch_shape(t.shape)[:-1]
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*lead, -1))
+        if as_format is None or as_format == t.tensor_type.name:
+            return raw
+        return to_mixed(raw.reshape(-1, raw.shape[-1]), t.tensor_type.name, as_format).reshape(*lead, -1)
 
     def mixed_blocks(self, ggml_types) -> str | None:
         """The block format `read_blocks(as_format=...)` re-blocks tensors of all these (different)

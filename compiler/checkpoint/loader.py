@@ -363,8 +363,10 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
             (kind,) = types if len(types) == 1 else (None,)
             if len(types) > 1:
                 kind = source.mixed_blocks(sorted(types))
-            if (kind is not None and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
-                    and source.reads_blocks and len(a.node.shape) == 2):
+            # 2-D weights, or a whole stack [E, O, I] for a stacked sink (GGUF's ffn_*_exps)
+            dims_ok = len(a.node.shape) == 2 or (len(a.node.shape) == 3 and a.index is None and sinks[a.param].stacked)
+            if (kind is not None and dims_ok and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
+                    and source.reads_blocks):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
                 sinks[a.param].prepare_blocks(kind)  # its buffers' layout for these blocks, before the model is allocated
         out.append(a)
@@ -372,14 +374,14 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
 
 
 def _rows_only(node: Node) -> bool:
-    """Whether every op from the stored tensors to `node` moves whole rows (dim 0) only."""
+    """Whether every op from the stored tensors to `node` moves whole rows (of the last dim) only."""
     if node.op is None:
         return True
-    return is_row_op(node.op, dict(node.args)) and all(_rows_only(x) for x in node.inputs)
+    return is_row_op(node.op, dict(node.args), len(node.shape)) and all(_rows_only(x) for x in node.inputs)
 
 
 def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = None) -> torch.Tensor:
-    """The value of `node` (blocks: its bytes [rows, bytes per row] in that block format, the
+    """The value of `node` (blocks: its bytes [..., rows, bytes per row] in that block format, the
     stored one or a source's re-blocking, through row-wise ops)."""
     if node.op is None:
         key = (node.name, blocks)
@@ -390,7 +392,7 @@ def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = No
                 t = source.read_blocks(node.name)
             else:
                 t = source.read_blocks(node.name, as_format=blocks)
-            want = node.shape[:1] if blocks else node.shape
+            want = node.shape[:-1] if blocks else node.shape
             if tuple(t.shape[:len(want)]) != want:
                 raise CheckpointError(f"{node.info.file}: tensor {node.name!r} has shape {list(t.shape)} "
                                       f"but its header says {list(node.shape)}")

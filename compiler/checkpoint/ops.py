@@ -289,7 +289,12 @@ _ROW_OPS = {"identity", "unpermute_rope", "split_groups", "join_groups"}
 _ROW_OPS_ON_DIM = {"cat", "split", "transpose_blocks"}  # with dim 0
 
 
-def is_row_op(name: str, args: dict) -> bool:
+def is_row_op(name: str, args: dict, ndim: int = 2) -> bool:
+    """Whether op `name` moves whole rows of the last dim only (stored blocks pass through it as
+    bytes). ndim > 2 (a stack [E, O, I]): cat / split along any dim but the last, and identity; the
+    2-D row ops (rope permutes, head groups) are not known to keep a stack's rows whole."""
+    if ndim > 2:
+        return name == "identity" or (name in ("cat", "split") and args.get("dim", 0) % ndim < ndim - 1)
     if name == "join_groups" and (args.get("stack") or args.get("transpose")):
         return False  # those move data across rows
     return name in _ROW_OPS or (name in _ROW_OPS_ON_DIM and args.get("dim", 0) == 0)

@@ -50,6 +50,7 @@ class StoredBlocks:
     ggml_type: "Q4_0", "Q4_K", ... or a source's re-blocking ("ZQ8_G16", quant/gguf_blocks.py);
     data: uint8 [O, bytes per row] (the row's blocks in order:
     row-wise rule ops such as cat / unpermute_rope apply to it as to the values); shape: (O, I).
+    A stacked sink (QuantExperts) may get a whole stack: data [E, O, bytes per row], shape (E, O, I).
     """
 
     ggml_type: str
@@ -73,7 +74,7 @@ class Source(ABC):
                              (no temporary copy); returns False when it cannot (the default)
       reads_parts            read_part(name, part: Slice) reads only one rank's part
       reads_blocks           read_blocks(name, as_format) gives a block-quantized tensor's stored
-                             bytes uint8 [rows, bytes per row] (GGUF), for sinks that keep the format;
+                             bytes uint8 [..., rows, bytes per row] (GGUF), for sinks that keep the format;
                              mixed_blocks(types) names the format parts of different types are
                              re-blocked into exactly so they can be joined (default None: none)
     """

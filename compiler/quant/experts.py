@@ -8,6 +8,17 @@
             (aten._convert_weight_to_int4pack_for_cpu), scales_zeros [E, I/g, O, 2] (group g along I):
             W[e, o, i] = (q - 8) * scales_zeros[e, i // g, o, 0] + scales_zeros[e, i // g, o, 1]
 
+GGUF blocks (a file's Q4_0 / Q4_K ... expert stacks) are kept exactly instead, on zoo's float32
+CPU kernels (cpu_kernels.py; x cast to float32 and back), in the layout `block_layout` names (the
+buffers are re-made for it on the meta model, prepare_blocks):
+      q4     Q4_0 / Q4_1 / Q4_K: qweight [E, O, I/2] uint8 in llama.cpp's Q4 byte order, scales
+             [E, O, 2, I/32] (d, m) float16 as Q4_0 / Q4_1 store them, float32 for Q4_K (d * sc):
+             W[e] = q * d + m, zoo_quant.int4_linear per expert
+      int8g  every other block type, and parts of different types (gguf_blocks' ZQ8): qweight
+             [E, O, I] int8 codes, scales [E, O, ns, I/g] float32 (d, m; ns 1: d only) per group of
+             g = 16 or 32: W[e] = q * d (+ m), zoo_quant.int8g_linear per expert
+Both dequantize to gguf.quants.dequantize's values bit for bit (`dequantize`).
+
 The quantization is linear.py's (int8_quantize: per output channel; int4_quantize: groupwise
 asymmetric), applied expert by expert. The matmul is one op in the graph, `zoo::quant_expert_mm`,
 looping inside over the experts that own rows and calling torch's weight-only kernel on views of
@@ -31,7 +42,8 @@ from torch import nn
 
 from ..contracts import QuantStacks, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ContractError
-from .gguf_blocks import q4_codes, q8_0_values
+from . import cpu_kernels
+from .gguf_blocks import INT4_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, has_offset, int4_parts, layout
 from .linear import chunk_rows, int4_quantize, int8_quantize
 
 INT4_OUT = 16  # torch's int4 kernel needs O to be a multiple of this
@@ -59,6 +71,36 @@ def _quant_expert_mm_fake(x, qweight, scales, offs, group):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
+BLOCK_KINDS = ("q4", "int8g")  # the layouts that hold GGUF blocks exactly (module docstring)
+
+
+@torch.library.custom_op("zoo::block_expert_mm", mutates_args=())
+def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
+                    kind: str, group: int) -> torch.Tensor:
+    """x [N, I] float32 rows sorted by expert, offs [E] int64 (as quant_expert_mm), kind q4 | int8g
+    (the module docstring's layouts) -> [N, O] float32 through zoo's CPU kernels (their torch
+    reference where the kernels did not build: the same numbers)."""
+    compiled = cpu_kernels.available()
+    out = x.new_empty(x.shape[0], qweight.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            xs, qw, sm = x[start:end], qweight[e], scales[e]
+            if kind == "q4":
+                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group) if compiled
+                                  else cpu_kernels.int4_reference(xs, qw, sm, group))
+            else:
+                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group) if compiled
+                                  else cpu_kernels.int8g_reference(xs, qw, sm, group))
+        start = end
+    return out
+
+
+@block_expert_mm.register_fake
+def _block_expert_mm_fake(x, qweight, scales, offs, kind, group):
+    return x.new_empty(x.shape[0], qweight.shape[1])
+
+
 def int4_fits(out_features: int, in_features: int, group: int) -> bool:
     return in_features % group == 0 and out_features % INT4_OUT == 0
 
@@ -76,6 +118,9 @@ class QuantExperts(nn.Module, WeightSink):
         E, O, I = n_experts, out_features, in_features
         self.n_experts, self.out_features, self.in_features = E, O, I
         self.mode, self.group = mode, (group if mode == "int4" else None)
+        self.mode_group = self.group  # the configured group (self.group follows the layout)
+        self.layout = mode  # what the buffers hold: int8 | int4 (torch's kernels) or a BLOCK_KINDS one
+        self.block_types: set[str] = set()  # the GGUF block types the plan hands it (prepare_blocks)
         if mode == "int8":
             self.register_buffer("qweight", torch.empty(E, O, I, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.empty(E, O, dtype=compute_dtype, device=device))
@@ -102,10 +147,15 @@ class QuantExperts(nn.Module, WeightSink):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.scales.dtype
+        return torch.float32 if self.layout in BLOCK_KINDS else self.scales.dtype
 
     def what(self) -> str:
-        return ("int8 per channel" if self.mode == "int8" else f"int4 g{self.group}") + f", {self.n_experts} experts"
+        if self.layout in BLOCK_KINDS:
+            bits = "int4" if self.layout == "q4" else "int8"
+            held = f"{bits} g{self.group} ({str(self.scales.dtype).removeprefix('torch.')} scales)"
+        else:
+            held = "int8 per channel" if self.mode == "int8" else f"int4 g{self.group}"
+        return f"{held}, {self.n_experts} experts"
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, out={self.out_features}, in={self.in_features}, {self.what()}"
@@ -125,40 +175,118 @@ class QuantExperts(nn.Module, WeightSink):
 
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, I] rows sorted by expert, offs [E] -> [N, O] in x's dtype (see expert_mm)."""
-        y = quant_expert_mm(x.to(self.compute_dtype), self.qweight, self.scales, offs, self.group or 0)
+        if self.layout in BLOCK_KINDS:
+            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group)
+        else:
+            y = quant_expert_mm(x.to(self.compute_dtype), self.qweight, self.scales, offs, self.group or 0)
         return y.to(x.dtype)
+
+    @torch.no_grad()
+    def dequantize(self, e: int) -> torch.Tensor:
+        """Expert e's weight [O, I] float32 as the block layouts hold it (W = q * d + m; for GGUF
+        blocks gguf.quants.dequantize's values bit for bit)."""
+        if self.layout == "q4":
+            return cpu_kernels.int4_dequantize(self.qweight[e], self.scales[e])
+        if self.layout == "int8g":
+            return cpu_kernels.int8g_dequantize(self.qweight[e], self.scales[e])
+        raise ContractError(f"QuantExperts.dequantize reads the GGUF block layouts {BLOCK_KINDS}, not {self.layout}")
 
     # ------------------------------------------------------------------ filling
 
+    def block_layout(self, ggml_type: str) -> Optional[str]:
+        """How `load_weight` keeps stored GGUF blocks of this type: "q4" (INT4_TYPES: their codes and
+        scales), "int8g" (any other block type or re-blocking: codes as int8, group scales float32),
+        or None (int4 with a group other than 32: the loader dequantizes, and they are quantized)."""
+        if self.mode == "int4" and self.mode_group != 32:
+            return None
+        if ggml_type in INT4_TYPES:
+            return "q4"
+        return "int8g" if ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS else None
+
     def accepts_blocks(self, ggml_type: str) -> bool:
-        """Stored GGUF blocks taken without float weights: Q4_0 / Q4_1 for int4 g32 (the same
-        codes), Q8_0 for both (converted through its values to int8 per channel)."""
-        return ggml_type == "Q8_0" or (self.mode == "int4" and self.group == 32 and ggml_type in ("Q4_0", "Q4_1"))
+        """Stored GGUF blocks taken without float weights, kept exactly (block_layout)."""
+        return self.block_layout(ggml_type) is not None
+
+    def why_not_kept(self, ggml_type: str) -> str:
+        if self.mode == "int4" and self.mode_group != 32:
+            return (f"{ggml_type} blocks not kept: int4 g{self.mode_group} experts do not hold groups of 32 "
+                    f"(runtime.quant_group=32 keeps them)")
+        return f"{ggml_type} has no block layout zoo keeps"
+
+    def prepare_blocks(self, ggml_type: str) -> None:
+        """The plan hands this stack blocks of `ggml_type` (for the whole stack, or one expert of
+        it): the buffers take the layout that holds every type planned so far exactly (on meta).
+        Only INT4_TYPES: q4 (float32 scales with a Q4_K); else int8g with the smallest group."""
+        self.block_types.add(ggml_type)
+        types = sorted(self.block_types)
+        E, O, I = self.weight_shape
+        if all(t in INT4_TYPES for t in types):
+            kind, g, ns = "q4", 32, 2
+            codes = (E, O, I // 2, torch.uint8)
+            scales = torch.float32 if "Q4_K" in types else torch.float16
+        else:
+            kind, g = "int8g", min(layout(t).group for t in types)
+            ns = 2 if any(has_offset(t) for t in types) else 1
+            codes, scales = (E, O, I, torch.int8), torch.float32
+        if I % g:
+            raise CheckpointError(f"stacked experts {list(self.weight_shape)}: {ggml_type} blocks of {g} do not "
+                                  f"divide the {I} inputs")
+        self.layout, self.group = kind, g
+        dev = self.qweight.device
+        self._buffers["qweight"] = torch.empty(codes[:3], dtype=codes[3], device=dev)
+        self._buffers["scales"] = torch.empty(E, O, ns, I // g, dtype=scales, device=dev)
 
     @torch.no_grad()
     def load_weight(self, value, index: Optional[int] = None) -> str:
         """Fill expert `index` from a float tensor [O, I] or StoredBlocks, or every expert from a
-        float [E, O, I] (index None); returns what happened, for the load report."""
+        float [E, O, I] or StoredBlocks of the whole stack (index None); returns what happened, for
+        the load report."""
         if index is None:
-            if tuple(value.shape) != self.weight_shape or isinstance(value, StoredBlocks):
+            if tuple(value.shape) != self.weight_shape:
                 raise CheckpointError(f"stacked experts {list(self.weight_shape)}: got a whole tensor of shape "
                                       f"{list(value.shape)}")
             for e in range(self.n_experts):
-                what = self.load_weight(value[e], e)
+                part = (StoredBlocks(value.ggml_type, value.data[e], value.shape[1:])
+                        if isinstance(value, StoredBlocks) else value[e])
+                what = self.load_weight(part, e)
             return what
         if tuple(value.shape) != self.weight_shape[1:] or not 0 <= index < self.n_experts:
             raise CheckpointError(f"expert {index} of shape {list(value.shape)} for stacked experts "
                                   f"{list(self.weight_shape)}")
         if isinstance(value, StoredBlocks):
-            if not self.accepts_blocks(value.ggml_type):
-                raise CheckpointError(f"experts ({self.what()}) cannot take {value.ggml_type} blocks as they are")
-            if value.ggml_type == "Q8_0":
-                self._fill(index, q8_0_values(value))
-                return f"converted Q8_0 -> {self.what()}"
-            self._store_int4(index, 0, *q4_codes(value))
+            kind = self.block_layout(value.ggml_type)
+            if kind is None or self.layout not in BLOCK_KINDS or value.ggml_type not in self.block_types:
+                raise CheckpointError(f"experts ({self.what()}) cannot take {value.ggml_type} blocks as they are"
+                                      + ("" if kind else f": {self.why_not_kept(value.ggml_type)}")
+                                      + ("" if kind is None or value.ggml_type in self.block_types
+                                         else " (prepare_blocks was not told of them)"))
+            self._store_blocks(index, value)
+            if value.ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
+                return f"kept (with parts of other types) as {self.what()}"
             return f"kept {value.ggml_type} blocks as {self.what()}"
+        if self.layout in BLOCK_KINDS:
+            raise CheckpointError(f"stacked experts {list(self.weight_shape)} hold GGUF blocks ({self.what()}): "
+                                  f"expert {index} as float values cannot be loaded into them")
         self._fill(index, value)
         return f"quantized -> {self.what()}"
+
+    def _store_blocks(self, e: int, b: StoredBlocks) -> None:
+        """Expert e from blocks b [O, I]: their codes and group scales exactly, chunk_rows rows at a time."""
+        step = chunk_rows(self.in_features)
+        for r in range(0, self.out_features, step):
+            part = StoredBlocks(b.ggml_type, b.data[r:r + step], (min(step, self.out_features - r), self.in_features))
+            if self.layout == "q4":
+                qs, d, m = int4_parts(part)
+                self.qweight[e, r:r + len(qs)].copy_(qs)
+                self.scales[e, r:r + len(qs)].copy_(torch.stack((d, m), dim=1))
+                continue
+            q, d, m = block_codes(part)
+            rep = layout(b.ggml_type).group // self.group  # a group of 32's scales for its two 16s: exact
+            n = len(q)
+            self.qweight[e, r:r + n].copy_(q)
+            self.scales[e, r:r + n, 0].copy_(d.repeat_interleave(rep, dim=1))
+            if self.scales.shape[2] == 2:
+                self.scales[e, r:r + n, 1].copy_(0.0 if m is None else m.repeat_interleave(rep, dim=1))
 
     def _fill(self, e: int, w: torch.Tensor) -> None:
         """Expert e from float values w [O, I], chunk_rows(I) rows at a time (small temporaries)."""
