@@ -345,8 +345,8 @@ def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, com
     """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes.
 
     max_seq defaults to the model's context length, capped at 4096. quant: "int8" | "int4"
-    weight-only quantization at load (quant_group 32 | 64 | 128 for int4); a GGUF file's Q4_0 /
-    Q4_1 blocks stay as stored under int4 with group 32.
+    weight-only quantization at load (quant_group 32 | 64 | 128 for int4); a GGUF file's
+    blocks stay as stored (linears and expert stacks, on zoo's CPU kernels; int4 needs group 32).
     """
     return from_pretrained_config(path_or_repo_id, overrides, revision=revision, dry=False, progress=progress,
                                   device=device, dtype=dtype, compile=compile, max_batch=max_batch,
