@@ -167,13 +167,31 @@ def test_gguf_blocks_fill_one_expert(qtype, mode):
         torch.testing.assert_close(kernel_weight(q, e), ref, rtol=0, atol=1e-6)
 
 
-def test_gguf_blocks_of_another_layout_or_floats_are_refused():
+def test_gguf_blocks_not_planned_are_refused():
     q = QuantExperts(2, 48, 64, "int4", 32, torch.bfloat16)
     data = torch.from_numpy(gguf.quants.quantize(np.zeros((48, 64), np.float32), gguf.GGMLQuantizationType.Q4_0))
     with pytest.raises(CheckpointError, match="prepare_blocks was not told"):
         q.load_weight(StoredBlocks("Q4_0", data, (48, 64)), 0)
-    q.prepare_blocks("Q4_0")
-    with pytest.raises(CheckpointError, match="as float values cannot be loaded"):
-        q.load_weight(torch.zeros(48, 64), 1)
     g64 = QuantExperts(2, 48, 64, "int4", 64, torch.bfloat16)
     assert not g64.accepts_blocks("Q4_0") and "quant_group=32" in g64.why_not_kept("Q4_0")
+
+
+@pytest.mark.parametrize("qtype,mode", [("Q4_K", "int4"), ("Q8_0", "int4"), ("Q4_0", "int8")])
+def test_a_float_expert_next_to_block_experts_is_quantized_into_their_layout(qtype, mode):
+    """A stack of per-expert tensors, one of them float: it is quantized into the blocks' layout
+    (int4 g32 as int4_quantize, int8 per channel), the block experts stay exact."""
+    Q = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy((rng.standard_normal((2, 48, 256)) * 0.05).astype(np.float32))
+    q = QuantExperts(2, 48, 256, mode, 32, torch.bfloat16)
+    q.prepare_blocks(qtype)
+    data = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (48, 256 // 256 * 144), dtype=np.uint8)) \
+        if qtype == "Q4_K" else torch.from_numpy(gguf.quants.quantize(w[0].numpy(), Q))
+    if qtype == "Q4_K":  # random blocks with small finite float16 d, dmin
+        data = data.reshape(48, 144)
+        data[:, 0:4] = torch.from_numpy((rng.standard_normal((48, 2)) * 1e-3).astype(np.float16).view(np.uint8))
+    q.load_weight(StoredBlocks(qtype, data, (48, 256)), 0)
+    assert q.load_weight(w[1], 1) == f"quantized -> {q.what()}"
+    assert torch.equal(q.dequantize(0), torch.from_numpy(gguf.quants.dequantize(data.numpy(), Q)).reshape(48, 256))
+    err = ((q.dequantize(1) - w[1]).norm() / w[1].norm()).item()
+    assert 0 < err < (0.12 if q.layout == "q4" else 0.01)

@@ -17,7 +17,9 @@ buffers are re-made for it on the meta model, prepare_blocks):
       int8g  every other block type, and parts of different types (gguf_blocks' ZQ8): qweight
              [E, O, I] int8 codes, scales [E, O, ns, I/g] float32 (d, m; ns 1: d only) per group of
              g = 16 or 32: W[e] = q * d (+ m), zoo_quant.int8g_linear per expert
-Both dequantize to gguf.quants.dequantize's values bit for bit (`dequantize`).
+Both dequantize to gguf.quants.dequantize's values (`dequantize`; signed zeros aside). A float
+expert in a stack of block experts (per-expert tensors of different types) is quantized into
+their layout (int4_quantize's codes, or int8 per channel as int8g).
 
 The quantization is linear.py's (int8_quantize: per output channel; int4_quantize: groupwise
 asymmetric), applied expert by expert. The matmul is one op in the graph, `zoo::quant_expert_mm`,
@@ -264,10 +266,7 @@ class QuantExperts(nn.Module, WeightSink):
             if value.ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
                 return f"kept (with parts of other types) as {self.what()}"
             return f"kept {value.ggml_type} blocks as {self.what()}"
-        if self.layout in BLOCK_KINDS:
-            raise CheckpointError(f"stacked experts {list(self.weight_shape)} hold GGUF blocks ({self.what()}): "
-                                  f"expert {index} as float values cannot be loaded into them")
-        self._fill(index, value)
+        self._fill(index, value)  # (a stack whose other experts are blocks: quantized into their layout)
         return f"quantized -> {self.what()}"
 
     def _store_blocks(self, e: int, b: StoredBlocks) -> None:
@@ -293,7 +292,18 @@ class QuantExperts(nn.Module, WeightSink):
         step = chunk_rows(self.in_features)
         for r in range(0, self.out_features, step):
             part = w[r:r + step]
-            if self.mode == "int8":
+            n = len(part)
+            if self.layout == "q4":  # int4_quantize's codes in the Q4 byte order, d = scale, m = zero - 8 scale
+                q, scale, zero = int4_quantize(part, 32)
+                pairs = q.to(torch.uint8).reshape(n, -1, 2, 16)
+                self.qweight[e, r:r + n].copy_((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1))
+                self.scales[e, r:r + n].copy_(torch.stack((scale, zero - 8.0 * scale), dim=1))
+            elif self.layout == "int8g":  # int8 per channel: the row's scale for each of its groups
+                q, scale = int8_quantize(part)
+                self.qweight[e, r:r + n].copy_(q)
+                self.scales[e, r:r + n].zero_()
+                self.scales[e, r:r + n, 0].copy_(scale[:, None].expand(n, self.scales.shape[-1]))
+            elif self.mode == "int8":
                 q, scale = int8_quantize(part)
                 self.qweight[e, r:r + len(q)].copy_(q)
                 self.scales[e, r:r + len(q)].copy_(scale)
