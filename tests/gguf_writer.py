@@ -408,16 +408,23 @@ def _ssm_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     return None
 
 
-def _mamba(w: gguf.GGUFWriter, cfg) -> None:
-    """MambaModel: its own keys only (ssm.* sizes; dt_b_c_rms for Falcon-Mamba)."""
+def _ssm_header(w: gguf.GGUFWriter, embed: int, blocks: int, conv: int, inner: int, state: int) -> None:
+    """The keys MambaModel (and Mamba2Model, its heirs) writes first: no context limit, no FFN or
+    attention heads, the ssm.* sizes."""
     w.add_context_length(2 ** 20)
-    w.add_embedding_length(cfg.hidden_size)
+    w.add_embedding_length(embed)
     w.add_feed_forward_length(0)
     w.add_head_count(0)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_ssm_conv_kernel(cfg.conv_kernel)
-    w.add_ssm_inner_size(int(cfg.expand * cfg.hidden_size))
-    w.add_ssm_state_size(cfg.state_size)
+    w.add_block_count(blocks)
+    w.add_ssm_conv_kernel(conv)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(state)
+
+
+def _mamba(w: gguf.GGUFWriter, cfg) -> None:
+    """MambaModel: its own keys only (ssm.* sizes; dt_b_c_rms for Falcon-Mamba)."""
+    _ssm_header(w, cfg.hidden_size, cfg.num_hidden_layers, cfg.conv_kernel, int(cfg.expand * cfg.hidden_size),
+                cfg.state_size)
     w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
     if cfg.model_type == "mamba2":
         return
@@ -552,14 +559,7 @@ def _falcon_h1(w: gguf.GGUFWriter, cfg) -> None:
     then the vocabulary, context, FFN width, attention heads, the Hub config's head_dim as
     key_length / value_length, and the rope base."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_context_length(2 ** 20)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-    w.add_ssm_inner_size(cfg.mamba_d_ssm)
-    w.add_ssm_state_size(cfg.mamba_d_state)
+    _ssm_header(w, cfg.hidden_size, cfg.num_hidden_layers, cfg.mamba_d_conv, cfg.mamba_d_ssm, cfg.mamba_d_state)
     w.add_ssm_time_step_rank(cfg.mamba_d_ssm // cfg.mamba_d_head)
     w.add_ssm_group_count(cfg.mamba_n_groups)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
