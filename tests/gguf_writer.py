@@ -336,17 +336,25 @@ def _lfm2moe(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
-def _lfm2moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
-    """LFM2MoeModel.modify_tensors: LFM2's conv squeeze, the experts stacked per kind (gate_up as
-    the twin holds them, split), expert_bias as exp_probs_b.bias."""
+def _feed_forward_experts(name: str, t: torch.Tensor) -> list | None:
+    """The experts under feed_forward. (LFM2-MoE, Jamba) stacked per kind, as their converters write
+    them: gate_up as the twin holds it, split in two; down as it is."""
     bid = name.split(".")[2] if name.startswith("model.layers.") else None
     if name.endswith("feed_forward.experts.gate_up_proj"):
         gate, up = t.chunk(2, dim=1)
         return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
     if name.endswith("feed_forward.experts.down_proj"):
         return [(f"blk.{bid}.ffn_down_exps.weight", t)]
+    return None
+
+
+def _lfm2moe_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
+    """LFM2MoeModel.modify_tensors: LFM2's conv squeeze, the experts stacked per kind (gate_up as
+    the twin holds them, split), expert_bias as exp_probs_b.bias."""
+    if (experts := _feed_forward_experts(name, t)) is not None:
+        return experts
     if name.endswith("feed_forward.expert_bias"):
-        return [(f"blk.{bid}.exp_probs_b.bias", t)]
+        return [(f"blk.{name.split('.')[2]}.exp_probs_b.bias", t)]
     return _lfm2_tensors(name, t, cfg)
 
 
@@ -617,13 +625,7 @@ def _jamba(w: gguf.GGUFWriter, cfg) -> None:
 def _jamba_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
     """JambaModel.modify_tensors: the experts stacked per kind (gate_up as the twin holds them,
     split), A = -exp(A_log), conv1d squeezed."""
-    bid = name.split(".")[2] if name.startswith("model.layers.") else None
-    if name.endswith("feed_forward.experts.gate_up_proj"):
-        gate, up = t.chunk(2, dim=1)
-        return [(f"blk.{bid}.ffn_gate_exps.weight", gate), (f"blk.{bid}.ffn_up_exps.weight", up)]
-    if name.endswith("feed_forward.experts.down_proj"):
-        return [(f"blk.{bid}.ffn_down_exps.weight", t)]
-    return _ssm_tensors(name, t, cfg)
+    return _feed_forward_experts(name, t) or _ssm_tensors(name, t, cfg)
 
 
 def _qwen3next_tensors(name: str, t: torch.Tensor, cfg) -> list | None:
