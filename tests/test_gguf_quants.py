@@ -136,25 +136,27 @@ def _assert_close(got, want, what):
 
 
 @pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [16, 32, 64])
-def test_int8g_kernel_computes_its_reference(group):
+def test_int8g_kernel_computes_its_reference(group, scales):
     """zoo_quant.int8g_linear against its torch reference, decode-sized (int8-rounded x) and
-    prefill-sized (float GEMM) inputs, offsets on and off, uneven thread splits."""
+    prefill-sized (float GEMM) inputs, offsets on and off, float32 and float16 (Q8_0's) scales,
+    uneven thread splits."""
     from zoo.compiler.quant import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.status()
     # 12, 13 and 1 blocks (the AVX512 kernels take blocks in pairs, the odd one apart), an odd O
     for O, I in ((200, 384), (200, 416), (37, 32)):
         if I % group == 0:
-            check_int8g_kernel(group, O, I)
+            check_int8g_kernel(group, O, I, scales)
 
 
-def check_int8g_kernel(group, O, I):
+def check_int8g_kernel(group, O, I, scales=torch.float32):
     from zoo.compiler.quant import cpu_kernels
 
     torch.manual_seed(0)
     qw = torch.randint(-128, 128, (O, I), dtype=torch.int8)
-    sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1)
+    sm = torch.stack((torch.randn(O, I // group) * 0.01, torch.randn(O, I // group) * 0.05), dim=1).to(scales)
     for offsets in ("m", "zero m", "no m"):  # no m: sm [O, 1, I/g], d only (Q8_0, Q6_K, ...)
         if offsets == "zero m":
             sm[:, 1] = 0
@@ -260,7 +262,7 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
 
 
 KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
-        "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float32 scales)", "IQ4_NL": "int8 g32 (float32 scales)",
+        "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float16 scales)", "IQ4_NL": "int8 g32 (float16 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
         "Q6_K": "stored (6.5625 bits a weight)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
@@ -291,6 +293,8 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
             # the types without an offset keep d only: 4 bytes a group less to read
             no_m = ("Q8_0", "IQ4_NL", "Q3_K", "IQ4_XS", "MXFP4")
             assert q.scales.shape == (O, 1 if ggml_type in no_m else 2, I // q.group), q.scales.shape
+            # d stored as a float16 (Q8_0: 34 bytes per 32 weights, as the file) stays one
+            assert q.scales.dtype == (torch.float16 if ggml_type in ("Q8_0", "IQ4_NL") else torch.float32)
         elif q.layout == "int5":
             ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
             # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where

@@ -192,7 +192,7 @@ def test_q8_0_is_kept_by_zoo_kernels_and_per_channel_for_torch_kernels():
     b = blocks(w, Q.Q8_0)
     ref = torch.from_numpy(gguf.quants.dequantize(b.data.numpy(), Q.Q8_0).reshape(64, 128))
     q = QuantLinear(128, 64, False, "int8", None, torch.float32)
-    assert q.load_weight(b) == "kept Q8_0 blocks as int8 g32 (float32 scales)"
+    assert q.load_weight(b) == "kept Q8_0 blocks as int8 g32 (float16 scales)"
     assert torch.equal(kernel_weight(q), ref)
     q = QuantLinear(128, 64, False, "int8", None, torch.bfloat16)
     assert q.load_weight(b) == "converted Q8_0 -> int8 per channel (requantized from its values)"
@@ -272,7 +272,7 @@ def test_q4_gguf_is_kept_and_reported_per_tensor(q4_zoo):
     kept = {n for n, how in tensors.items() if how == "kept Q4_1 blocks as int4 g32"}
     assert kept == {f"blk.{i}.{p}.weight" for i in range(2) for p in
                     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
-    assert tensors["output.weight"] == "kept Q8_0 blocks as int8 g32 (float32 scales)"  # the head is int8
+    assert tensors["output.weight"] == "kept Q8_0 blocks as int8 g32 (float16 scales)"  # the head is int8
     assert tensors["token_embd.weight"] == "dequantized Q8_0 -> float32"  # lookups stay float
     assert tensors["blk.0.attn_norm.weight"] == "F32 -> float32"
     q = q4_zoo.info.quant

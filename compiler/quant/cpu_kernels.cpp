@@ -17,10 +17,11 @@
 //   zoo_quant::int8_linear(x, qw, scale)
 //       qw [O, I] int8, scale [O] float32: W[o, i] = qw[o, i] * scale[o]
 //   zoo_quant::int8g_linear(x, qw, sm, group)
-//       qw [O, I] int8, sm [O, 2, I/g] float32, g 16 or a multiple of 32:
+//       qw [O, I] int8, sm [O, 2, I/g] float32 or float16, g 16 or a multiple of 32:
 //          W[o, i] = qw[o, i] * d[i / g] + m[i / g]   (every GGUF block type's codes, exactly)
 //       or sm [O, 1, I/g]: d only, W = qw * d (the types without an offset, Q8_0 / Q3_K / ...:
-//          4 bytes a group less to read, and no m term)
+//          no m term); float16 where the type's d is a stored float16 (Q8_0: 34 bytes per 32
+//          weights, as the file)
 //   zoo_quant::q6k_linear(x, blocks)
 //       blocks [O, I/256 * 210] uint8: GGUF Q6_K blocks as stored (6.5625 bits a weight), I a
 //          multiple of 256: W = d * sc[i / 16] * (q - 32), q 6 bits (the layout at q6k_rows)
@@ -167,16 +168,21 @@ inline __m256i codes32(const uint8_t* qs, const uint8_t* qh, int64_t b) {
     return q4_codes(qs + 16 * b);
 }
 
-// ds[b] = d[b >> sh] dx[b] for the nb blocks of one row: the block loop then broadcasts one float
-// from memory instead of converting a float16 and multiplying in the loop
-template <typename S>
-inline void block_scales(const S* d, int sh, const float* dx, int64_t nb, float* ds) {
-  int64_t b = 0;
-  if (sh == 0)
-    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(ds + b, _mm256_mul_ps(load8(d + b), _mm256_loadu_ps(dx + b)));
-  for (; b < nb; ++b) ds[b] = half_to_float(d + (b >> sh)) * dx[b];
-}
 #endif
+
+// ds[b] = d[b / per] dx[b]: the scale of each block of 32 inputs (groups of per blocks) times the
+// activation scale (the block loop then broadcasts one float instead of converting and multiplying)
+template <typename S>
+inline void group_block_scales(const S* d, int64_t per, const float* dx, int64_t nb, float* ds) {
+  int64_t b = 0;
+#ifdef ZOO_AVX2
+  if (per == 1)
+    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(ds + b, _mm256_mul_ps(load8(d + b), _mm256_loadu_ps(dx + b)));
+#endif
+  // (no integer division per block: at a few hundred inputs a row it costs more than the block's dot)
+  for (int64_t g = b / per; b < nb; ++g)
+    for (int64_t k = 0; k < per && b < nb; ++k, ++b) ds[b] = half_to_float(d + g) * dx[b];
+}
 
 #ifdef ZOO_AVX512
 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -250,7 +256,7 @@ inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m
                     const int8_t* xq, const float* dx, const float* xs) {
 #ifdef ZOO_AVX512
   float ds[kMaxBlocks];
-  block_scales(d, sh, dx, nb, ds);
+  group_block_scales(d, int64_t(1) << sh, dx, nb, ds);
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
     return _mm512_fmadd_ps(dot64(codes64<Q5>(qs, qh, p), xv), spread(ds + 2 * p, 2, kTwoBlocks), acc);
@@ -264,7 +270,7 @@ inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m
   return acc + m_term(m, xs, ng);
 #elif defined(ZOO_AVX2)
   float ds[kMaxBlocks];
-  block_scales(d, sh, dx, nb, ds);
+  group_block_scales(d, int64_t(1) << sh, dx, nb, ds);
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
     return _mm256_fmadd_ps(dot32(codes32<Q5>(qs, qh, b), xv), _mm256_broadcast_ss(ds + b), acc);
@@ -358,29 +364,34 @@ inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const floa
 #endif
 }
 
-// ds[2b], ds[2b + 1]: the scales of inputs 32b..32b+15 and 32b+16..32b+31 (groups of 16 or more)
-// times the activation scale dx[b]
-// (no integer division per block: at a few hundred inputs a row, two divisions a block cost more
-// than the block's dot product)
-inline void half_block_scales(const float* d, int64_t group, const float* dx, int64_t nb, float* ds) {
-  if (group == 16) {
-    for (int64_t b = 0; b < nb; ++b) {
-      ds[2 * b] = d[2 * b] * dx[b];
-      ds[2 * b + 1] = d[2 * b + 1] * dx[b];
-    }
-    return;
+// ds[2b], ds[2b + 1]: the scales of inputs 32b..32b+15 and 32b+16..32b+31 (groups of 16) times
+// the activation scale dx[b]
+template <typename S>
+inline void half_block_scales(const S* d, const float* dx, int64_t nb, float* ds) {
+  for (int64_t b = 0; b < nb; ++b) {
+    ds[2 * b] = half_to_float(d + 2 * b) * dx[b];
+    ds[2 * b + 1] = half_to_float(d + 2 * b + 1) * dx[b];
   }
-  const int64_t per = group / kBlock;  // blocks per group
-  for (int64_t b = 0, g = 0; b < nb; ++g)
-    for (int64_t k = 0; k < per && b < nb; ++k, ++b) ds[2 * b] = ds[2 * b + 1] = d[g] * dx[b];
 }
 
 // One output of a grouped int8 row over one int8-rounded row of x:
-//   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  +  sum_g m[g] xs[g]
-// ds: scratch of 2 nb floats; m null: no offsets (no m term).
-inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t ng, int64_t group, int64_t nb,
+//   sum_b ds[b] sum_{i in b} qw xq  (groups of 32 or more: int8_row over the block scales)
+//   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  (groups of 16)
+// plus sum_g m[g] xs[g]; ds: scratch of 2 nb floats; m null: no offsets (no m term).
+template <typename S>
+inline float i8g_row(const int8_t* qw, const S* d, const S* m, int64_t ng, int64_t group, int64_t nb,
                      const int8_t* xq, const float* dx, const float* xs, float* ds) {
-  half_block_scales(d, group, dx, nb, ds);
+#ifdef ZOO_AVX2
+  const float mt = m ? m_term(m, xs, ng) : 0.f;
+#else
+  float mt = 0.f;
+  for (int64_t g = 0; m && g < ng; ++g) mt += half_to_float(m + g) * xs[g];
+#endif
+  if (group != 16) {
+    group_block_scales(d, group / kBlock, dx, nb, ds);
+    return int8_row(qw, nb, xq, ds) + mt;
+  }
+  half_block_scales(d, dx, nb, ds);
 #ifdef ZOO_AVX512
   auto pair = [&](int64_t p, __m512 acc) {
     const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
@@ -396,7 +407,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     acc += hsum(_mm256_mul_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc));
   }
-  return acc + (m ? m_term(m, xs, ng) : 0.f);
+  return acc + mt;
 #elif defined(ZOO_AVX2)
   auto block = [&](int64_t b, __m256 acc) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
@@ -405,7 +416,7 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
     return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc, acc);
   };
-  return hsum(sum_blocks(nb, block)) + (m ? m_term(m, xs, ng) : 0.f);
+  return hsum(sum_blocks(nb, block)) + mt;
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -414,24 +425,52 @@ inline float i8g_row(const int8_t* qw, const float* d, const float* m, int64_t n
     for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
     acc += ds[2 * b] * float(lo) + ds[2 * b + 1] * float(hi);
   }
-  for (int64_t g = 0; m && g < ng; ++g) acc += m[g] * xs[g];
-  return acc;
+  return acc + mt;
 #endif
 }
 
-// ns: sm's rows per output, 2 (d, m) or 1 (d only)
-void i8g_dequantize(const int8_t* qw, const float* sm, int64_t ns, int64_t I, int64_t group, int64_t r0, int64_t r1,
+#ifdef ZOO_AVX2
+// Several rows of x (2..kGemvRows) against one grouped int8 weight row (as int8_rows: each block's
+// codes loaded once for every row); out[r * O] for r < M.
+template <typename S>
+inline void i8g_rows(const int8_t* qw, const S* d, const S* m, int64_t ng, int64_t group, int64_t nb,
+                     const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
+                     int64_t O) {
+  __m256 acc[kGemvRows];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t per = group == 16 ? 0 : group / kBlock;
+  for (int64_t b = 0, g = 0, k = 0; b < nb; ++b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    // lanes 0-3 hold inputs 0-15, lanes 4-7 inputs 16-31: their group scales
+    const __m256 db = per ? _mm256_set1_ps(half_to_float(d + g))
+                          : _mm256_set_m128(_mm_set1_ps(half_to_float(d + 2 * b + 1)), _mm_set1_ps(half_to_float(d + 2 * b)));
+    if (per && ++k == per) k = 0, ++g;
+    for (int64_t r = 0; r < M; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(dot32(aw, _mm256_sign_epi8(xv, w)), _mm256_mul_ps(db, _mm256_set1_ps(dx[r * nb + b])),
+                               acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum(acc[r]) + (m ? m_term(m, xsum + r * ng, ng) : 0.f);
+}
+#endif
+
+// Weight rows [r0, r1) of int8g dequantized into out [r1 - r0, I] float32; ns: sm's rows per
+// output, 2 (d, m) or 1 (d only). A group at a time: the inner loop vectorizes.
+template <typename S>
+void i8g_dequantize(const int8_t* qw, const S* sm, int64_t ns, int64_t I, int64_t group, int64_t r0, int64_t r1,
                     float* out) {
   const int64_t ng = I / group;
   at::parallel_for(r0, r1, 16, [&](int64_t a, int64_t b) {
     for (int64_t o = a; o < b; ++o) {
-      const float* d = sm + o * ng * ns;
-      const float* m = d + ng;
+      const S* d = sm + o * ng * ns;
+      const int8_t* q = qw + o * I;
       float* w = out + (o - r0) * I;
-      if (ns == 2)
-        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group] + m[i / group];
-      else
-        for (int64_t i = 0; i < I; ++i) w[i] = float(qw[o * I + i]) * d[i / group];
+      for (int64_t g = 0; g < ng; ++g) {
+        const float dg = half_to_float(d + g), mg = ns == 2 ? half_to_float(d + ng + g) : 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) w[i] = float(q[i]) * dg + mg;
+      }
     }
   });
 }
@@ -609,18 +648,11 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Te
   return y;
 }
 
-at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& sm_, int64_t group) {
-  const int64_t O = qw_.size(0), I = qw_.size(1);
-  check_x(x_, I, "int8g_linear");
-  TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
-              " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
-  TORCH_CHECK(qw_.scalar_type() == at::kChar && sm_.scalar_type() == at::kFloat && sm_.dim() == 3 &&
-                  sm_.size(0) == O && (sm_.size(1) == 2 || sm_.size(1) == 1) && sm_.size(2) == I / group,
-              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] or [O, 1, I/g] float32, got ", qw_.sizes(), " ",
-              qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
-  const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
+template <typename S>
+at::Tensor int8g_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sm, int64_t group) {
+  const int64_t O = qw.size(0), I = qw.size(1);
   const int8_t* q = qw.data_ptr<int8_t>();
-  const float* s = sm.data_ptr<float>();
+  const S* s = sm.data_ptr<S>();
   const int64_t M = x.size(0), ng = I / group, nb = I / kBlock, ns = sm.size(1);
   if (M > kGemvRows || nb > kMaxBlocks)
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, ns, I, group, r0, r1, out); });
@@ -634,15 +666,36 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
     for (int64_t g = 0; g < ng; ++g)
       for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
   at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    std::vector<float> ds(2 * nb);
+    float ds[2 * kMaxBlocks];
     for (int64_t o = a; o < b; ++o) {
-      const float* so = s + o * ng * ns;
+      const S* so = s + o * ng * ns;
+      const S* mo = ns == 2 ? so + ng : nullptr;
+#ifdef ZOO_AVX2
+      if (M > 1) {
+        i8g_rows(q + o * I, so, mo, ng, group, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = i8g_row(q + o * I, so, ns == 2 ? so + ng : nullptr, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
-                                xsum.data() + r * ng, ds.data());
+        yp[r * O + o] = i8g_row(q + o * I, so, mo, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
+                                xsum.data() + r * ng, ds);
     }
   });
   return y;
+}
+
+at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& sm_, int64_t group) {
+  const int64_t O = qw_.size(0), I = qw_.size(1);
+  check_x(x_, I, "int8g_linear");
+  TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
+              " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
+  TORCH_CHECK(qw_.scalar_type() == at::kChar && (sm_.scalar_type() == at::kFloat || sm_.scalar_type() == at::kHalf) &&
+                  sm_.dim() == 3 && sm_.size(0) == O && (sm_.size(1) == 2 || sm_.size(1) == 1) && sm_.size(2) == I / group,
+              "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] or [O, 1, I/g] float32 or float16, got ",
+              qw_.sizes(), " ", qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
+  const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
+  return sm.scalar_type() == at::kHalf ? int8g_linear_impl<at::Half>(x, qw, sm, group)
+                                       : int8g_linear_impl<float>(x, qw, sm, group);
 }
 
 // ----------------------------------------------------------------------------- Q6_K as stored

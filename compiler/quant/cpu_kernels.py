@@ -9,10 +9,11 @@
         weights with float16 sm): q = nibble (qs, as int4) | bit << 4, the bits of each 32-input
         block in 4 bytes of qh, a little-endian word with input t's bit at t (the blocks' own qh)
     int8_linear(x [M, I] f32, qw [O, I] i8, scale [O] f32) -> [M, O] f32,  W = qw * scale[:, None]
-    int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32, g) -> [M, O] f32
+    int8g_linear(x [M, I] f32, qw [O, I] i8, sm [O, 2, I/g] f32 or f16, g) -> [M, O] f32
         W[o, i] = qw * d + m per group of g = 16 or a multiple of 32 inputs: every GGUF block
         type's integer codes with their group scales and offsets, exactly (gguf_blocks.py);
-        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q3_K, ...)
+        sm [O, 1, I/g] holds d only (W = qw * d: the types without an offset, Q8_0, Q3_K, ...);
+        float16 sm for the types whose d is a stored float16 (Q8_0: 34 bytes per 32 weights)
     q6k_linear(x [M, I] f32, blocks [O, I/256 * 210] u8) -> [M, O] f32
         GGUF Q6_K at its stored width (6.5625 bits a weight), the file's blocks as they are:
         W = d * sc * (q - 32) per group of 16 (gguf_blocks.py), computed as int8g's d-only case
@@ -95,9 +96,9 @@ def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torc
 
 
 def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """qw [O, I] int8, sm [O, 2, I/g] float32 -> W [O, I] float32 (W = qw d + m per group);
-    sm [O, 1, I/g]: W = qw d."""
-    g = qw.shape[1] // sm.shape[2]
+    """qw [O, I] int8, sm [O, 2, I/g] float32 or float16 -> W [O, I] float32 (W = qw d + m per
+    group); sm [O, 1, I/g]: W = qw d."""
+    g, sm = qw.shape[1] // sm.shape[2], sm.float()
     w = qw.float() * sm[:, 0].repeat_interleave(g, dim=1)
     return w + sm[:, 1].repeat_interleave(g, dim=1) if sm.shape[1] == 2 else w
 
@@ -108,7 +109,7 @@ def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: 
     if x.shape[0] > FEW_ROWS:
         return F.linear(x, int8g_dequantize(qw, sm))
     y = F.linear(round_activations(x), int8g_dequantize(qw, sm[:, :1]))
-    return y + F.linear(x, sm[:, 1].repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
+    return y + F.linear(x, sm[:, 1].float().repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
 
 
 def q6k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,12 +65,14 @@ class Codes(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """One GGML block type: `block` weights in `nbytes` bytes, scales per `group` weights."""
+    """One GGML block type: `block` weights in `nbytes` bytes, scales per `group` weights;
+    half: its d (and m) are stored float16 values, not products of sub-scales (held as float16)."""
 
     block: int
     nbytes: int
     group: int
     codes: Callable[[torch.Tensor], Codes]
+    half: bool = False
 
 
 # ----------------------------------------------------------------------------- bit fields
@@ -206,12 +208,12 @@ def _mxfp4(b):
 
 
 LAYOUTS: dict[str, Layout] = {
-    "Q4_0": Layout(32, 18, 32, _q4_0),
-    "Q4_1": Layout(32, 20, 32, _q4_1),
-    "Q5_0": Layout(32, 22, 32, _q5_0),
-    "Q5_1": Layout(32, 24, 32, _q5_1),
-    "Q8_0": Layout(32, 34, 32, _q8_0),
-    "IQ4_NL": Layout(32, 18, 32, _iq4_nl),
+    "Q4_0": Layout(32, 18, 32, _q4_0, half=True),
+    "Q4_1": Layout(32, 20, 32, _q4_1, half=True),
+    "Q5_0": Layout(32, 22, 32, _q5_0, half=True),
+    "Q5_1": Layout(32, 24, 32, _q5_1, half=True),
+    "Q8_0": Layout(32, 34, 32, _q8_0, half=True),
+    "IQ4_NL": Layout(32, 18, 32, _iq4_nl, half=True),
     "Q2_K": Layout(QK_K, 84, 16, _q2_k),
     "Q3_K": Layout(QK_K, 110, 16, _q3_k),
     "Q4_K": Layout(QK_K, 144, 32, _q4_k),

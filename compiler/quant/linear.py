@@ -22,7 +22,8 @@ Two kernel families, chosen by `compute_dtype`:
           weight; zoo_quant.q6k_linear reads them), no scales buffer
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
           (d, m) per group of g = 16 or 32 as the type has them, W = q * d + m (gguf_blocks.py);
-          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q3_K, ...)
+          scales [O, 1, I/g] (d only, W = q * d) for the types without an offset (Q8_0, Q3_K, ...);
+          float16 scales where the type stores d (and m) as float16 (Q8_0, IQ4_NL: Layout.half)
         parts of different types cat into one weight (Q4_K_M's wqkv) -> int8g through gguf_blocks'
           ZQ8 format (the smallest group of the parts)
   bfloat16 / float16 (CUDA): torch's weight-only kernels (`torch._weight_int8pack_mm`,
@@ -300,7 +301,8 @@ class QuantLinear(nn.Module, WeightSink):
         if kind in ("int4", "int5"):
             g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
         else:
-            g, codes, scales = layout(ggml_type).group, (O, I, torch.int8), torch.float32
+            lay = layout(ggml_type)  # Q8_0's d float16 as stored: 34 bytes per 32 weights, as the file
+            g, codes, scales = lay.group, (O, I, torch.int8), torch.float16 if lay.half else torch.float32
             ns = 2 if has_offset(ggml_type) else 1
         held = self._buffers.get("scales")
         if (held is None or (self.layout, self.group, tuple(self.qweight.shape), self.qweight.dtype, tuple(held.shape),
@@ -316,9 +318,10 @@ class QuantLinear(nn.Module, WeightSink):
             return f"kept {ggml_type} blocks as int5 g32"
         if kind == "int4":
             return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
+        held = str(scales).removeprefix("torch.")
         if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
-            return f"kept (with parts of other types) as int8 g{g} (float32 scales)"
-        return f"kept {ggml_type} blocks as int8 g{g} (float32 scales)"
+            return f"kept (with parts of other types) as int8 g{g} ({held} scales)"
+        return f"kept {ggml_type} blocks as int8 g{g} ({held} scales)"
 
     def _store_int8g(self, r: int, b: StoredBlocks) -> None:
         """Rows r.. of the int8g layout from blocks b: their codes and group scales, exactly."""
