@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint.loader import LoadPlan, LoadReport
-from .contracts import CachePlan, Source
+from .contracts import CachePlan, RowTable, Source
 from .engine.cache import plan_caches
 from .errors import ConfigError, InputError, ZooError
 from .model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes, torch_dtype
@@ -244,7 +244,9 @@ def count_stage(module: Decoder) -> CountStage:
 
     params = count_parameters(module) \
         + sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, QuantLinear) and not m.tied_to) \
-        + sum(m.numel() for m in module.modules() if isinstance(m, QuantExperts))
+        + sum(m.numel() for m in module.modules() if isinstance(m, QuantExperts)) \
+        + sum(m.num_embeddings * m.embedding_dim for m in module.modules()  # a table read from its tied head
+              if isinstance(m, RowTable) and m.rows_from is not None)
     return CountStage(params, parameter_bytes(module) + quantized_bytes(module))
 
 
@@ -417,6 +419,8 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
         ld, w = LoadStage(None, None), WeightsStage(module, None, 0.0)
     else:
         ld = load_stage(spec, module, source, sh)
+        if ld.plan is not None and ld.plan.tables:  # tables now read from their tied heads: not held twice
+            n = count_stage(module)
         w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress)
     ru = runner_stage(spec, p.device, f.dry)
     e = engine_stage(w.module, spec, ru, ca, s.cache_dtype)

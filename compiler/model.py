@@ -14,12 +14,14 @@ Each of layers[i] is a Block (block.py); the MTP blocks after the stack are in m
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from .block import Block, BuildContext
-from .contracts import KeepFloat32, OwnInit
-from .errors import ConfigError
+from .contracts import KeepFloat32, OwnInit, RowTable
+from .errors import ConfigError, ContractError
 from .mtp import MTPLayer
 from .norm.norms import make_norm
 from .position.rope import make_rope
@@ -28,9 +30,13 @@ from .residual.prenorm import residual_kind
 from .spec import DTYPES, ModelSpec
 
 
-class ScaledEmbedding(nn.Embedding):
+class ScaledEmbedding(nn.Embedding, RowTable):
     """nn.Embedding whose output is multiplied by `scale` (None: 1) cast to the weight dtype
-    (Gemma's sqrt(dim), Granite's embedding_multiplier)."""
+    (Gemma's sqrt(dim), Granite's embedding_multiplier).
+
+    ids [...] -> [..., D]. After `read_rows_from(sink)` (the loader's plan, when a quantized tied
+    head keeps the file's blocks: contracts.RowTable) `weight` is None and the rows come from the
+    sink's blocks, in the dtype the weight had."""
 
     def __init__(self, num: int, dim: int, scale: float | None, norm: nn.Module | None = None):
         # built on the meta device (build_model) and loaded later: no init, since normal_ on meta
@@ -38,12 +44,25 @@ class ScaledEmbedding(nn.Embedding):
         super().__init__(num, dim, _weight=torch.empty(num, dim))
         self.scale = scale
         self.norm = norm  # Bloom's word_embeddings_layernorm
+        self.rows_dtype = None  # the weight's dtype, once its rows come from a sink
+
+    def read_rows_from(self, sink) -> None:
+        if tuple(sink.weight_shape) != (self.num_embeddings, self.embedding_dim):
+            raise ContractError(f"{type(sink).__name__} {list(sink.weight_shape)} cannot serve the rows of an "
+                                f"embedding [{self.num_embeddings}, {self.embedding_dim}]")
+        self.rows_dtype = self.weight.dtype
+        del self.weight
+        self.register_parameter("weight", None)
+        self.__dict__["rows_from"] = sink  # a reference: the model owns the head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = super().forward(ids)
+        if self.rows_from is not None:
+            out = self.rows_from.dequantize_rows(ids.reshape(-1)).to(self.rows_dtype).reshape(*ids.shape, -1)
+        else:
+            out = super().forward(ids)
         if self.scale is not None:
             # rounded to the weight dtype first (bfloat16 sqrt(3584) = 60.0, not 59.87), as the references do
-            out = out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
+            out = out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
         return out if self.norm is None else self.norm(out)
 
 
@@ -95,6 +114,11 @@ class Decoder(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(layer, ctx) for layer in spec.mtp_layers) if mtp else nn.ModuleList()
         self.tie_weights()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (materialize puts them all on one device)."""
+        return next(itertools.chain(self.parameters(), self.buffers())).device
+
     def tie_weights(self) -> None:
         # a quantized head (compiler/quant) holds its own quantized copy of the embedding
         if self.spec.tie_embeddings and isinstance(self.head, nn.Linear):
@@ -112,7 +136,7 @@ class Decoder(nn.Module):
         for module in self.modules():
             if module is not self and isinstance(module, OwnInit):
                 module.init_weights(generator)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
+            elif isinstance(module, (nn.Linear, nn.Embedding)) and module.weight is not None:
                 module.weight.data.normal_(0.0, std, generator=generator)
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     module.bias.data.zero_()

@@ -199,7 +199,7 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
     tok = logits[:, -1].argmax(-1)
 
     def decode_all():
-        m.prefill(ids)
+        m.prefill(ids, last_only=True)  # as generation does: no [L, V] logits
         t = tok
         t0 = time.perf_counter()
         for _ in range(new):
@@ -208,7 +208,7 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
 
     decode_s = min(decode_all() for _ in range(2))
     weights = m.info.param_bytes  # distinct parameters (a tied head counted once)
-    embed = m.module.embed.weight
+    embed = m.module.embed.weight  # None: the lookups read the tied head's kept blocks
     cache_bytes = m.engine.plan.total_bytes()
     # what the same attention would cache with per-head K/V (MLA reports it; others cache K/V)
     expanded = sum(f.nbytes for block, layer in zip(m.module.layers, m.engine.plan.layers) for f in (
@@ -224,7 +224,7 @@ def worker_zoo(path: str, prompt: int, new: int, dtype: str, compile: bool = Tru
             "build_total_s": total, "compile_s": compile_s,
             "prefill_tok_s": prompt / prefill_s, "decode_tok_s": new / decode_s,
             "peak_rss": peak_rss_bytes(), "graphs": m.engine.graph_counts(),
-            "weight_bytes": weights, "embed_bytes": embed.numel() * embed.element_size(),
+            "weight_bytes": weights, "embed_bytes": 0 if embed is None else embed.numel() * embed.element_size(),
             "tied": m.spec.tie_embeddings, "cache_bytes_read": cache_bytes,
             "cache_bytes_per_token": m.info.cache_bytes_per_token,
             "state_bytes_per_sequence": m.info.state_bytes_per_sequence}

@@ -11,6 +11,9 @@ Llama-40M benchmark model. Each engine runs in its own process, engines take tur
         engines zoo_int8, zoo_int4, zoo_float32 (an MoE: the stacked experts quantized too)
     python scripts/bench_quant.py --case smollm2 --engines zoo_int4,llama_cpp --prompt 64 --new-tokens 16
         a quick check that everything runs
+    python scripts/bench_quant.py --case llama1b --gguf-type Q4_K_M,Q8_0 --prompt 256 --new-tokens 64
+        a model larger than the L3 cache: Llama-3.2-1B's shape, random weights, SmolLM2's
+        tokenizer, written as F16 by gguf-py and quantized by llama.cpp (cached in ~/.cache/zoo-bench/)
     python scripts/bench_quant.py --case smollm2 --gguf-type Q4_K_M,Q5_K_M,Q8_0 --engines zoo_int4,zoo_int4_aot,llama_cpp
         the same on files llama.cpp's own quantizer makes from the shipped Q4_1 one (requantized,
         into ~/.cache/zoo-bench/); zoo keeps each tensor as stored (quant=int4 on a GGUF keeps every
@@ -47,7 +50,7 @@ ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
     "zoo_int8_aot": ("float32", "int8", None, ("runtime.aot=true",)),
     "zoo_float32_aot": ("float32", None, None, ("runtime.aot=true",)),
 }
-DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp",
+DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp", "llama1b": "zoo_int4,llama_cpp",
                    "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",
                    "deepseek_v3_small": "zoo_int8,zoo_int4,zoo_float32"}  # quantized stacked experts
 
@@ -102,10 +105,12 @@ FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3
 
 
 def requantized(source: str, ftype: str, threads: int) -> str:
-    """The shipped file requantized by llama.cpp's own quantizer into `ftype` (made once, cached)."""
+    """`source` (the shipped Q4_1 file, or llama1b's F16 one) quantized by llama.cpp's own
+    quantizer into `ftype` (made once, cached)."""
     import llama_cpp
 
-    out = Path.home() / ".cache" / "zoo-bench" / Path(source).name.replace(".Q4_1.", f".{ftype}.")
+    name = Path(source).name
+    out = Path.home() / ".cache" / "zoo-bench" / name.replace(".Q4_1.", f".{ftype}.").replace(".F16.", f".{ftype}.")
     if out.exists():
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +124,68 @@ def requantized(source: str, ftype: str, threads: int) -> str:
         raise RuntimeError(f"llama_model_quantize {ftype} failed ({rc})")
     tmp.replace(out)
     return str(out)
+
+
+# --case llama1b: Llama-3.2-1B's shape (1.07B parameters, tied head) with random weights and
+# SmolLM2's tokenizer, so that the weights (0.6-1.1 GiB quantized) are larger than any L3 cache
+# the project's machines have; columns of 2048 and 8192 are whole K-quant blocks, so llama.cpp's
+# mixes keep their K-quants (SmolLM2's 576 columns fall back to Q5_0 / Q5_1 / Q8_0)
+LLAMA1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, context=4096, theta=500000.0)
+
+
+def llama1b_f16(source: str) -> Path:
+    """A float16 GGUF of the llama1b shape, random weights (std 0.02, norms 1), written by gguf-py
+    with the tokenizer metadata of `source` (SmolLM2's file); made once, cached."""
+    import gguf
+    import numpy as np
+
+    out = Path.home() / ".cache" / "zoo-bench" / "llama1b-random.F16.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    d = LLAMA1B
+    reader = gguf.GGUFReader(source)
+    tmp = out.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_block_count(d["layers"])
+    w.add_context_length(d["context"])
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["ffn"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    w.add_rope_freq_base(d["theta"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for name, field in reader.fields.items():  # the tokenizer as stored: vocabulary, merges, ids, template
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), kind, sub)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+    hd = d["hidden"] // d["heads"]
+
+    def rand(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    ones = np.ones(d["hidden"], dtype=np.float32)
+    w.add_tensor("token_embd.weight", rand(vocab, d["hidden"]))
+    w.add_tensor("output_norm.weight", ones)
+    for i in range(d["layers"]):
+        for part, (rows, cols) in {"attn_q": (d["hidden"], d["hidden"]), "attn_k": (d["kv_heads"] * hd, d["hidden"]),
+                                   "attn_v": (d["kv_heads"] * hd, d["hidden"]), "attn_output": (d["hidden"], d["hidden"]),
+                                   "ffn_gate": (d["ffn"], d["hidden"]), "ffn_up": (d["ffn"], d["hidden"]),
+                                   "ffn_down": (d["hidden"], d["ffn"])}.items():
+            w.add_tensor(f"blk.{i}.{part}.weight", rand(rows, cols))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+    return out
 
 
 def run_worker(engine: str, path: str, args) -> dict:
@@ -153,8 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--gguf-type", default="Q4_1",
-                    help="smollm2: comma-separated llama.cpp file types (Q4_1 is the shipped file; others are "
-                         f"made from it: {', '.join(FTYPES)})")
+                    help="smollm2 / llama1b: comma-separated llama.cpp file types (smollm2: Q4_1 is the shipped "
+                         f"file, others are made from it; llama1b: made from its F16 file): {', '.join(FTYPES)}")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -164,7 +231,7 @@ def main(argv=None) -> int:
         return 0
 
     engines = (args.engines or DEFAULT_ENGINES[args.case]).split(",")
-    types = args.gguf_type.split(",") if args.case == "smollm2" else [None]
+    types = args.gguf_type.split(",") if args.case in ("smollm2", "llama1b") else [None]
     unknown = [t for t in types if t is not None and t not in FTYPES]
     if unknown:
         ap.error(f"--gguf-type {unknown[0]!r}: expected one of {', '.join(FTYPES)}")
@@ -174,11 +241,13 @@ def main(argv=None) -> int:
                          "prompt": args.prompt, "new_tokens": args.new_tokens, "torch": torch.__version__,
                          "rounds": args.rounds, "gguf_type": ftype}
         with tempfile.TemporaryDirectory() as tmp:
-            if args.case == "smollm2":
+            if args.case in ("smollm2", "llama1b"):
                 from zoo.compiler.checkpoint.hub import resolve_local
 
                 path = str(resolve_local(GGUF))  # every engine reads this one file
-                if ftype != "Q4_1":
+                if args.case == "llama1b":
+                    path = requantized(str(llama1b_f16(path)), ftype, args.threads)
+                elif ftype != "Q4_1":
                     path = requantized(path, ftype, args.threads)
             else:
                 path = str(Path(tmp) / "ckpt")

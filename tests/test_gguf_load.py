@@ -80,7 +80,8 @@ def write_llama_gguf(path: Path, ref, arch: str = "llama", override_type: dict |
 
     put("token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
     put("output_norm.weight", sd["model.norm.weight"], Q.F32)
-    put("output.weight", sd["lm_head.weight"], Q.F16)
+    if not cfg.tie_word_embeddings:  # llama.cpp's converter writes no output.weight for a tied head
+        put("output.weight", sd["lm_head.weight"], Q.F16)
     for i in range(cfg.num_hidden_layers):
         for part, (hf, qtype, rope) in LAYER_TENSORS.items():
             t = sd[f"model.layers.{i}.{hf}.weight"]

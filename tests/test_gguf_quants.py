@@ -532,3 +532,52 @@ def test_expert_stacks_keep_every_block_type_exactly(ggml_type):
     want = torch.from_numpy(gguf.quants.dequantize(data, Q[ggml_type])).reshape(E, O, I)
     for e in range(E):
         torch.testing.assert_close(q.dequantize(e), want[e], rtol=0, atol=0, equal_nan=True, msg=f"{ggml_type} expert {e}")
+
+
+@pytest.mark.parametrize("ggml_type, layout", [("Q4_1", "int4"), ("Q4_K", "int4"), ("Q5_0", "int5"), ("Q8_0", "int8g"),
+                                               ("Q6_K", "q6k"), ("Q5_K", "int8g"), ("F16", None)])
+def test_tied_embedding_reads_its_rows_from_the_kept_head(tmp_path, ggml_type, layout):
+    """A tied GGUF (no output.weight, as SmolLM2's files): when the quantized head keeps
+    token_embd's blocks, the embedding holds no float copy of them (contracts.RowTable) and its
+    lookups equal gguf's dequantization (signed zeros aside); the report says so, the parameter
+    count is unchanged, and the logits equal transformers'. A float table (F16), which the head
+    quantizes anew, stays float for the lookups."""
+    import transformers
+
+    import zoo
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**KDIMS, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tied = transformers.LlamaForCausalLM(cfg).eval()
+    from tests.test_gguf_load import write_llama_gguf
+
+    rng = np.random.default_rng(3)
+    table = (rng.standard_normal((256, 256)) * 0.02).astype(np.float16) if ggml_type == "F16" else \
+        scaled_blocks(ggml_type, 256, 256, rng)
+    override = {"token_embd.weight": (table, Q[ggml_type])}
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    for i in range(cfg.num_hidden_layers):  # every linear in blocks too: kept, so no quantization error
+        override.update({f"blk.{i}.{part}.weight": (scaled_blocks("Q8_0", *shape, rng), Q.Q8_0)
+                         for part, shape in shapes.items()})
+    path = write_llama_gguf(tmp_path / "tied.gguf", tied, override_type=override)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, quant="int4")
+    embed, how = m.module.embed, m.info.load.tensors["token_embd.weight"]
+    assert m.info.params == sum(p.numel() for p in ref.parameters())
+    want_rows = torch.from_numpy(gguf.quants.dequantize(table, Q[ggml_type]).copy())
+    ids = torch.tensor([[0, 7, 255, 128, 3, 3] * 3])  # 18 rows (> kGemvRows): the kernels' float32 GEMM path
+    if layout is None:
+        assert embed.weight is not None and embed.rows_from is None and "looks its rows up" not in how
+    else:
+        assert embed.weight is None and embed.rows_from is m.module.head, how
+        assert m.module.head.layout == layout
+        assert how.endswith("; embed.weight looks its rows up in them (no float copy)"), how
+        assert torch.equal(embed(ids)[0], want_rows[ids[0]])
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = m.prefill(ids)
+    margin = 1e-4 if layout else 2e-2  # F16: the head multiplies int8 codes quantized anew
+    assert (got - want).abs().max().item() <= margin * want.abs().max().item()

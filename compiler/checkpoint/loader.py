@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..contracts import Slice, Source, StoredBlocks, TensorInfo, WeightSink
+from ..contracts import RowTable, Slice, Source, StoredBlocks, TensorInfo, WeightSink
 from ..errors import CheckpointError
 from .ops import get_op, is_row_op
 from .rules import Rule, Stage, fill
@@ -73,6 +73,8 @@ class LoadPlan:
     # what does not fit, by kind: "unexpected" (stored, no rule), "missing" (parameter unfilled),
     # "mismatched" (shape / dtype / rows), "invalid" (rule targets that are no parameter)
     problems: dict[str, list[str]] = field(default_factory=dict)
+    # lookup tables read from the sink tied to them, which keeps their blocks: {table: sink}
+    tables: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -208,6 +210,9 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             index = int(binds[rule.stack]) if rule.stack else None
             assignments.append(Assignment(canonical[target], index, node, rule.where))
     assignments = _sink_assignments(assignments, sinks, canonical, source)
+    served = {} if slices else _tables_from_sinks(model, assignments, sinks, canonical)
+    assignments = [a for a in assignments if a.param not in served]
+    shapes = {name: shape for name, shape in shapes.items() if canonical[name] not in served}
 
     by_param: dict[str, list[Assignment]] = defaultdict(list)
     for a in assignments:
@@ -261,7 +266,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             for s in a.node.stored():
                 stored[s.name] = stored.get(s.name, 0) + int(s.info.nbytes * share)
     return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries),
-                    problems=problems)
+                    problems=problems, tables=served)
 
 
 def _numel(shape) -> int:
@@ -371,6 +376,24 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
                 sinks[a.param].prepare_blocks(kind)  # its buffers' layout for these blocks, before the model is allocated
         out.append(a)
     return out
+
+
+def _tables_from_sinks(model: nn.Module, assignments: list[Assignment], sinks: dict, canonical: dict) -> dict[str, str]:
+    """A lookup table (contracts.RowTable: the token embedding) that a sink keeping its stored
+    blocks is tied to reads its rows there (read_rows_from, on meta): the table's float copy is
+    neither allocated nor filled. Returns {table parameter: the sink serving it}."""
+    kept = {a.param for a in assignments if a.blocks is not None and a.index is None}
+    served = {}
+    for name, sink in sinks.items():
+        table = canonical.get(sink.tied_to) if sink.tied_to else None
+        if table is None or name not in kept or not sink.serves_rows():
+            continue
+        owner, _, attr = table.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if isinstance(module, RowTable) and attr == "weight":
+            module.read_rows_from(sink)
+            served[table] = name
+    return served
 
 
 def _rows_only(node: Node) -> bool:
@@ -489,9 +512,11 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
             sink = sinks[a.param]
             done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
             how = {}
+            serves = [t for t, by in plan.tables.items() if by == a.param]
             for s in stored:
                 why = _why_not_kept(a, s, sink, source)
-                how[s.name] = (done if a.blocks == s.dtype else f"{s.dtype} {done}") + (f" ({why})" if why else "")
+                how[s.name] = ((done if a.blocks == s.dtype else f"{s.dtype} {done}") + (f" ({why})" if why else "")
+                               + "".join(f"; {t} looks its rows up in them (no float copy)" for t in serves))
             del value
         else:
             dest = params[a.param] if a.index is None else params[a.param][a.index]

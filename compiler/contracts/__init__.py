@@ -7,7 +7,7 @@ compiler/errors.py only (tests/test_contracts.py checks), and everything else st
     context.py   the step context the engine hands every entry point (StepContext)
     cache.py     what a mixer keeps between steps (CacheField, CachePlan)
     parallel.py  a rank's part of a tensor (Slice) and rows of a range of heads (span)
-    weights.py   checkpoint sources (Source, TensorInfo), stored blocks, weight sinks
+    weights.py   checkpoint sources (Source, TensorInfo), stored blocks, weight sinks, row tables
     hooks.py     optional module hooks: KeepFloat32, FloatLinears, QuantStacks, analysis protocols
     probes.py    optional `zoo patterns` hooks: AttentionProbe, MixerStatistics, StreamMixing
 """
@@ -19,10 +19,10 @@ from .parallel import Ranges, Slice, span
 from .probes import AttentionMaps, AttentionProbe, MixerStatistics, StreamMixing
 from .slots import (CONTRACTS, FFN, KindSpec, Mixer, Norm, Residual, Rope, contract_problems,
                     extends_by_decode, no_sharding_plan)
-from .weights import Source, StoredBlocks, TensorInfo, WeightSink
+from .weights import RowTable, Source, StoredBlocks, TensorInfo, WeightSink
 
 __all__ = ["CacheField", "CachePlan", "StepContext", "ExtraTokenFlops", "Float32Linear", "FloatLinears",
            "KeepFloat32", "OwnInit", "QuantStacks", "RefinesActiveParameters", "Ranges", "Slice", "span",
            "AttentionMaps", "AttentionProbe", "MixerStatistics", "StreamMixing", "CONTRACTS", "FFN", "KindSpec",
            "Mixer", "Norm", "Residual", "Rope", "contract_problems", "extends_by_decode", "no_sharding_plan",
-           "Source", "StoredBlocks", "TensorInfo", "WeightSink"]
+           "RowTable", "Source", "StoredBlocks", "TensorInfo", "WeightSink"]

@@ -5,6 +5,8 @@ tensors, and the modules that take their weight through `load_weight` (weight si
     StoredBlocks  a block-quantized weight as stored, handed on unconverted
     WeightSink  a module the loader fills through load_weight (compiler/quant: QuantLinear,
                 QuantExperts); the parallel plan re-makes one at a rank's shape through it
+    RowTable    a lookup table (the token embedding) that can read its rows from the weight sink
+                tied to it when that sink keeps the stored blocks: no float copy of the table
 
 Each optional capability is declared here with its default, and a class that claims one
 without providing it is refused when it is defined (ContractError, naming it).
@@ -183,3 +185,26 @@ class WeightSink(ABC):
         joined by gather(logits [.., V/P]) -> [.., V] (compiler/parallel/plan.py). Default: the
         sink cannot be a vocab-parallel head."""
         raise ConfigError(f"a {type(self).__name__} cannot be a vocab-parallel head")
+
+    def serves_rows(self) -> bool:
+        """Whether `dequantize_rows` reads rows of the weight in its present layout (asked on
+        meta, after prepare_blocks). Default: no."""
+        return False
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N] int64 -> the weight's rows [N, I] float32, exactly as held. Default: none."""
+        raise ContractError(f"{type(self).__name__} does not serve rows of its weight (serves_rows is False)")
+
+
+class RowTable(ABC):
+    """A module whose `weight` [N, D] is only looked up by rows (the token embedding). When a
+    weight sink is tied to it (a quantized tied head) and keeps the very blocks the table would be
+    dequantized from, the loader's plan calls `read_rows_from(sink)` on meta: the table drops its
+    float parameter and its lookups read `sink.dequantize_rows` (the same values, bit for bit), so
+    the file's blocks are held once. The sink is a reference, not a child: its owner keeps it."""
+
+    rows_from: Optional[WeightSink] = None  # the sink its rows come from, once read_rows_from ran
+
+    @abstractmethod
+    def read_rows_from(self, sink: WeightSink) -> None:
+        """From now on look rows up in `sink` (its weight_shape is this table's [N, D])."""

@@ -127,7 +127,7 @@ class Engine:
                  compile: bool = True, cuda_graph: bool = True, aot: bool = False,
                  plan: CachePlan | None = None, decode_buckets: Sequence[int] | None = None):
         self.model = model
-        self.device = model.embed.weight.device
+        self.device = model.device
         self.max_batch, self.max_seq = max_batch, max_seq
         self.vocab_size = model.spec.vocab_size
         # the build's cache stage hands its plan in (compiler/build.py); made here otherwise

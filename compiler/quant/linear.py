@@ -87,8 +87,9 @@ class QuantLinear(nn.Module, WeightSink):
     """See the module docstring. Built on any device (meta first, like every module); the
     buffers are allocated by `to_empty` and filled by `load_weight` or `init_weights`.
 
-    tied_to: the parameter this weight is a quantized copy of (a tied output head: the
-    embedding stays float for its lookups, the head multiplies a quantized copy)."""
+    tied_to: the parameter this weight is a quantized copy of (a tied output head: the head
+    multiplies a quantized copy; the embedding stays float for its lookups, unless the head
+    keeps the file's blocks, whose rows it then reads: contracts.RowTable)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group: Optional[int],
                  compute_dtype: torch.dtype, tied_to: Optional[str] = None, device=None):
@@ -194,6 +195,22 @@ class QuantLinear(nn.Module, WeightSink):
         if self.compiled_kernel:
             return torch.ops.zoo_quant.int4_linear(x2, self.qweight, self.scales, self.group)
         return cpu_kernels.int4_reference(x2, self.qweight, self.scales, self.group)
+
+    def serves_rows(self) -> bool:
+        """Rows are read back in the GGUF block layouts of zoo's kernels (contracts.WeightSink)."""
+        return self.zoo_kernel and self.layout in ("int4", "int5", "int8g", "q6k")
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N] int64 -> W[rows] [N, I] float32 as held (a tied embedding's lookups: the
+        blocks' values, gguf's dequantization bit for bit)."""
+        q = self.qweight[rows]
+        if self.layout == "int8g":
+            return cpu_kernels.int8g_dequantize(q, self.scales[rows])
+        if self.layout == "q6k":
+            return cpu_kernels.int8g_dequantize(*cpu_kernels.q6k_codes(q))
+        if self.layout in ("int4", "int5") and self.zoo_kernel:
+            return cpu_kernels.int4_dequantize(q, self.scales[rows], self.qhigh[rows] if self.layout == "int5" else None)
+        return super().dequantize_rows(rows)
 
     # ------------------------------------------------------------------ filling
 
