@@ -263,7 +263,7 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
 
 KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
         "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float16 scales)", "IQ4_NL": "int8 g32 (float16 scales)",
-        "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int8 g32 (float32 scales)",
+        "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int5 g32 (float32 scales)",
         "Q6_K": "stored (6.5625 bits a weight)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
 
 
@@ -308,8 +308,8 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         _assert_close(q(x), ref, "decode")
         assert (q(x) - x @ want.t()).abs().max() < 0.05 * (x.abs() @ want.abs().t()).max()
     bytes_per_weight = q.quantized_bytes() / (O * I)
-    # no float copy (int5: 24 / 32, Q6_K 210 / 256)
-    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.75, "q6k": 210 / 256}.get(q.layout, 1.5)
+    # no float copy (int5: 24 / 32, Q5_K's float32 scales 28 / 32, Q6_K 210 / 256)
+    assert bytes_per_weight <= {"int4": 0.75, "int5": 0.875, "q6k": 210 / 256}.get(q.layout, 1.5)
 
 
 def test_blocks_not_kept_say_why():
@@ -415,10 +415,12 @@ def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mi
         else:
             assert "kept" in how and "quantized ->" not in how, (name, how)
             assert how.startswith(types[part]) or f"kept {types[part]} blocks" in how, (name, how)
-    for part in ("attn_q", "attn_output", "ffn_up", "output"):  # Q5_0 / Q5_1 at their stored width
-        if types[part] in ("Q5_0", "Q5_1") and len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1:
+    for part in ("attn_q", "attn_output", "ffn_up", "output"):  # Q5_0 / Q5_1 at their stored width, Q5_K as int5
+        if types[part] in ("Q5_0", "Q5_1", "Q5_K") and (part != "attn_q" or len({types["attn_q"], types["attn_k"],
+                                                                                 types["attn_v"]}) == 1):
             name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
-            assert report[name] == f"kept {types[part]} blocks as int5 g32", (name, report[name])
+            scales = " (float32 scales)" if types[part] == "Q5_K" else ""
+            assert report[name] == f"kept {types[part]} blocks as int5 g32{scales}", (name, report[name])
     for part in ("attn_q", "attn_output", "ffn_down", "output"):  # Q6_K as stored
         if types[part] == "Q6_K" and (part != "attn_q" or {types["attn_k"], types["attn_v"]} == {"Q6_K"}):
             name = "output.weight" if part == "output" else f"blk.0.{part}.weight"
@@ -535,7 +537,7 @@ def test_expert_stacks_keep_every_block_type_exactly(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type, layout", [("Q4_1", "int4"), ("Q4_K", "int4"), ("Q5_0", "int5"), ("Q8_0", "int8g"),
-                                               ("Q6_K", "q6k"), ("Q5_K", "int8g"), ("F16", None)])
+                                               ("Q6_K", "q6k"), ("Q5_K", "int5"), ("F16", None)])
 def test_tied_embedding_reads_its_rows_from_the_kept_head(tmp_path, ggml_type, layout):
     """A tied GGUF (no output.weight, as SmolLM2's files): when the quantized head keeps
     token_embd's blocks, the embedding holds no float copy of them (contracts.RowTable) and its

@@ -168,6 +168,22 @@ inline __m256i codes32(const uint8_t* qs, const uint8_t* qh, int64_t b) {
     return q4_codes(qs + 16 * b);
 }
 
+// 32 codes (int8 lanes, in input order) -> out[0..31] = q * d (+ m with Offset) in float32,
+// inputs 0-15 with (d0, m0) and 16-31 with (d1, m1) (Q6_K's groups of 16; one group of 32 passes
+// the same twice). Codes of 0..31 read as signed bytes are themselves. Without an offset a product
+// stays a product (its signed zeros too), as the scalar loops compute it.
+template <bool Offset>
+inline void widen32(__m256i q, float d0, float m0, float d1, float m1, float* out) {
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int j = 0; j < 4; ++j) {
+    const __m128i eight = (j & 1) ? _mm_srli_si128(half[j >> 1], 8) : half[j >> 1];
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+    const bool second = j >= 2;
+    const __m256 d = _mm256_set1_ps(second ? d1 : d0);
+    _mm256_storeu_ps(out + 8 * j, Offset ? _mm256_fmadd_ps(v, d, _mm256_set1_ps(second ? m1 : m0)) : _mm256_mul_ps(v, d));
+  }
+}
+
 #endif
 
 // ds[b] = d[b / per] dx[b]: the scale of each block of 32 inputs (groups of per blocks) times the
@@ -488,10 +504,14 @@ void q4_dequantize(const uint8_t* qs, const uint8_t* qh, const S* sm, int64_t I,
       float* w = out + (o - r0) * I;
       for (int64_t i = 0; i < I; i += kBlock, q += 16, h += Q5 ? 4 : 0) {
         const float d = half_to_float(s + i / group), m = half_to_float(s + ng + i / group);
+#ifdef ZOO_AVX2
+        widen32<true>(codes32<Q5>(q, h, 0), d, m, d, m, w + i);  // (q d is exact: fused or not, the same sum)
+#else
         for (int64_t t = 0; t < 16; ++t) {
           w[i + t] = float(int32_t(q[t] & 0x0F) | high5<Q5>(h, t)) * d + m;
           w[i + t + 16] = float(int32_t(q[t] >> 4) | high5<Q5>(h, t + 16)) * d + m;
         }
+#endif
       }
     }
   });
@@ -879,13 +899,25 @@ void q6k_dequantize(const uint8_t* blocks, int64_t I, int64_t r0, int64_t r1, fl
         float* w = out + (o - r0) * I + s * kQ6Block;
         q6_scales(blk, dsc);
         for (int h = 0; h < 2; ++h)
-          for (int k = 0; k < 4; ++k)
+          for (int k = 0; k < 4; ++k) {
+#ifdef ZOO_AVX2
+            // the 32 codes of inputs 128h + 32k.. at once: nibbles of ql, bits 2k, 2k + 1 of qh
+            // (16-bit shifts: what crosses from the next byte is masked off)
+            const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+            const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(k & 2 ? 4 : 0)), _mm256_set1_epi8(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+            widen32<false>(_mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32)),
+                    dsc[8 * h + 2 * k], 0.f, dsc[8 * h + 2 * k + 1], 0.f, w + 128 * h + 32 * k);
+#else
             for (int t = 0; t < 32; ++t) {
               const int i = 128 * h + 32 * k + t;
               const int q = ((blk[64 * h + 32 * (k & 1) + t] >> (k & 2 ? 4 : 0)) & 15) |
                             (((blk[128 + 32 * h + t] >> (2 * k)) & 3) << 4);
               w[i] = dsc[i / 16] * float(q - 32);
             }
+#endif
+          }
       }
   });
 }

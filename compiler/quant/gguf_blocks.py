@@ -32,7 +32,7 @@ zoo's int4 layout (QuantLinear, cpu_kernels.py) is w = q * d + m per group of 32
 Q4_0 (m = -8 d), Q4_1 and Q4_K are that with the same codes; Q4_0 / Q4_1's d and m are float16
 as stored, Q4_K's d * sc and dmin * mn need float32 (`int4_parts`). Its int5 layout adds a fifth
 bit per code, q in 0..31: Q5_0 (m = -16 d) and Q5_1 at their stored width, the blocks' own nibbles,
-high-bit words and float16 d, m (`int5_parts`). The other types need more than 5 bits per code (or
+high-bit words and float16 d, m (`int5_parts`), and Q5_K with the same codes and float32 d * sc, -dmin * mn. The other types need more than 5 bits per code (or
 IQ4's codebook). Q6_K is kept as its bytes (`Q6K_TYPES`: zoo_quant.q6k_linear reads the blocks
 at their 6.5625 bits a weight). The rest: zoo's int8g layout holds their codes as int8 with d, m float32 per group
 (`block_codes`), and weights joined from parts of different types go through
@@ -223,7 +223,7 @@ LAYOUTS: dict[str, Layout] = {
     "MXFP4": Layout(32, 17, 32, _mxfp4),
 }
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
-INT5_TYPES = ("Q5_0", "Q5_1")  # codes 0..31 (Q5_0 shifted by 16) with one d, m per 32
+INT5_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # codes 0..31 (Q5_0 shifted by 16) with one d, m per 32
 Q6K_TYPES = ("Q6_K",)  # kept as their bytes (zoo_quant.q6k_linear reads the blocks)
 
 
@@ -385,12 +385,19 @@ def int4_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def int5_parts(b: StoredBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q5_0 / Q5_1 blocks -> zoo's CPU int5 layout, their bytes as stored: (qs [O, I/2] uint8 the
-    low nibbles, qh [O, I/8] uint8 the fifth bits, d, m [O, I/32] float16) with w = q d + m, q =
-    nibble | bit << 4 in 0..31; Q5_0's m = -16 d (exact in float16 below its largest finite d / 16)."""
+    """Q5_0 / Q5_1 / Q5_K blocks -> zoo's CPU int5 layout: (qs [O, I/2] uint8 the low nibbles, qh
+    [O, I/8] uint8 the fifth bits, d, m [O, I/32]) with w = q d + m, q = nibble | bit << 4 in 0..31.
+    Q5_0 / Q5_1: their bytes as stored, float16 d, m (Q5_0's m = -16 d, exact in float16 below its
+    largest finite d / 16). Q5_K: its codes re-packed per 32 (the same bits, 5.5 -> 6 + 64 / 32 bits a
+    weight) with float32 d * sc and -dmin * mn (products of up to 17 significant bits), as Q4_K in int4."""
     if b.ggml_type not in INT5_TYPES:
         raise CheckpointError(f"{b.ggml_type} blocks are not 5-bit affine codes (int5 takes {', '.join(INT5_TYPES)})")
     O = b.shape[0]
+    if b.ggml_type == "Q5_K":
+        q, d, m = codes(_blocks(b), b.ggml_type)  # q [O, I] in 0..31
+        low = (q & 0xF).to(torch.uint8).reshape(O, -1, 2, BLOCK // 2)  # per 32: inputs 0-15, 16-31
+        bits = (q >> 4).to(torch.uint8).reshape(O, -1, 8) << torch.arange(8, dtype=torch.uint8)
+        return (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(O, -1), bits.sum(-1, dtype=torch.uint8), d, m
     blocks = _blocks(b).reshape(O, -1, LAYOUTS[b.ggml_type].nbytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if b.ggml_type == "Q5_1":

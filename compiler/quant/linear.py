@@ -17,7 +17,8 @@ Two kernel families, chosen by `compute_dtype`:
         Q4_0 / Q4_1 / Q4_K -> int4 g32 (Q4_0 / Q4_1 copied in as they are; Q4_K's d * sc needs
           float32 scales [O, 2, I/32])
         Q5_0 / Q5_1 -> int5 g32: int4's qweight and float16 scales plus qhigh [O, I/8] uint8, the
-          codes' fifth bits (the blocks' bytes as they are, 24 bytes per 32 weights)
+          codes' fifth bits (the blocks' bytes as they are, 24 bytes per 32 weights); Q5_K -> int5
+          g32 with its codes re-packed and float32 scales (28 bytes per 32, as stored 22)
         Q6_K -> q6k: qweight [O, I/256 * 210] uint8, the blocks' bytes as they are (6.5625 bits a
           weight; zoo_quant.q6k_linear reads them), no scales buffer
         every other block type -> int8g: qweight [O, I] int8 codes and scales [O, 2, I/g] float32
@@ -270,7 +271,7 @@ class QuantLinear(nn.Module, WeightSink):
                 what = self._relayout(kind, value.ggml_type)
                 if kind == "int4":  # the blocks' codes in the kernel's layout (Q4_0 / Q4_1: their bytes)
                     fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
-                elif kind == "int5":  # Q5_0 / Q5_1: their bytes
+                elif kind == "int5":  # Q5_0 / Q5_1: their bytes; Q5_K its codes re-packed
                     fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
                 elif kind == "q6k":  # Q6_K: its bytes
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
@@ -316,7 +317,7 @@ class QuantLinear(nn.Module, WeightSink):
             return f"kept {ggml_type} blocks as stored ({lay.nbytes * 8 / lay.block} bits a weight)"
         ns = 2  # scales' rows: d, m (int8g of a type without offsets: d only)
         if kind in ("int4", "int5"):
-            g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type == "Q4_K" else torch.float16
+            g, codes, scales = 32, (O, I // 2, torch.uint8), torch.float32 if ggml_type in ("Q4_K", "Q5_K") else torch.float16
         else:
             lay = layout(ggml_type)  # Q8_0's d float16 as stored: 34 bytes per 32 weights, as the file
             g, codes, scales = lay.group, (O, I, torch.int8), torch.float16 if lay.half else torch.float32
@@ -331,10 +332,8 @@ class QuantLinear(nn.Module, WeightSink):
             self.register_buffer("qhigh", torch.empty(O, I // 8, dtype=torch.uint8, device=dev))
         elif kind != "int5":
             self._buffers.pop("qhigh", None)
-        if kind == "int5":
-            return f"kept {ggml_type} blocks as int5 g32"
-        if kind == "int4":
-            return f"kept {ggml_type} blocks as int4 g32" + (" (float32 scales)" if scales == torch.float32 else "")
+        if kind in ("int4", "int5"):
+            return f"kept {ggml_type} blocks as {kind} g32" + (" (float32 scales)" if scales == torch.float32 else "")
         held = str(scales).removeprefix("torch.")
         if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
             return f"kept (with parts of other types) as int8 g{g} ({held} scales)"
