@@ -100,10 +100,15 @@ def tiny_reference(model_cls, config, randomize: Optional[Callable] = None, seed
 
 @torch.no_grad()
 def randomize_norms(model: torch.nn.Module) -> None:
-    """Norm weights away from 1 so that a misplaced one shows."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
+    """Norm weights away from 1 so that a misplaced one shows: a norm's own parameters only, not
+    a linear's that a family keeps under a "norm" name (DBRX's attention under norm_attn_norm:
+    U(0.5, 1.5) matrices there make q / k / v near-total cancellations)."""
+    for owner, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        for name, p in module.named_parameters(prefix=owner, recurse=False):
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
 
 
 def tokens(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
