@@ -8,16 +8,19 @@ spec, cast, count and cache stages on meta) and the server (through zoo.build) a
     quant_stage     linears / expert stacks -> quantized (runtime.quant)       QuantStage
     shard_stage     this rank's share under runtime.parallel                   ShardStage
     precision_stage bfloat16 CPU linears whose many-token products run float32 PrecisionStage
+    load_stage      the checkpoint mapped from headers (before allocating)     LoadStage
     count_stage     exact parameters and bytes (quantized weights included)    CountStage
     cache_stage     every mixer's cache fields at max_batch x max_seq          CacheStage
     fit_stage       needed vs available bytes; dry or real (or an error)        FitStage
-    load_stage      the checkpoint mapped from headers (before allocating)     LoadStage
     weights_stage   storage allocated on the device, weights loaded or drawn   WeightsStage
     runner_stage    which runner the engine uses, from runtime and device      RunnerStage
     engine_stage    the Engine (made here only), warmed up when it compiles    EngineStage
 
 The stages cast .. precision refine one meta module in place (quantized and sharded submodules
 replace float ones); their records hold what each decided, never a copy of the module's state.
+The load plan comes before the count because it may change what is held: buffers take the kept
+blocks' layout, and a tied table reads its rows from the head's blocks (contracts.RowTable), so
+the fit check counts the bytes the model will really hold.
 What changes the model's structure and is no part of the architecture is an explicit input of the
 stage that needs it: whether the MTP layers are built (`cast_stage(mtp=)`), the checkpoint whose
 headers every rank must share (`shard_stage(source=)`), the device the quantized kernels run on.
@@ -40,8 +43,8 @@ from .model import Decoder, build_model, cast, count_parameters, materialize, pa
 from .spec import ModelSpec, use_aot, validate
 
 # every stage function, in the order run_build calls them (tests count calls through this list)
-STAGES = ("spec_stage", "cast_stage", "quant_stage", "shard_stage", "precision_stage", "count_stage",
-          "cache_stage", "fit_stage", "load_stage", "weights_stage", "runner_stage", "engine_stage")
+STAGES = ("spec_stage", "cast_stage", "quant_stage", "shard_stage", "precision_stage", "load_stage",
+          "count_stage", "cache_stage", "fit_stage", "weights_stage", "runner_stage", "engine_stage")
 
 
 def check_source(weights: Any, where: str):
@@ -412,15 +415,14 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype)
     sh = shard_stage(spec, module, source)
     p = precision_stage(module, s.dtype, sh.mesh.device if sh.mesh is not None else s.device)
+    # planned before counting: the plan may change what is held (a tied table read from its head's blocks)
+    ld = load_stage(spec, module, source, sh)
     n = count_stage(module)
     ca = cache_stage(module, spec.runtime.max_batch, spec.runtime.max_seq, s.cache_dtype)
     f = fit_stage(spec, n, ca, p.device, dry, source is not None)
     if f.dry:
-        ld, w = LoadStage(None, None), WeightsStage(module, None, 0.0)
+        w = WeightsStage(module, None, 0.0)
     else:
-        ld = load_stage(spec, module, source, sh)
-        if ld.plan is not None and ld.plan.tables:  # tables now read from their tied heads: not held twice
-            n = count_stage(module)
         w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress)
     ru = runner_stage(spec, p.device, f.dry)
     e = engine_stage(w.module, spec, ru, ca, s.cache_dtype)

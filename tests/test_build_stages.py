@@ -79,13 +79,14 @@ def test_real_build_runs_each_stage_once(calls):
 
 
 def test_dry_build_shares_the_stages(calls):
-    """A dry build runs the same stage functions as a real one up to the fit (and the runner and
-    engine), and never loads or allocates; its figures are the real build's."""
+    """A dry build runs the same stage functions as a real one up to the fit (the load stage plans
+    from headers only: nothing here), and the runner and engine, and never reads weights or
+    allocates; its figures are the real build's."""
     real = zoo.build(TINY, compile=False, max_seq=16)
     for name in STAGES:
         calls[name] = 0
     dry = zoo.build(TINY, compile=False, max_seq=16, dry=True)
-    skipped = {"load_stage", "weights_stage"}
+    skipped = {"weights_stage"}
     assert calls == {name: 0 if name in skipped else 1 for name in STAGES}
     assert dry.info.dry and dry.info.device == "meta" and dry.module.embed.weight.is_meta
     assert dry.records.runner.runner == "eager" and dry.info.load is None
