@@ -277,13 +277,16 @@ def fit_stage(spec: ModelSpec, count: CountStage, caches: CacheStage, device: to
 
 def load_stage(spec: ModelSpec, module: Decoder, source, shard: ShardStage) -> LoadStage:
     """Map the checkpoint onto `module` from headers alone (every check before allocating);
-    under runtime.parallel only this rank's slices are read."""
+    under runtime.parallel only this rank's slices are read. The plan is lenient: what does not
+    fit is raised by weights_stage before it allocates, after the fit check (a model too large
+    for the device is refused first, whatever its checkpoint holds)."""
     if source is None:
         return LoadStage(None, None)
     from .checkpoint.loader import plan_load
     from .checkpoint.rules import checkpoint_stages
 
-    return LoadStage(source, plan_load(module, source, checkpoint_stages(source, spec), slices=shard.slices))
+    return LoadStage(source, plan_load(module, source, checkpoint_stages(source, spec), strict=False,
+                                       slices=shard.slices))
 
 
 def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: ShardStage, device: torch.device,
@@ -293,6 +296,8 @@ def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: Shar
     progress: a factory taking the bytes to read and returning a callback for bytes read."""
     from .quant.apply import fill_tied
 
+    if load.plan is not None:
+        load.plan.check()  # the checkpoint's misfits, before anything is allocated
     t0 = time.perf_counter()
     module = materialize(module, device, dtype)
     report = None

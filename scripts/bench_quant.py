@@ -188,6 +188,26 @@ def llama1b_f16(source: str) -> Path:
     return out
 
 
+def _prepare(case: str, ftype: str, threads: int) -> str:
+    from zoo.compiler.checkpoint.hub import resolve_local
+
+    path = str(resolve_local(GGUF))
+    if case == "llama1b":
+        return requantized(str(llama1b_f16(path)), ftype, threads)
+    return path if ftype == "Q4_1" else requantized(path, ftype, threads)
+
+
+def prepare_file(case: str, ftype: str, threads: int) -> str:
+    """The GGUF file of `case` in `ftype`, made (once) in a process of its own: a worker's peak RSS
+    (ru_maxrss) starts from its parent's at fork, so the driver stays small while it writes or
+    quantizes a file."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_prepare, case, ftype, threads).result()
+
+
 def run_worker(engine: str, path: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--path", path, "--prompt", str(args.prompt),
            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
@@ -242,13 +262,7 @@ def main(argv=None) -> int:
                          "rounds": args.rounds, "gguf_type": ftype}
         with tempfile.TemporaryDirectory() as tmp:
             if args.case in ("smollm2", "llama1b"):
-                from zoo.compiler.checkpoint.hub import resolve_local
-
-                path = str(resolve_local(GGUF))  # every engine reads this one file
-                if args.case == "llama1b":
-                    path = requantized(str(llama1b_f16(path)), ftype, args.threads)
-                elif ftype != "Q4_1":
-                    path = requantized(path, ftype, args.threads)
+                path = prepare_file(args.case, ftype, args.threads)  # every engine reads this one file
             else:
                 path = str(Path(tmp) / "ckpt")
                 bench.CASES[args.case][0](Path(path))

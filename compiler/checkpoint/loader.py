@@ -75,10 +75,17 @@ class LoadPlan:
     problems: dict[str, list[str]] = field(default_factory=dict)
     # lookup tables read from the sink tied to them, which keeps their blocks: {table: sink}
     tables: dict[str, str] = field(default_factory=dict)
+    # the CheckpointError a strict plan raises, kept by a lenient one (check() raises it)
+    refusal: Optional[str] = None
 
     @property
     def ok(self) -> bool:
         return not any(self.problems.values())
+
+    def check(self) -> None:
+        """Raise what a strict plan_load would have raised (a plan made with strict=False)."""
+        if self.refusal is not None:
+            raise CheckpointError(self.refusal)
 
 
 @dataclass
@@ -182,10 +189,13 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
     problems: dict[str, list[str]] = {
         "unexpected": [f"{n} {list(x.shape)} {x.dtype}" for n, x in sorted(left.items())],
         "missing": [], "mismatched": [], "invalid": []}
-    if left and strict:
-        raise CheckpointError(f"{desc}: {len(left)} checkpoint tensor(s) match no rule in "
-                              f"{[f'conf/rules/{s.name}.yaml' for s in stages]} (map or ignore them):"
-                              + _listing(problems["unexpected"]))
+    refusal = None
+    if left:
+        refusal = (f"{desc}: {len(left)} checkpoint tensor(s) match no rule in "
+                   f"{[f'conf/rules/{s.name}.yaml' for s in stages]} (map or ignore them):"
+                   + _listing(problems["unexpected"]))
+        if strict:
+            raise CheckpointError(refusal)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     sinks = weight_sinks(model)
@@ -252,10 +262,12 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
                 missing = sorted(set(range(full[0])) - set(seen))
                 errors.append(f"parameter {name} rows: missing {missing[:8]}, duplicated {dup[:8]}")
     found = problems["invalid"] + problems["missing"] + problems["mismatched"]
-    if found and strict:
-        raise CheckpointError(f"{desc}: the checkpoint does not fit the model:" + _listing(found))
+    if found and refusal is None:
+        refusal = f"{desc}: the checkpoint does not fit the model:" + _listing(found)
+        if strict:
+            raise CheckpointError(refusal)
 
-    if slices:
+    if slices and refusal is None:  # (a refused plan is never executed: check() raises first)
         assignments = _parts(assignments, slices)
     order = {n: i for i, group in enumerate(source.read_order()) for n in group}
     assignments.sort(key=lambda a: min(order[s.name] for s in a.node.stored()))
@@ -266,7 +278,7 @@ def plan_load(model: nn.Module, source: Source, stages: list[Stage], strict: boo
             for s in a.node.stored():
                 stored[s.name] = stored.get(s.name, 0) + int(s.info.nbytes * share)
     return LoadPlan(assignments, ignored, bytes_to_read=sum(stored.values()), n_stored=len(entries),
-                    problems=problems, tables=served)
+                    problems=problems, tables=served, refusal=refusal)
 
 
 def _numel(shape) -> int:
