@@ -17,6 +17,7 @@ from typing import Optional
 from ..reasoning import Reasoning, detect as detect_reasoning
 from ..tools import ToolError, ToolFormat, by_name, check_choice, check_tools, detect as detect_format
 from ..tools.base import Parsed, regex_literal
+from ..tools.forced import ForcedJson
 
 # template variables a request may not set through chat_template_kwargs
 RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
@@ -99,9 +100,12 @@ class ChatPlan:
             plan.raw_tools = tools
             if plan.choice != "none":
                 plan.fmt = fmt
-                if plan.fmt is None:
-                    raise ToolError("tools", "this model's chat template writes no tool-call format zoo knows "
-                                             "(start the server with tool_format=NAME to name one)")
+                if plan.fmt is None and plan.choice == "auto":  # only auto must read the model's own format
+                    raise ToolError("tools", "tool_choice auto: this model's chat template writes no tool-call "
+                                             "format zoo knows (start the server with tool_format=NAME to name "
+                                             "one, or force a call with tool_choice required or a named function)")
+                if plan.fmt is None:  # a forced call as bare JSON under the grammar (zoo/tools/forced.py)
+                    plan.fmt = ForcedJson(plan.choice["name"] if isinstance(plan.choice, dict) else None)
         return plan
 
     @property

@@ -4,7 +4,8 @@ A model's format is a property of its chat template (the template teaches the mo
 and renders earlier calls in it), so it is chosen from the template's text: the first format in
 FORMATS whose markers all appear in it (`zoo serve tool_format=NAME` names one instead). One
 module per format; each parses (zoo.tools.base.ToolFormat.parse) and writes the grammar that
-enforces a call (tool_choice `required` or a named function).
+enforces a call (tool_choice `required` or a named function); a template that writes no format still gets
+forced calls, as bare JSON under the tools' schemas (zoo.tools.forced).
 
     fmt = detect(tokenizer.chat_template)        # None: the template knows no tool format
     tools = check_tools(body["tools"])           # [{"name", "description", "parameters"}]
