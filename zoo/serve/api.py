@@ -6,7 +6,9 @@ bad input (malformed JSON, missing or mistyped fields, out-of-range values, a pr
 max_tokens over max_seq: code context_length_exceeded), 401 for a wrong or missing key, 404 for an
 unknown model or route, 429 with Retry-After when the waiting queue is full. An output constraint
 (response_format, or extra_body regex / grammar / choice: zoo.constrain) that cannot be compiled
-is a 400 naming its field (code invalid_grammar), before anything is queued.
+is a 400 naming its field (code invalid_grammar), before anything is queued. /v1/messages and
+/v1/responses (serve/anthropic.py, serve/responses.py) run as chat turns (serve/turn.py) and
+answer, errors included, in their own APIs' shapes.
 """
 from __future__ import annotations
 
@@ -104,9 +106,23 @@ class Server:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
-            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+        # x-api-key: how Anthropic's clients send it (serve/anthropic.py)
+        if header != f"Bearer {self.api_key}" and request.headers.get("x-api-key") != self.api_key:
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)",
                            type="authentication_error", code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> dict:
+        """The request's JSON object, after the key check, naming a model this server serves."""
+        self.check_auth(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        self.check_model(body)
+        return body
 
     def check_model(self, body: dict) -> None:
         name = _field(body, "model", str)
@@ -427,17 +443,7 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
         server.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 
-    async def body_of(request: Request) -> dict:
-        server.check_auth(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        server.check_model(body)
-        return body
+    body_of = server.read_body
 
     @app.get("/health")
     async def health():
@@ -481,6 +487,11 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
             if not p:
                 raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         return await respond(request, body, prompts, params, chat=False)
+
+    from . import anthropic, responses  # /v1/messages, /v1/responses: chat turns in their own shapes
+
+    anthropic.register(app, server)
+    responses.register(app, server)
 
     async def respond(request: Request, body: dict, prompts, params, chat: bool,
                       outputs: Optional[list[ChatOutput]] = None):

@@ -18,6 +18,7 @@ class StopText:
         self._held = ""
         self.text = ""  # everything emitted so far
         self.stopped = False
+        self.hit = None  # the stop string that ended the text
 
     def feed(self, token_id: int) -> tuple[str, bool]:
         if self._stream is None or self.stopped:
@@ -35,7 +36,7 @@ class StopText:
     def _release(self, final: bool) -> tuple[str, bool]:
         hits = [(self._held.find(s), s) for s in self._stop if s in self._held]
         if hits:
-            at = min(hits)[0]
+            at, self.hit = min(hits)
             out, self._held, self.stopped = self._held[:at], "", True
         elif final:
             out, self._held = self._held, ""
