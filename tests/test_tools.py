@@ -4,7 +4,7 @@ chat template, the grammar of a forced call (every output it admits parses into 
 arguments validate), and `zoo serve` with a Hermes-template twin through the official openai
 client: tool_choice named / required always yields a valid call, a call -> tool result -> answer
 round trip, streamed tool-call deltas equal to the non-streamed reply, bad tools as 400s naming
-the field. Eager models only."""
+the field, the same calls through /v1/messages and /v1/responses. Eager models only."""
 from __future__ import annotations
 
 import json
@@ -366,23 +366,58 @@ def test_bad_tool_requests_are_400_naming_the_field(client, extra, param):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
 
 
+def test_messages_and_responses_calls_in_the_template_format(client):
+    """/v1/messages and /v1/responses (tests/test_apis.py covers them on a model without a
+    format) reach the same Hermes calls as chat: forced calls validate, streamed equals whole,
+    auto is served."""
+    anthropic = pytest.importorskip("anthropic")
+    c, base = client
+    claude = anthropic.Anthropic(base_url=base, api_key=KEY, timeout=120, max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    kw = dict(model=NAME, max_tokens=120, tools=tools, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
+    r = claude.messages.create(**kw)
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    with claude.messages.stream(**kw) as st:
+        final = st.get_final_message()
+    assert [b.model_dump() for b in final.content if b.type == "tool_use"][0]["input"] == use.input
+    auto = claude.messages.create(**{**kw, "tool_choice": {"type": "auto"}, "max_tokens": 16})
+    assert auto.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    req = dict(model=NAME, input="Weather in Paris?", tools=flat, max_output_tokens=120, temperature=0,
+               tool_choice={"type": "function", "name": "get_weather"})
+    (whole,) = c.responses.create(**req).output
+    events = list(c.responses.create(**req, stream=True))
+    assert whole.type == "function_call" and whole.name == "get_weather"
+    jsonschema.validate(json.loads(whole.arguments), WEATHER)
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == whole.arguments
+    assert events[-1].type == "response.completed"
+
+
 # ---------------------------------------------------------------------------------------- SmolLM2
 
 def test_smollm2_forced_calls_validate(smollm2_gguf):
-    """Real weights (the shipped GGUF; its template knows no tools, so the Hermes format is named
-    as `zoo serve tool_format=hermes` would): a named and a required call, greedy, in one batch,
-    each parses and its arguments validate."""
+    """Real weights (the shipped GGUF; its template knows no tools): a named and a required call
+    in the Hermes format, named as `zoo serve tool_format=hermes` would, and the same two as the
+    forced JSON of a model without a format (zoo/tools/forced.py, what zoo serve answers without
+    tool_format), greedy, in one batch: each parses and its arguments validate."""
     import zoo
     from zoo.constrain import Grammars
     from zoo.serve.scheduler import SamplingParams, Scheduler, Sequence
 
-    m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=2, max_seq=256)
+    m = zoo.from_pretrained(str(smollm2_gguf), compile=False, max_batch=4, max_seq=256)
     g = Grammars(m.tokenizer, m.engine.vocab_size, Scheduler(m).eos)
+    named = {"type": "function", "function": {"name": "get_weather"}}
     plans = [ChatPlan(fmt=by_name("hermes"), tools=check_tools(TOOLS), choice=choice, parallel=False)
              for choice in ({"name": "get_weather"}, "required")]
+    plans += [ChatPlan.of(m.tokenizer, {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False})
+              for choice in (named, "required")]
+    assert [p.fmt.name for p in plans] == ["hermes", "hermes", "json", "json"]
     prompt = m.tokenizer.apply_chat_template([{"role": "user", "content": "What is the weather in Paris "
                                                                           "for the next 3 days?"}], tools=TOOLS)
-    seqs, out = [], [[], []]
+    seqs, out = [], [[] for _ in plans]
     for i, plan in enumerate(plans):
         (kind, value, field, prefix), _ = plan.constraint(g.literal, prompt)
         params = SamplingParams(max_tokens=80, temperature=0, keep_special=True,
