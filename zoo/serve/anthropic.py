@@ -30,13 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .api import APIError, Server, _field
-from .turn import Piece, Turn, renamed
+from .turn import Piece, Turn, check_tools_as, renamed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 # the chat request's fields, as this API calls them (in error messages)
-FIELDS = {"stop": "stop_sequences", "response_format": "output_config.format"}
+FIELDS = {"stop": "stop_sequences", "response_format": "output_config.format", "tool_choice.function": "tool_choice"}
 
 
 def error_body(e: APIError) -> dict:
@@ -142,6 +142,8 @@ def _tools(body: dict) -> dict:
                                                        f"{json.dumps(t.get('input_schema'))[:80]}")
             chat.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                           "parameters": t["input_schema"]}})
+        if chat:
+            check_tools_as(chat, lambda f: f.replace(".function.parameters", ".input_schema").replace(".function", ""))
         out["tools"] = chat or None
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None

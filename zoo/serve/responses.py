@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .api import APIError, Server, _field
-from .turn import Piece, Turn, renamed
+from .turn import Piece, Turn, check_tools_as, renamed
 
 FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
           "response_format": "text.format", "tool_choice.function": "tool_choice", "messages": "input"}
@@ -129,6 +129,8 @@ def _tools(body: dict) -> dict:
                                                f"{json.dumps(t.get('type') if isinstance(t, dict) else t)[:80]}")
             fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
             chat.append({"type": "function", "function": fn})
+        if chat:
+            check_tools_as(chat, lambda f: f.replace(".function", ""))
         out["tools"] = chat or None
     choice = body.get("tool_choice")
     if isinstance(choice, dict):

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Request
 
+from ..tools import ToolError, check_tools
 from .api import APIError, Run, Server
 
 
@@ -51,6 +52,16 @@ def renamed(names: dict[str, str]):
             if e.param == ours or (e.param or "")[len(ours):len(ours) + 1] in (".", "[") and e.param.startswith(ours):
                 e.param = theirs + e.param[len(ours):]
         raise
+
+
+def check_tools_as(tools: list[dict], rename) -> None:
+    """zoo.tools.check_tools on tools translated into chat's shape; a bad one is a 400 naming the
+    field as the translating API calls it (rename(chat field) -> its field)."""
+    try:
+        check_tools(tools)
+    except ToolError as e:
+        field = rename(e.field)
+        raise APIError(400, f"{field}: {str(e)[len(e.field) + 2:]}", param=field, code="invalid_value") from e
 
 
 def pieces_of(delta: dict) -> list[Piece]:
