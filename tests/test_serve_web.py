@@ -190,6 +190,15 @@ def test_chat_page_in_chromium(server):
             assert f"{card['params']:,}" in text and f"{card['cache_bytes_per_token']:,} B" in text
             assert page.locator("#card-body .strip span").count() == card["n_layers"]
 
+            # replies render as Markdown by default (a small renderer that builds nodes, never HTML)
+            html = page.evaluate("""(t) => { const d = document.createElement("div"); d.append(renderMarkdown(t));
+                                              return d.innerHTML; }""",
+                                 "Use **add**:\n```python\ndef add(a, b):\n    return a + b\n```\n- one <img src=x onerror=alert(1)>")
+            assert "<strong>add</strong>" in html and '<code class="lang-python">def add(a, b):\n    return a + b</code>' in html
+            assert "<li>one &lt;img src=x onerror=alert(1)&gt;</li>" in html and "<img" not in html
+            # the reply compared as the plain text the API returns
+            page.uncheck("#markdown")
+            page.dispatch_event("#markdown", "change")
             for field, value in (("system", system), ("temperature", "0"), ("max_tokens", str(GREEDY_TOKENS)), ("seed", "1")):
                 page.fill(f"#{field}", value)
                 page.dispatch_event(f"#{field}", "change")

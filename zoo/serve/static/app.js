@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 const STORE = "zoo.chat.v1";          // conversations, in localStorage
 const SETTINGS = "zoo.settings.v1";
 const DEFAULTS = { system: "", temperature: 0.8, top_p: 0.95, top_k: "", max_tokens: "", seed: "", ignore_eos: false,
-                   api_key: "" };
+                   markdown: true, api_key: "" };
 const POLL_MS = 1000;
 
 // ------------------------------------------------------------------ small helpers
@@ -39,7 +39,7 @@ const uid = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 
 
 // ------------------------------------------------------------------ settings
 
-const fields = ["system", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "api_key"];
+const fields = ["system", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "markdown", "api_key"];
 function loadSettings() {
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(SETTINGS) || "{}"); } catch (e) { saved = {}; }
@@ -106,9 +106,81 @@ function renderConvs() {
   }, "✕"))));
 }
 
+// ------------------------------------------------------------------ markdown (replies)
+
+/** A small Markdown subset -> DOM nodes (never HTML parsing: the text stays text): fenced code,
+ *  headings, lists, quotes, paragraphs; inline code, **bold**, *italic*, [links](https://...).
+ *  An unclosed fence (a reply still streaming) runs to the end. */
+function renderMarkdown(text) {
+  const out = document.createDocumentFragment();
+  const lines = text.split("\n");
+  let para = [], list = null;
+  const flush = () => {
+    if (para.length) out.append(h("p", {}, inline(para.join("\n"))));
+    para = [];
+    list = null;
+  };
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i];
+    const fence = line.match(/^\s*```\s*([\w+-]*)\s*$/);
+    if (fence) {
+      flush();
+      const code = [];
+      while (++i < lines.length && !/^\s*```\s*$/.test(lines[i])) code.push(lines[i]);
+      const body = code.join("\n");
+      out.append(h("div", { class: "codeblock" },
+        h("div", { class: "code-head" }, h("span", {}, fence[1] || "code"),
+          h("button", { type: "button", onclick: () => copy(body) }, "copy")),
+        h("pre", {}, h("code", { class: fence[1] ? `lang-${fence[1]}` : null }, body))));
+      continue;
+    }
+    const head = line.match(/^(#{1,6})\s+(.*)$/);
+    const item = line.match(/^\s*([-*+]|\d+[.)])\s+(.*)$/);
+    const quote = line.match(/^>\s?(.*)$/);
+    if (head) { flush(); out.append(h(`h${Math.min(6, head[1].length + 2)}`, {}, inline(head[2]))); }
+    else if (item) {
+      const ordered = /\d/.test(item[1]);
+      if (para.length) { out.append(h("p", {}, inline(para.join("\n")))); para = []; }
+      if (!list || list.ordered !== ordered) { list = { ordered, el: h(ordered ? "ol" : "ul", {}) }; out.append(list.el); }
+      list.el.append(h("li", {}, inline(item[2])));
+    } else if (quote) { flush(); out.append(h("blockquote", {}, inline(quote[1]))); }
+    else if (!line.trim()) flush();
+    else { list = null; para.push(line); }
+  }
+  flush();
+  return out;
+}
+
+const INLINE = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|(\*[^*\s][^*\n]*\*)|(\[[^\]\n]+\]\(https?:\/\/[^\s)]+\))/g;
+function inline(text) {
+  const parts = [];
+  let at = 0;
+  for (const m of text.matchAll(INLINE)) {
+    if (m.index > at) parts.push(text.slice(at, m.index));
+    const t = m[0];
+    if (m[1]) parts.push(h("code", {}, t.slice(1, -1)));
+    else if (m[2]) parts.push(h("strong", {}, t.slice(2, -2)));
+    else if (m[3]) parts.push(h("em", {}, t.slice(1, -1)));
+    else {
+      const [, label, href] = t.match(/^\[([^\]]+)\]\((.*)\)$/);
+      parts.push(h("a", { href, target: "_blank", rel: "noopener noreferrer" }, label));
+    }
+    at = m.index + t.length;
+  }
+  if (at < text.length) parts.push(text.slice(at));
+  return parts;
+}
+
+/** A message's text into its .content element: Markdown for replies when the setting is on. */
+function fill(el, m) {
+  const md = m.role === "assistant" && $("markdown").checked;
+  el.classList.toggle("md", md);
+  if (md) el.replaceChildren(renderMarkdown(m.content)); else el.textContent = m.content;
+}
+
 // ------------------------------------------------------------------ messages
 
-function metaLine(m) {
+function metaLine(m, last) {
   const parts = [];
   if (m.role === "assistant") {
     if (m.state === "stopped") parts.push(h("span", { class: "tag stopped" }, "stopped"));
@@ -121,6 +193,9 @@ function metaLine(m) {
     }
   }
   if (m.content) parts.push(h("button", { type: "button", onclick: () => copy(m.content) }, "copy"));
+  if (m.role === "assistant" && last && m.state !== "streaming") {
+    parts.push(h("button", { type: "button", class: "regenerate", onclick: regenerate }, "regenerate"));
+  }
   return h("div", { class: "meta" }, parts);
 }
 function messageEl(m, i) {
@@ -129,10 +204,12 @@ function messageEl(m, i) {
     bubble.append(h("details", { class: "reasoning", open: m.state === "streaming" },
       h("summary", {}, "reasoning"), h("div", { class: "reasoning-text" }, m.reasoning)));
   }
-  bubble.append(h("div", { class: "content" }, m.content));
+  const content = h("div", { class: "content" });
+  fill(content, m);
+  bubble.append(content);
   if (m.error) bubble.append(h("div", { class: "error-text" }, `Error: ${m.error}`));
   return h("div", { class: `msg ${m.role}` + (m.error ? " error" : ""), "data-index": i, "data-state": m.state || "done" },
-    bubble, metaLine(m));
+    bubble, metaLine(m, i === conv().messages.length - 1));
 }
 function renderMessages() {
   const c = conv();
@@ -173,9 +250,22 @@ function history(c) {
 
 async function send(text) {
   const c = conv();
-  if (!modelId) await loadModel();
   c.messages.push({ role: "user", content: text });
   if (c.title === "New chat") c.title = text.length > 40 ? text.slice(0, 40) + "…" : text;
+  return reply(c);
+}
+
+/** Drop the conversation's last reply and ask again (new sampling settings, another seed). */
+function regenerate() {
+  const c = conv();
+  if (busy || !c.messages.length || c.messages[c.messages.length - 1].role !== "assistant") return;
+  c.messages.pop();
+  return reply(c);
+}
+
+/** Stream the assistant's reply to the conversation so far into a new message. */
+async function reply(c) {
+  if (!modelId) await loadModel();
   const body = { model: modelId, messages: history(c), stream: true, stream_options: { include_usage: true }, ...sampling() };
   const m = { role: "assistant", content: "", reasoning: "", state: "streaming" };
   c.messages.push(m);
@@ -188,7 +278,7 @@ async function send(text) {
   controller = new AbortController();
   let reasoningEl = null;
   const show = () => {
-    contentEl.textContent = m.content;
+    fill(contentEl, m);
     if (m.reasoning) {
       if (!reasoningEl) {
         const d = h("details", { class: "reasoning", open: true }, h("summary", {}, "reasoning"), h("div", { class: "reasoning-text" }));
@@ -406,7 +496,11 @@ function main() {
   loadSettings();
   loadConvs();
   renderAll();
-  for (const f of fields) $(f).addEventListener("change", () => { saveSettings(); if (f === "api_key") loadModel(); });
+  for (const f of fields) $(f).addEventListener("change", () => {
+    saveSettings();
+    if (f === "api_key") loadModel();
+    if (f === "markdown" && !busy) renderMessages();
+  });
   $("reset-settings").addEventListener("click", () => { localStorage.removeItem(SETTINGS); loadSettings(); });
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
