@@ -129,7 +129,8 @@ QUESTIONS = ("What is the capital of France?", "And of Italy?", "Tell me about P
 
 def _greedy_stream(base: str, messages: list[dict]) -> tuple[str, int]:
     """The streamed greedy reply through the API: its text and how many content deltas it came in."""
-    body = {"model": NAME, "temperature": 0, "max_tokens": GREEDY_TOKENS, "seed": 1, "stream": True, "messages": messages}
+    body = {"model": NAME, "temperature": 0, "max_tokens": GREEDY_TOKENS, "seed": 1, "stream": True,
+            "messages": messages}
     text, pieces = "", 0
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -193,13 +194,16 @@ def test_chat_page_in_chromium(server):
             # replies render as Markdown by default (a small renderer that builds nodes, never HTML)
             html = page.evaluate("""(t) => { const d = document.createElement("div"); d.append(renderMarkdown(t));
                                               return d.innerHTML; }""",
-                                 "Use **add**:\n```python\ndef add(a, b):\n    return a + b\n```\n- one <img src=x onerror=alert(1)>")
-            assert "<strong>add</strong>" in html and '<code class="lang-python">def add(a, b):\n    return a + b</code>' in html
+                                 "Use **add**:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+                                 "- one <img src=x onerror=alert(1)>")
+            assert "<strong>add</strong>" in html
+            assert '<code class="lang-python">def add(a, b):\n    return a + b</code>' in html
             assert "<li>one &lt;img src=x onerror=alert(1)&gt;</li>" in html and "<img" not in html
             # the reply compared as the plain text the API returns
             page.uncheck("#markdown")
             page.dispatch_event("#markdown", "change")
-            for field, value in (("system", system), ("temperature", "0"), ("max_tokens", str(GREEDY_TOKENS)), ("seed", "1")):
+            for field, value in (("system", system), ("temperature", "0"), ("max_tokens", str(GREEDY_TOKENS)),
+                                 ("seed", "1")):
                 page.fill(f"#{field}", value)
                 page.dispatch_event(f"#{field}", "change")
             page.evaluate(RECORD)
@@ -219,7 +223,8 @@ def test_chat_page_in_chromium(server):
 
             # live metrics: the panel polls /metrics every second
             page.wait_for_function("""() => {
-                const v = (id) => parseFloat(document.querySelector(`[data-metric=${id}] .v`).textContent.replace(/,/g, ""));
+                const v = (id) => parseFloat(
+                    document.querySelector(`[data-metric=${id}] .v`).textContent.replace(/,/g, ""));
                 return v("generated") >= %d && v("requests") >= 2; }""" % greedy["usage"]["completion_tokens"],
                                    timeout=10_000)
 
