@@ -256,6 +256,24 @@ def test_chat_page_in_chromium(server):
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT))
 
+            # a bad setting: the server's 400 is shown in the reply's place, and the page goes on
+            page.fill("#temperature", "5")
+            page.fill("#input", "Hello?")
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant.error", timeout=10_000)
+            assert "'temperature' must be a number in [0, 2], got 5" in page.inner_text(".msg.assistant.error")
+            assert page.is_visible("#send")
+
+            # conversations live in the browser's storage: a reload keeps them, New chat starts another
+            n = page.locator(".msg").count()
+            assert n == 6
+            page.reload()
+            page.wait_for_selector("#card-body .legend", timeout=20_000)  # the key was kept too
+            assert page.locator(".msg").count() == n
+            page.click("#new-chat")
+            assert page.locator(".msg").count() == 0 and page.locator(".conv").count() == 2
+            page.locator(".conv").nth(1).click()
+            assert page.locator(".msg").count() == n
             page.click("#clear")
             assert page.locator(".msg").count() == 0 and page.inner_text("#chat-title") == "New chat"
             assert not errors, errors

@@ -362,7 +362,10 @@ async function loadModel() {
   try {
     const r = await fetch("/v1/zoo/card", { headers: headers() });
     const card = await r.json();
-    if (!r.ok) throw new Error((card.error && card.error.message) || `HTTP ${r.status}`);
+    if (!r.ok) {
+      throw new Error(((card.error && card.error.message) || `HTTP ${r.status}`)
+                      + (r.status === 401 ? " (set the API key in Settings)" : ""));
+    }
     modelId = card.id;
     renderCard(card);
     $("model-line").textContent = `${card.id} · ${card.n_layers} layers · ${si(card.params)} parameters · ${card.dtype}`
