@@ -385,8 +385,8 @@ function renderCard(card) {
     card.layers.map((l, i) => h("span", { style: `background:${colors[l.kind]}`, title: `layer ${i}: ${l.kind} (${l.mixer}+${l.ffn})` })));
   const legend = h("div", { class: "legend" },
     card.kinds.map((k) => h("span", {}, h("i", { style: `background:${colors[k.name]}` }), `${k.name} (${k.mixer}+${k.ffn}) ×${k.layers}`)));
-  const kinds = h("table", { class: "kinds" },
-    h("thead", {}, h("tr", {}, h("th", {}, "kind"), h("th", { class: "num" }, "layers"), h("th", { class: "num" }, "params/layer"),
+  const kinds = h("table", { class: "kinds" }, h("caption", {}, "per layer of each kind"),
+    h("thead", {}, h("tr", {}, h("th", {}, "kind"), h("th", { class: "num" }, "layers"), h("th", { class: "num", title: "parameters per layer" }, "params"),
       h("th", { class: "num" }, "cache B/tok"), h("th", { class: "num" }, "state B/seq"))),
     h("tbody", {}, card.kinds.map((k) => h("tr", {},
       h("td", { title: k.name }, `${k.mixer}+${k.ffn}`), h("td", { class: "num" }, k.layers), h("td", { class: "num" }, fmt(k.params_per_layer)),
