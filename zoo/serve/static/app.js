@@ -79,7 +79,9 @@ function loadConvs() {
   for (const c of state.convs) for (const m of c.messages) if (m.state === "streaming") m.state = "stopped";
   if (!state.convs.find((c) => c.id === state.current)) newConv();
 }
-function saveConvs() { localStorage.setItem(STORE, JSON.stringify(state)); }
+function saveConvs() {
+  try { localStorage.setItem(STORE, JSON.stringify(state)); } catch (e) { console.warn("conversations not saved:", e); }
+}
 function conv() { return state.convs.find((c) => c.id === state.current); }
 function newConv() {
   const existing = state.convs.find((c) => c.messages.length === 0);
@@ -335,7 +337,7 @@ async function reply(c) {
     m.state = "done";
   } catch (e) {
     if (e.name === "AbortError") m.state = "stopped";
-    else { m.state = "done"; m.error = e.message || String(e); }
+    else { m.state = "done"; m.error = e.message || String(e); controller.abort(); }  // an error event: close the stream
   } finally {
     controller = null;
     const end = performance.now();
