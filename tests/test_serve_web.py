@@ -263,6 +263,13 @@ def test_chat_page_in_chromium(server):
             page.wait_for_selector(".msg.assistant.error", timeout=10_000)
             assert "'temperature' must be a number in [0, 2], got 5" in page.inner_text(".msg.assistant.error")
             assert page.is_visible("#send")
+            page.locator(".msg.user .edit").last.click()  # the question back into the box, the error gone
+            assert page.input_value("#input") == "Hello?" and page.locator(".msg.error").count() == 0
+            page.fill("#temperature", "1")
+            page.fill("#max_tokens", "4")
+            page.press("#input", "Enter")
+            page.wait_for_function("() => document.querySelectorAll('.msg.assistant:not([data-state=streaming])')"
+                                   ".length == 3", timeout=30_000)
 
             # conversations live in the browser's storage: a reload keeps them, New chat starts another
             n = page.locator(".msg").count()

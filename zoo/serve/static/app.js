@@ -195,6 +195,7 @@ function metaLine(m, last) {
     }
   }
   if (m.content) parts.push(h("button", { type: "button", onclick: () => copy(m.content) }, "copy"));
+  if (m.role === "user") parts.push(h("button", { type: "button", class: "edit", onclick: () => edit(m) }, "edit"));
   if (m.role === "assistant" && last && m.state !== "streaming") {
     parts.push(h("button", { type: "button", class: "regenerate", onclick: regenerate }, "regenerate"));
   }
@@ -255,6 +256,15 @@ async function send(text) {
   c.messages.push({ role: "user", content: text });
   if (c.title === "New chat") c.title = text.length > 40 ? text.slice(0, 40) + "…" : text;
   return reply(c);
+}
+
+/** Back into the input box: the message and everything after it leave the conversation. */
+function edit(m) {
+  const c = conv();
+  if (busy) return;
+  c.messages = c.messages.slice(0, c.messages.indexOf(m));
+  saveConvs(); renderAll();
+  $("input").value = m.content; grow(); $("input").focus();
 }
 
 /** Drop the conversation's last reply and ask again (new sampling settings, another seed). */
