@@ -35,12 +35,14 @@ def test_every_source_folder_and_conf_file_is_shipped(wheel):
     names = set(wheel.namelist())
     for folder, package in (("zoo", "zoo"), ("compiler", "zoo/compiler"), ("conf", "zoo/conf")):
         for path in (ROOT / folder).rglob("*"):
-            if "__pycache__" in path.parts or not path.is_file() or path.suffix not in (".py", ".yaml", ".cpp"):
+            shipped_kinds = (".py", ".yaml", ".cpp", ".html", ".js", ".css")  # .html/.js/.css: zoo/serve/static/
+            if "__pycache__" in path.parts or not path.is_file() or path.suffix not in shipped_kinds:
                 continue
             shipped = f"{package}/{path.relative_to(ROOT / folder).as_posix()}"
             assert shipped in names, f"{path.relative_to(ROOT)} is not in the wheel as {shipped}"
     assert any(n.startswith("zoo/conf/rules/") and n.endswith(".yaml") for n in names)
     assert any(n.startswith("zoo/conf/hf/") and n.endswith(".yaml") for n in names)
+    assert {"zoo/serve/static/index.html", "zoo/serve/static/app.js", "zoo/serve/static/style.css"} <= names  # the page at /
 
 
 def test_no_generic_top_level_names_importable():

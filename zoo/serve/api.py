@@ -31,6 +31,7 @@ from ..tools import ToolError, by_name
 from .chat import ChatOutput, ChatPlan
 from .metrics import Metrics
 from .scheduler import PREFIX_CACHE_BYTES, Event, QueueFull, SamplingParams, Scheduler, Sequence
+from .web import add_routes as add_web_routes
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -444,6 +445,8 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
         return response
 
     body_of = server.read_body
+
+    add_web_routes(app, server)  # the page at / and GET /v1/zoo/card (serve/web.py)
 
     @app.get("/health")
     async def health():
