@@ -34,3 +34,16 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: Optional[int]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [N, V] and the tokens that followed them ids [N] -> per position (the token's
+    log-probability, its k most likely tokens and theirs), from one float32 log_softmax, so a
+    token that is the top one has exactly the top value (what a client's is-greedy check compares)."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, ids.to(logp.device, torch.long)[:, None])[:, 0].tolist()
+    if k <= 0:
+        return [(lp, []) for lp in chosen]
+    v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [(lp, list(zip(ii, vv))) for lp, ii, vv in zip(chosen, i.tolist(), v.tolist())]
