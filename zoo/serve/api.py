@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP layer (FastAPI). Requests are parsed and checked here, turned into
 scheduler Sequences (one per choice) and answered from the events the scheduler thread sends.
+Completions' own fields and answer shape (echo, prompt log-probabilities) are in completions.py,
+/tokenize and /detokenize in tokenize.py.
 
 Every error is an OpenAI-style object {"error": {"message", "type", "param", "code"}}: 400 for
 bad input (malformed JSON, missing or mistyped fields, out-of-range values, a prompt plus
@@ -196,9 +198,9 @@ class Server:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _field(body, key, int, None)
+        least = 1 if chat or max_tokens is None else 0  # completions' 0 (asked for): echo scores the prompt only
         if max_tokens is None:
             max_tokens = self.max_seq - prompt_len
-        least = 1 if chat else 0  # completions: 0 with echo scores the prompt only
         _range(key, max_tokens, max_tokens >= least, f"an integer >= {least}")
         if prompt_len + max_tokens > self.max_seq:
             raise APIError(400, f"this model's maximum context length is {self.max_seq} tokens; the request has "
