@@ -158,6 +158,9 @@ def test_tokenize_detokenize(server, hf):
     assert _post(server, "/detokenize", {"tokens": [1, 10 ** 6]}, 400)["error"]["param"] == "tokens"
     assert _post(server, "/detokenize", {"tokens": "abc"}, 400)["error"]["param"] == "tokens"
     assert _post(server, "/detokenize", {"model": "other", "tokens": [1]}, 404)["error"]["code"] == "model_not_found"
+    info = httpx.get(server + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == MAX_SEQ
 
 
 # ---------------------------------------------------------------------------- lm-eval itself
@@ -201,6 +204,14 @@ def test_lm_eval_local_completions_equals_hf(server, ckpt, lm_eval, monkeypatch,
         assert [r[0][1] for r in a["resps"]] == [r[0][1] for r in b["resps"]]  # is_greedy
     gen = list(zip(zoo["samples"]["zoo_tiny_gen"], ref["samples"]["zoo_tiny_gen"]))
     assert len(gen) == 4 and all(a["resps"] == b["resps"] for a, b in gen)
+
+    # no local tokenizer: lm-eval's auto backend finds /tokenizer_info and tokenizes through the server
+    remote = _evaluate(lm_eval, monkeypatch, tmp_path, "local-completions",
+                       dict(model=NAME, base_url=server + "/v1/completions", tokenized_requests=True,
+                            max_length=MAX_SEQ, batch_size=4), ["zoo_tiny_mc"])
+    assert remote["results"]["zoo_tiny_mc"]["acc,none"] == ref["results"]["zoo_tiny_mc"]["acc,none"]
+    for a, b in zip(remote["samples"]["zoo_tiny_mc"], ref["samples"]["zoo_tiny_mc"]):
+        assert [r[0][0] for r in a["resps"]] == pytest.approx([r[0][0] for r in b["resps"]], abs=1e-4)
 
 
 def test_lm_eval_local_chat_completions_equals_hf(server, ckpt, lm_eval, monkeypatch, tmp_path):

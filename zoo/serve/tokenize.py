@@ -6,6 +6,12 @@ prompts for /v1/completions call):
                      prompt, with the generation prompt, as /v1/chat/completions builds it)
                   -> {"tokens": [int], "count": int, "max_model_len": int}
     POST /detokenize {"tokens": [int]} -> {"prompt": str}
+    GET /tokenizer_info -> {"eos_token", "bos_token", "pad_token", "chat_template", "model_max_length",
+                            "vocab_size"}
+
+With the three, lm-evaluation-harness' remote tokenizer (`tokenizer_backend=remote`, or `auto`,
+which probes /tokenizer_info) tokenizes through the server: no local tokenizer needed, so a
+served GGUF file is scored with the tokenizer read from it.
 
 "model" is optional here (as in vLLM); when sent it must be the served name. Errors are the
 API's (api.APIError): 400 naming the field.
@@ -35,6 +41,13 @@ def add_routes(app: FastAPI, server, body_of, field, api_error) -> None:
             if special:  # the template writes its own BOS: this asks for the tokenizer's on top
                 tokens = server.tokenizer.encode(text, add_special_tokens=True)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_seq}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        server.check_auth(request)
+        tok = server.need_tokenizer("/tokenizer_info")
+        return {"eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": server.max_seq, "vocab_size": tok.vocab_size}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
