@@ -60,7 +60,7 @@ def _hf_logprobs(model, ids):
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-LONG = list(range(3, 43))  # 40 tokens: prefilled in three chunks of step_tokens=16
+LONG = list(range(3, 43))  # 40 tokens: three pieces of step_tokens=16
 
 
 def test_echo_prompt_logprobs_equal_transformers(server, hf):
@@ -96,6 +96,11 @@ def test_echo_prompt_logprobs_equal_transformers(server, hf):
     for ids, c, before in zip(prompts, echo_only["choices"], out["choices"]):
         assert c["finish_reason"] == "length" and c["text"] == tok.decode(ids)
         assert c["logprobs"]["token_logprobs"] == before["logprobs"]["token_logprobs"][:-1]
+    # alone (nothing decodes, so admitted whole): its logits computed step_tokens positions at a time
+    solo = _post(server, "/v1/completions", {"model": NAME, "prompt": LONG, "echo": True, "logprobs": 1,
+                                             "max_tokens": 0})["choices"][0]["logprobs"]["token_logprobs"]
+    ref = _hf_logprobs(model, LONG)
+    assert solo[1:] == pytest.approx(ref[torch.arange(len(LONG) - 1), torch.tensor(LONG[1:])].tolist(), abs=1e-4)
     plain = _post(server, "/v1/completions", {"model": NAME, "prompt": text, "echo": True, "max_tokens": 0})
     assert plain["choices"][0]["text"] == text and plain["choices"][0]["logprobs"] is None
 

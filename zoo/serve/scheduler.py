@@ -29,8 +29,9 @@ recently used evicted). Its sizes and hits are in /metrics (zoo_prefix_cache_*).
 
 Prompt log-probabilities (SamplingParams.prompt_logprobs: /v1/completions' echo, what
 lm-evaluation-harness scores with): such a row is prefilled with every position's logits
-(Engine.prefill_row / extend_rows with last_only=False, whole or chunk by chunk); the other rows
-stay on the last-position path. It reads nothing from the prefix cache, since a reused prefix has
+(Engine.prefill_row / extend_rows with last_only=False, in pieces of at most step_tokens or
+ECHO_POSITIONS positions, so its logits stay bounded); the other rows stay on the last-position
+path. It reads nothing from the prefix cache, since a reused prefix has
 no logits: its prompt is recomputed (and stored for the requests after). max_tokens 0 ends it
 once its prompt is in, with no token sampled.
 
@@ -134,6 +135,7 @@ class Sequence:
 
 
 PREFIX_CACHE_BYTES = 1 << 30  # host memory for cached prompts (compiler/engine/prefix.py)
+ECHO_POSITIONS = 512  # positions of a prompt whose logits one call computes for its log-probabilities
 
 
 class QueueFull(Exception):
@@ -450,14 +452,23 @@ class Scheduler:
         return logits
 
     def _start_echo(self, s: Sequence, ids: torch.Tensor) -> torch.Tensor:
-        """A sequence that wants its prompt's log-probabilities: prefilled whole with every
-        position's logits. A reused prefix would have none, so the prefix cache is not read
-        (the prompt is recomputed); the prompt is stored in it for the requests after."""
-        if self.spec is not None:
-            logits = self.spec.prefill_row(s.row, ids, last_only=False)
+        """A sequence that wants its prompt's log-probabilities: prefilled with every position's
+        logits, in pieces of step_tokens (else ECHO_POSITIONS) positions where the engine can
+        extend rows, so the logits held at once stay [piece, V] whatever the prompt's length.
+        A reused prefix would have none, so the prefix cache is not read (the prompt is
+        recomputed); the prompt is stored in it for the requests after."""
+        e = self.engine
+        if self.spec is not None and self.spec.drafter.wants_hidden:  # it starts from the whole prompt's states
+            last = self._prompt_logprobs(s, 0, self.spec.prefill_row(s.row, ids, last_only=False))
         else:
-            logits = self.engine.prefill_row(s.row, ids, last_only=False)
-        last = self._prompt_logprobs(s, 0, logits)
+            piece = (self.step_tokens or ECHO_POSITIONS) if e.can_extend else len(ids)
+            for at in range(0, len(ids), piece):
+                part = ids[at:at + piece]
+                logits = e.prefill_row(s.row, part, last_only=False) if at == 0 else \
+                    e.extend_rows([s.row], part[None])[0]
+                last = self._prompt_logprobs(s, at, logits)
+            if self.spec is not None:
+                self.spec.started_row(s.row, ids)
         if self.prefix is not None:
             self.prefix.store(s.row, ids, last)
         return last
