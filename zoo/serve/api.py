@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP layer (FastAPI). Requests are parsed and checked here, turned into
 scheduler Sequences (one per choice) and answered from the events the scheduler thread sends.
 Completions' own fields and answer shape (echo, prompt log-probabilities) are in completions.py,
-/tokenize and /detokenize in tokenize.py.
+/tokenize, /detokenize and /tokenizer_info in tokenize.py.
 
 Every error is an OpenAI-style object {"error": {"message", "type", "param", "code"}}: 400 for
 bad input (malformed JSON, missing or mistyped fields, out-of-range values, a prompt plus
@@ -31,8 +31,8 @@ from ..tools import ToolError, by_name
 from . import completions as completions_api
 from .chat import ChatOutput, ChatPlan
 from .metrics import Metrics
-from .tokenize import add_routes as add_token_routes
 from .scheduler import PREFIX_CACHE_BYTES, Event, QueueFull, SamplingParams, Scheduler, Sequence
+from .tokenize import add_routes as add_token_routes
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -432,7 +432,7 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
             server.check_model(body)
         return body
 
-    add_token_routes(app, server, body_of, _field, APIError)  # /tokenize, /detokenize (tokenize.py)
+    add_token_routes(app, server, body_of, _field, APIError)  # /tokenize, /detokenize, /tokenizer_info
 
     @app.get("/health")
     async def health():
