@@ -13,7 +13,9 @@ Two engines score the same multiple-choice task (log-likelihood requests: lm-eva
 
 Reported per engine: accuracy / exact match, wall time and requests per second of each task, and
 between the two: the largest and the median |log-likelihood difference| over the requests (the
-quantized kernels' noise against float32 weights) and how many generations are equal.
+quantized kernels' noise against float32 weights) and how many generations are equal. hf's wall
+times include loading (and dequantizing) the file, which lm-eval does in each call; zoo's exclude
+the server's start.
 
 The multiple-choice task is synthetic (--docs questions, four choices each, seeded), written
 with its YAML to a temp dir; the generation task is tests/data/lmeval/zoo_tiny_gen. Results:
