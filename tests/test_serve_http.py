@@ -133,7 +133,8 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": [1, 10 ** 6]}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": [1, -3]}, 400, "invalid_value"),
-    ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, 400, "invalid_value"),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": -1}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "max_tokens": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "n": 99}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "stop": [1]}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": {"a": 1}}, 400, "invalid_type"),
@@ -180,8 +181,9 @@ def _rss(proc) -> int:
 
 def test_load(server):
     """200 requests from 32 concurrent clients (random lengths, a quarter streamed, some of those
-    leaving mid-stream): every request that stayed gets a complete valid answer, nothing hangs,
-    every row is free afterwards, the server's RSS stays flat."""
+    leaving mid-stream, some completions echoing their prompt's log-probabilities): every request
+    that stayed gets a complete valid answer, nothing hangs, every row is free afterwards, the
+    server's RSS stays flat."""
     base, proc = server
     rng = random.Random(0)
     words = "the capital of france is paris one two three four five model question answer".split()
@@ -193,7 +195,9 @@ def test_load(server):
         kw = dict(model=NAME, max_tokens=n, temperature=rng.choice([0, 0.8]), seed=i, extra_body={"ignore_eos": True})
         if mode < 0.25:
             leave = mode < 0.1
-            stream = await c.completions.create(prompt=prompt, stream=True, **kw)
+            # some echo their prompt first (with its log-probabilities), some of those leave
+            echo = dict(echo=True, logprobs=1) if mode < 0.05 or 0.2 < mode else {}
+            stream = await c.completions.create(prompt=prompt, stream=True, **echo, **kw)
             got, finish = 0, None
             async for ch in stream:
                 if ch.choices and ch.choices[0].finish_reason:
@@ -207,10 +211,16 @@ def test_load(server):
         elif mode < 0.6:
             r = await c.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
             assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n
-        else:
+        elif mode < 0.85:
             r = await c.completions.create(prompt=prompt, **kw)
             assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n
             assert isinstance(r.choices[0].text, str)
+        else:  # lm-eval's scoring request: echo with the prompt's log-probabilities, max_tokens 0 or n
+            kw["max_tokens"] = n = rng.choice([0, n])
+            r = await c.completions.create(prompt=prompt, echo=True, logprobs=1, **kw)
+            lp = r.choices[0].logprobs
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n
+            assert len(lp.token_logprobs) == r.usage.prompt_tokens + n and lp.token_logprobs[0] is None
         stats["ok"] += 1
 
     async def run(total):

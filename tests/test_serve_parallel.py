@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 NAME, MAX_SEQ, MAX_BATCH = "tiny", 64, 2
 REQUESTS = [{"model": NAME, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0,
-             "ignore_eos": True, "logprobs": 0},
+             "ignore_eos": True, "logprobs": 0, "echo": True},  # echo: every prompt position's logits too
             {"model": NAME, "prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
              "logprobs": 0}]
 
@@ -113,7 +113,7 @@ class Engine:
     def __init__(self, fail):
         self.fail, self.calls = fail, []
 
-    def prefill_row(self, row, ids, return_hidden=False):
+    def prefill_row(self, row, ids, return_hidden=False, last_only=True):
         if row in self.fail.get(rank, ()):
             raise RuntimeError(f"row {row} does not fit on rank {rank}")
         self.calls.append(["prefill", row, ids.tolist()])
@@ -240,6 +240,7 @@ if rank == 0:
     leader = LeaderEngine(engine, group)
     leader.prefill_row(3, torch.tensor([5, 6, 7]))
     leader.prefill_row(2, torch.tensor([4]), return_hidden=True)
+    leader.prefill_row(1, torch.tensor([6, 7]), last_only=False)  # every position's logits (echo)
     leader.extend_rows([3], torch.tensor([[8, 9]]))
     leader.extend_rows([1, 2], torch.tensor([[1, 2, 3], [4, 5, 6]]), last_only=True, return_hidden=True)
     leader.truncate_row(3, 4)
@@ -269,10 +270,10 @@ shutdown()
 def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_path):
     """Two gloo ranks over a recording stand-in engine: every engine call of the scheduler (with
     chunked prefill, the prefix cache and speculative decoding) reaches rank 1 with the arguments
-    rank 0 ran it with: extend_rows with last_only / return_hidden, truncate_row, save_state /
-    restore_state and export_row / import_row (what they return stays on each rank under one key;
-    rank 1 lets go of its copy when rank 0 does), an MTP step with its bfloat16 hidden states,
-    move_row, decode_active."""
+    rank 0 ran it with: prefill_row with return_hidden / last_only, extend_rows with last_only /
+    return_hidden, truncate_row, save_state / restore_state and export_row / import_row (what
+    they return stays on each rank under one key; rank 1 lets go of its copy when rank 0 does),
+    an MTP step with its bfloat16 hidden states, move_row, decode_active."""
     import json
 
     from tests.serve_fixtures import free_port
@@ -290,7 +291,9 @@ def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_pat
         assert p.returncode == 0, stderr[-3000:]
     leader, follower = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results)
     plain, hidden = {"return_hidden": False}, {"return_hidden": True}
-    assert leader == [["prefill_row", [3, [5, 6, 7]], plain], ["prefill_row", [2, [4]], hidden],
+    last, every = {"last_only": True}, {"last_only": False}
+    assert leader == [["prefill_row", [3, [5, 6, 7]], {**plain, **last}],
+                      ["prefill_row", [2, [4]], {**hidden, **last}], ["prefill_row", [1, [6, 7]], {**plain, **every}],
                       ["extend_rows", [[3], [[8, 9]]], {"last_only": False, **plain}],
                       ["extend_rows", [[1, 2], [[1, 2, 3], [4, 5, 6]]], {"last_only": True, **hidden}],
                       ["truncate_row", [3, 4], {}], ["save_state", [[1, 3]], {}],
@@ -300,8 +303,8 @@ def test_every_row_call_the_scheduler_makes_is_replayed_on_the_followers(tmp_pat
                       ["move_row", [3, 0], {}], ["decode_active", [[11, 12]], {}], ["decode_rows", [[1, 2, 3, 4]], {}],
                       ["release_row", [0], {}], ["freed", "export_row2"], ["reset", [], {}]]
     # rank 1 exported without logits (only rank 0's prefix cache reads them); all else alike
-    assert follower[6] == ["export_row", [3], {}]
-    assert follower[:6] + follower[7:] == leader[:6] + leader[7:]
+    assert follower[7] == ["export_row", [3], {}]
+    assert follower[:7] + follower[8:] == leader[:7] + leader[8:]
 
 
 # ----------------------------------------------------------------------------- every policy, two real ranks

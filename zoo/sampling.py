@@ -34,3 +34,19 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: Optional[int]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [N, V] and the tokens that followed them ids [N] -> per position (the token's
+    log-probability, its k most likely tokens and theirs). Each is logit - logsumexp (float32),
+    one formula for all, so a token that is the top one has exactly the top value (what a
+    client's is-greedy check compares); no [N, V] log_softmax is made beside the logits (a
+    prompt's N is up to max_seq)."""
+    logits = logits.float()
+    lse = logits.logsumexp(-1, keepdim=True)
+    chosen = (logits.gather(-1, ids.to(logits.device, torch.long)[:, None]) - lse)[:, 0].tolist()
+    if k <= 0:
+        return [(lp, []) for lp in chosen]
+    v, i = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return [(lp, list(zip(ii, vv))) for lp, ii, vv in zip(chosen, i.tolist(), (v - lse).tolist())]

@@ -7,7 +7,8 @@ on the device), a token count on the host (`row_len`, None: free) and an active 
 mask that sends free rows back to position 0 after each step).
 
     prefill_rows(start, ids [n, L]) -> logits [n, V]   start sequences in free rows start..start+n-1
-    prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission)
+    prefill_row(row, ids [L]) -> logits [V]            the same for one row (a server's admission;
+                                                       [L, V], every position, with last_only=False)
     decode_rows(tok [max_batch]) -> logits [max_batch, V]   one step of every row (free: garbage)
     decode_active(tok [n]) -> logits [n, V]            one step of rows 0..n-1 (rows past them: free,
                                                        or in use past the bucket, left as they are)
@@ -318,19 +319,21 @@ class Engine:
         return self.model.logits(h[:, -1])
 
     @_engine_mode
-    def prefill_row(self, row: int, ids: torch.Tensor, return_hidden: bool = False):
+    def prefill_row(self, row: int, ids: torch.Tensor, return_hidden: bool = False, last_only: bool = True):
         """Start a sequence in one free row without touching the others: ids [L] (positions
         0..L-1) -> logits [V] float32 of the last position (prefill_rows at n = 1); with
-        return_hidden also the final-normed states [L, D]."""
+        return_hidden also the final-normed states [L, D]. last_only=False: the logits of every
+        position [L, V] (a server's prompt log-probabilities; the head runs over L rows)."""
         rows = self._free_slice("prefill_row", row, 1)
         if ids.dim() != 1 or not 1 <= ids.shape[0] <= self.max_seq:
             raise InputError(f"prefill_row: expected ids of shape [seq_len] with seq_len in 1..max_seq="
                              f"{self.max_seq}, got {tuple(ids.shape)}")
         self._check_ids(ids, "prefill_row")
         h = self._start_rows(rows, ids.reshape(1, -1))
+        logits = self.model.logits(h[0, -1] if last_only else h[0])
         if return_hidden:
-            return self.model.logits(h[0, -1]), self.model.final_hidden(h[0])
-        return self.model.logits(h[0, -1])
+            return logits, self.model.final_hidden(h[0])
+        return logits
 
     def _free_slice(self, what: str, start: int, n: int) -> slice:
         if n < 1 or not 0 <= start <= self.max_batch - n:

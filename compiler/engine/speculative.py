@@ -79,13 +79,14 @@ class Speculator:
         self.recurrent = bool(engine.constant_state_kinds())
         self.stats = SpecStats()
 
-    def prefill_row(self, row: int, ids: torch.Tensor) -> torch.Tensor:
-        """Engine.prefill_row (ids [L] -> logits [V]) that also starts the drafter's row."""
+    def prefill_row(self, row: int, ids: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Engine.prefill_row (ids [L] -> logits [V], or [L, V] with last_only=False) that also
+        starts the drafter's row."""
         if not self.drafter.wants_hidden:
-            logits = self.engine.prefill_row(row, ids)
+            logits = self.engine.prefill_row(row, ids, last_only=last_only)
             self.drafter.prefilled([row], ids[None], None)
             return logits
-        logits, hidden = self.engine.prefill_row(row, ids, return_hidden=True)
+        logits, hidden = self.engine.prefill_row(row, ids, return_hidden=True, last_only=last_only)
         self.drafter.prefilled([row], ids[None], hidden[None])
         return logits
 

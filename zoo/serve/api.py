@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP layer (FastAPI). Requests are parsed and checked here, turned into
 scheduler Sequences (one per choice) and answered from the events the scheduler thread sends.
+Completions' own fields and answer shape (echo, prompt log-probabilities) are in completions.py,
+/tokenize, /detokenize and /tokenizer_info in tokenize.py.
 
 Every error is an OpenAI-style object {"error": {"message", "type", "param", "code"}}: 400 for
 bad input (malformed JSON, missing or mistyped fields, out-of-range values, a prompt plus
@@ -28,10 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..compiler.errors import ZooError
 from ..constrain import Grammar, GrammarError, Grammars
 from ..tools import ToolError, by_name
+from . import completions as completions_api
 from .chat import ChatOutput, ChatPlan
 from .metrics import Metrics
 from .scheduler import PREFIX_CACHE_BYTES, Event, QueueFull, SamplingParams, Scheduler, Sequence
 from .web import add_routes as add_web_routes
+from .tokenize import add_routes as add_token_routes
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -112,8 +116,9 @@ class Server:
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def read_body(self, request: Request) -> dict:
-        """The request's JSON object, after the key check, naming a model this server serves."""
+    async def read_body(self, request: Request, need_model: bool = True) -> dict:
+        """The request's JSON object, after the key check, naming a model this server serves
+        (`need_model=False`: /tokenize and friends, where `model` may be left out)."""
         self.check_auth(request)
         raw = await request.body()
         try:
@@ -122,7 +127,8 @@ class Server:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        self.check_model(body)
+        if need_model or body.get("model") is not None:
+            self.check_model(body)
         return body
 
     def check_model(self, body: dict) -> None:
@@ -211,9 +217,10 @@ class Server:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _field(body, key, int, None)
+        least = 1 if chat or max_tokens is None else 0  # completions' 0 (asked for): echo scores the prompt only
         if max_tokens is None:
             max_tokens = self.max_seq - prompt_len
-        _range(key, max_tokens, max_tokens >= 1, "an integer >= 1")
+        _range(key, max_tokens, max_tokens >= least, f"an integer >= {least}")
         if prompt_len + max_tokens > self.max_seq:
             raise APIError(400, f"this model's maximum context length is {self.max_seq} tokens; the request has "
                                 f"{prompt_len} prompt tokens and asks for {max_tokens} more",
@@ -238,13 +245,9 @@ class Server:
             want = _field(body, "logprobs", bool, False)
             k = _field(body, "top_logprobs", int, 0)
             _range("top_logprobs", k, 0 <= k <= MAX_TOP_LOGPROBS, f"an integer in 0..{MAX_TOP_LOGPROBS}")
-            logprobs = k if want else None
+            logprobs, prompt_logprobs = (k if want else None), None
         else:
-            logprobs = _field(body, "logprobs", int, None)
-            if logprobs is not None:
-                _range("logprobs", logprobs, 0 <= logprobs <= MAX_TOP_LOGPROBS, f"an integer in 0..{MAX_TOP_LOGPROBS}")
-            if _field(body, "echo", bool, False):
-                raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
+            logprobs, prompt_logprobs, _ = completions_api.options(body, _field, _range)
         ignore_eos = _field(body, "ignore_eos", bool, False)
         grammar = self.grammar(body, plan, prompt_text)
         keep = plan is not None and plan.active
@@ -252,7 +255,7 @@ class Server:
                                  top_p=top_p,
                                  top_k=top_k if top_k > 0 else None,
                                  seed=None if seed is None else seed + i, stop=tuple(stop), logprobs=logprobs,
-                                 ignore_eos=ignore_eos) for i in range(n)]
+                                 prompt_logprobs=prompt_logprobs, ignore_eos=ignore_eos) for i in range(n)]
         return params, n
 
     def grammar(self, body: dict, plan: Optional[ChatPlan] = None, prompt_text: str = "") -> Optional[Grammar]:
@@ -375,12 +378,16 @@ class Choice:
 
     def __init__(self):
         self.text, self.tokens, self.lps, self.finish = "", [], [], None
+        self.prompt = None  # the prompt's log-probabilities (a "prompt" event: completions' echo)
 
 
 async def _collect(server: Server, run: Run, request: Request) -> list[Choice]:
     choices = [Choice() for _ in run.seqs]
     async for i, ev in run.events(request):
         c = choices[i]
+        if ev.kind == "prompt":
+            c.prompt = ev.prompt
+            continue
         c.text += ev.text
         if ev.kind == "token":
             c.tokens.append(ev.token)
@@ -389,19 +396,6 @@ async def _collect(server: Server, run: Run, request: Request) -> list[Choice]:
         else:
             c.finish = ev.finish_reason
     return choices
-
-
-def _completion_logprobs(server: Server, c: Choice) -> Optional[dict]:
-    if not c.lps:
-        return None
-    tokens = [server.token_text(ev.token) for ev in c.lps]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [ev.logprob for ev in c.lps],
-            "top_logprobs": [{server.token_text(t): lp for t, lp in (ev.top or [])} for ev in c.lps],
-            "text_offset": offsets}
 
 
 def _sse(obj) -> str:
@@ -447,6 +441,8 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
     body_of = server.read_body
 
     add_web_routes(app, server)  # the page at / and GET /v1/zoo/card (serve/web.py)
+
+    add_token_routes(app, server, body_of, _field, APIError)  # /tokenize, /detokenize, /tokenizer_info
 
     @app.get("/health")
     async def health():
@@ -503,6 +499,7 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
         opts = _field(body, "stream_options", dict, {})
         include_usage = bool(opts.get("include_usage", False)) and stream
         want_ids = _field(body, "return_token_ids", bool, server.tokenizer is None)
+        echo = not chat and _field(body, "echo", bool, False)
         run = Run(server, prompts, params)
         run.submit()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -523,8 +520,8 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
                             "logprobs": {"content": [_chat_logprob(server, ev) for ev in c.lps]} if c.lps else None,
                             "finish_reason": c.finish}
                 else:
-                    item = {"index": i, "text": c.text, "logprobs": _completion_logprobs(server, c),
-                            "finish_reason": c.finish}
+                    item = completions_api.choice(server, i, run.seqs[i].prompt, c, echo,
+                                                  run.seqs[i].params.logprobs is not None)
                 if want_ids:
                     item["token_ids"] = c.tokens
                 out.append(item)
@@ -546,7 +543,7 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
                 if ev is not None and ev.logprob is not None:
                     t = server.token_text(ev.token)
                     lp = {"tokens": [t], "token_logprobs": [ev.logprob],
-                          "top_logprobs": [{server.token_text(k): v for k, v in (ev.top or [])}]}
+                          "top_logprobs": [completions_api.top_dict(server.token_text, ev.top or [])]}
                 choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
             if want_ids and ev is not None and ev.token is not None:
                 choice["token_ids"] = [ev.token]
@@ -554,11 +551,17 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
 
         async def sse():
             try:
-                if chat:
-                    for i in range(len(run.seqs)):
+                for i, s in enumerate(run.seqs):
+                    if chat:
                         yield chunk(i, None, role=True)
+                    elif echo and s.params.prompt_logprobs is None:  # else with its "prompt" event
+                        yield _sse({**head, "choices": [completions_api.echo_chunk(server, i, s.prompt, None, False)],
+                                    **extra})
                 async for i, ev in run.events(request):
-                    if outputs is not None:  # the reply parsed: content / reasoning / tool-call deltas
+                    if ev.kind == "prompt":  # completions' echo with logprobs
+                        yield _sse({**head, "choices": [completions_api.echo_chunk(server, i, run.seqs[i].prompt,
+                                                                                  ev.prompt, True)], **extra})
+                    elif outputs is not None:  # the reply parsed: content / reasoning / tool-call deltas
                         deltas = outputs[i].feed(ev.text)
                         finish = None
                         if ev.kind == "done":

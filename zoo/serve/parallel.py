@@ -12,7 +12,7 @@ the model's sharded MTP layer, so they are engine calls too (Engine.mtp_extend),
 the hidden states they read.
 
 The calls:
-    prefill_row(row, ids, return_hidden)      release_row(row)      move_row(src, dst)
+    prefill_row(row, ids, return_hidden, last_only)   release_row(row)   move_row(src, dst)
     decode_rows(tok)    decode_active(tok)    reset()               truncate_row(row, length)
     extend_rows(rows, ids, last_only, return_hidden)
     save_state(rows) -> handle                restore_state(rows, handle)
@@ -64,7 +64,7 @@ OP_NAMES = {PREFILL: "prefill_row", RELEASE: "release_row", DECODE: "decode_rows
             SAVE: "save_state", RESTORE: "restore_state", EXPORT: "export_row", IMPORT: "import_row",
             MTP: "mtp_extend"}
 ROW_OPS = (PREFILL, RELEASE, MOVE, TRUNCATE, EXPORT, IMPORT)  # ints[0] is the row (named in errors)
-LAST_ONLY, HIDDEN = 1, 2  # flags of prefill_row / extend_rows
+LAST_ONLY, HIDDEN, ALL_POSITIONS = 1, 2, 4  # flags of prefill_row / extend_rows (prefill_row: last_only=False)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # an MTP step's hidden states: flags index
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 MESSAGE_BYTES = 1000  # of each failed rank's error text, sent to every rank
@@ -192,9 +192,10 @@ class LeaderEngine:
         weakref.finalize(out, self._dead.append, key)
         return out
 
-    def prefill_row(self, row: int, ids: torch.Tensor, return_hidden: bool = False):
-        return self._call(PREFILL, lambda: self._engine.prefill_row(row, ids, return_hidden=return_hidden),
-                          _ints(row, ids), HIDDEN * return_hidden)
+    def prefill_row(self, row: int, ids: torch.Tensor, return_hidden: bool = False, last_only: bool = True):
+        return self._call(PREFILL, lambda: self._engine.prefill_row(row, ids, return_hidden=return_hidden,
+                                                                    last_only=last_only),
+                          _ints(row, ids), HIDDEN * return_hidden + ALL_POSITIONS * (not last_only))
 
     def release_row(self, row: int):
         return self._call(RELEASE, lambda: self._engine.release_row(row), _ints(row))
@@ -257,7 +258,7 @@ def _run(engine, op: int, flags: int, ints: torch.Tensor, floats: Optional[torch
     """A follower's replay of one of rank 0's calls (the layouts LeaderEngine sends)."""
     last_only, hidden = bool(flags & LAST_ONLY), bool(flags & HIDDEN)
     if op == PREFILL:
-        engine.prefill_row(int(ints[0]), ints[1:], return_hidden=hidden)
+        engine.prefill_row(int(ints[0]), ints[1:], return_hidden=hidden, last_only=not flags & ALL_POSITIONS)
     elif op == RELEASE:
         engine.release_row(int(ints[0]))
     elif op == DECODE:

@@ -27,6 +27,14 @@ is copied into the row and only the rest is prefilled; each prompt, and each con
 its row is released, is kept in the cache (host memory, bounded by `prefix_cache_bytes`, least
 recently used evicted). Its sizes and hits are in /metrics (zoo_prefix_cache_*).
 
+Prompt log-probabilities (SamplingParams.prompt_logprobs: /v1/completions' echo, what
+lm-evaluation-harness scores with): such a row is prefilled with every position's logits
+(Engine.prefill_row / extend_rows with last_only=False, in pieces of at most step_tokens or
+ECHO_POSITIONS positions, so its logits stay bounded); the other rows stay on the last-position
+path. It reads nothing from the prefix cache, since a reused prefix has
+no logits: its prompt is recomputed (and stored for the requests after). max_tokens 0 ends it
+once its prompt is in, with no token sampled.
+
 Each sequence samples with its own settings and its own seeded torch.Generator, so the same seed
 and request give the same text whatever else runs beside it. A sequence with a grammar
 (SamplingParams.grammar, zoo.constrain) has its logits masked to what the grammar takes before it
@@ -55,7 +63,7 @@ from ..compiler.engine.drafters import Pick
 from ..compiler.engine.prefix import PrefixCache
 from ..compiler.errors import ConfigError
 from ..constrain import Grammar
-from ..sampling import probabilities, sample
+from ..sampling import probabilities, sample, token_logprobs
 from .text import StopText
 
 log = logging.getLogger("zoo.serve")
@@ -72,6 +80,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     logprobs: Optional[int] = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: Optional[int] = None  # None: off; k >= 0: each prompt token's logprob and the top k
     ignore_eos: bool = False
     grammar: Optional[Grammar] = None  # constrained decoding (zoo.constrain): each choice gets its own state
     keep_special: bool = False  # text with special tokens (tool-call and channel markers are some)
@@ -81,9 +90,11 @@ class SamplingParams:
 class Event:
     """What a sequence reports to its consumer, from the scheduler thread.
 
-    kind "token": one generated token (text: what can be shown now; may be "" while a possible
-    stop string is held back). kind "done": the end, with finish_reason "stop" | "length" |
-    "cancelled" | "error" and any text released at the end.
+    kind "prompt" (only with SamplingParams.prompt_logprobs, once, before any token): `prompt`,
+    per prompt token (the token's log-probability, [(token, logprob)] of the top k), None for
+    the first (nothing precedes it). kind "token": one generated token (text: what can be shown
+    now; may be "" while a possible stop string is held back). kind "done": the end, with
+    finish_reason "stop" | "length" | "cancelled" | "error" and any text released at the end.
     """
 
     kind: str
@@ -93,6 +104,7 @@ class Event:
     top: Optional[list[tuple[int, float]]] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    prompt: Optional[list[Optional[tuple[float, list[tuple[int, float]]]]]] = None
 
 
 @dataclass
@@ -110,6 +122,7 @@ class Sequence:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    prompt_lps: list = field(default_factory=list)  # the prompt's log-probabilities so far (scheduler thread)
 
     def __post_init__(self):
         self.text = StopText(self.tokenizer, self.params.stop, keep_special=self.params.keep_special)
@@ -122,6 +135,7 @@ class Sequence:
 
 
 PREFIX_CACHE_BYTES = 1 << 30  # host memory for cached prompts (compiler/engine/prefix.py)
+ECHO_POSITIONS = 512  # positions of a prompt whose logits one call computes for its log-probabilities
 
 
 class QueueFull(Exception):
@@ -327,7 +341,7 @@ class Scheduler:
                 s.sink(Event("done", finish_reason="error", error=str(err)))
                 continue
             self._rows[s.row] = s
-            self._advance(s.row, logits)
+            self._begin(s.row, logits)
         if chunk is not None:
             self._chunk = chunk
             self._next_chunk(left)
@@ -338,8 +352,9 @@ class Scheduler:
         last one it joins the decoding rows (row n)."""
         e, c = self.engine, self._chunk
         s = c.seq
+        echo = s.params.prompt_logprobs is not None  # every chunk's logits, and no reused prefix (_start_echo)
         try:
-            if c.done == 0 and self.prefix is not None:  # the longest stored prefix, copied in
+            if c.done == 0 and self.prefix is not None and not echo:  # the longest stored prefix, copied in
                 before = self._prefix_counts()
                 c.done = self.prefix.begin(c.row, torch.tensor(s.prompt, dtype=torch.long))
                 if self.metrics is not None:
@@ -347,12 +362,14 @@ class Scheduler:
             k = min(max(left, 1), len(s.prompt) - c.done)
             ids = torch.tensor(s.prompt[c.done:c.done + k], dtype=torch.long)
             if c.done == 0:
-                logits = e.prefill_row(c.row, ids)
+                logits = e.prefill_row(c.row, ids, last_only=not echo)
             else:
-                logits = e.extend_rows([c.row], ids[None], last_only=True)[0]
+                logits = e.extend_rows([c.row], ids[None], last_only=not echo)[0]
         except Exception as err:
             self._drop_chunk("error", error=str(err))
             return True
+        if echo:
+            logits = self._prompt_logprobs(s, c.done, logits)
         c.done += k
         if c.done < len(s.prompt):
             return True
@@ -366,7 +383,7 @@ class Scheduler:
             self.spec.started_row(row, torch.tensor(s.prompt, dtype=torch.long))
         s.row = row
         self._rows[row] = s
-        self._advance(row, logits)
+        self._begin(row, logits)
         return True
 
     def _drop_chunk(self, reason: str, error: Optional[str] = None) -> None:
@@ -419,6 +436,8 @@ class Scheduler:
     def _start(self, s: Sequence) -> torch.Tensor:
         """Prefill a sequence's row (through the prefix cache, when there is one) -> logits [V]."""
         ids = torch.tensor(s.prompt, dtype=torch.long)
+        if s.params.prompt_logprobs is not None:
+            return self._start_echo(s, ids)
         if self.spec is not None and (self.prefix is None or self.spec.drafter.wants_hidden):
             # the MTP drafter starts from the prompt's hidden states, which a reused prefix lacks
             return self.spec.prefill_row(s.row, ids)
@@ -431,6 +450,49 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.prefix_cache(self.prefix, before)
         return logits
+
+    def _start_echo(self, s: Sequence, ids: torch.Tensor) -> torch.Tensor:
+        """A sequence that wants its prompt's log-probabilities: prefilled with every position's
+        logits, in pieces of step_tokens (else ECHO_POSITIONS) positions where the engine can
+        extend rows, so the logits held at once stay [piece, V] whatever the prompt's length.
+        A reused prefix would have none, so the prefix cache is not read (the prompt is
+        recomputed); the prompt is stored in it for the requests after."""
+        e = self.engine
+        if self.spec is not None and self.spec.drafter.wants_hidden:  # it starts from the whole prompt's states
+            last = self._prompt_logprobs(s, 0, self.spec.prefill_row(s.row, ids, last_only=False))
+        else:
+            piece = (self.step_tokens or ECHO_POSITIONS) if e.can_extend else len(ids)
+            for at in range(0, len(ids), piece):
+                part = ids[at:at + piece]
+                logits = e.prefill_row(s.row, part, last_only=False) if at == 0 else \
+                    e.extend_rows([s.row], part[None])[0]
+                last = self._prompt_logprobs(s, at, logits)
+            if self.spec is not None:
+                self.spec.started_row(s.row, ids)
+        if self.prefix is not None:
+            self.prefix.store(s.row, ids, last)
+        return last
+
+    def _prompt_logprobs(self, s: Sequence, start: int, logits: torch.Tensor) -> torch.Tensor:
+        """logits [l, V] of prompt positions start..start+l-1 -> the log-probabilities of the
+        tokens after them, kept on s; sent (a "prompt" event) once the whole prompt is in.
+        Returns the last position's logits [V]."""
+        if start == 0:
+            s.prompt_lps = [None]  # the first token: nothing precedes it
+        after = torch.tensor(s.prompt[start + 1:start + 1 + logits.shape[0]], dtype=torch.long)
+        if len(after):
+            s.prompt_lps += token_logprobs(logits[:len(after)], after, s.params.prompt_logprobs)
+        if len(s.prompt_lps) == len(s.prompt):
+            s.sink(Event("prompt", prompt=s.prompt_lps))
+        return logits[-1]
+
+    def _begin(self, row: int, logits: torch.Tensor) -> None:
+        """A sequence whose prompt is in (logits [V] of its last token): its first token, or its
+        end when it asked for none (max_tokens 0: the prompt's log-probabilities only)."""
+        if self._rows[row].params.max_tokens == 0:
+            self._finish(row, "length")
+        else:
+            self._advance(row, logits)
 
     def _prefix_counts(self) -> dict:
         p = self.prefix
@@ -455,11 +517,8 @@ class Scheduler:
         c = s.constraint
         lp = top = None
         if p.logprobs is not None:
-            logp = logits.float().log_softmax(-1)
-            lp = float(logp[tok])
-            if p.logprobs > 0:
-                v, i = logp.topk(min(p.logprobs, logp.shape[-1]))
-                top = list(zip(i.tolist(), v.tolist()))
+            (lp, top), = token_logprobs(logits[None], torch.tensor([tok]), p.logprobs)
+            top = top if p.logprobs > 0 else None
         now = time.perf_counter()
         if self.metrics is not None:
             self.metrics.token(now - (s.last_token or s.submitted), first=s.first_token is None)
