@@ -127,7 +127,10 @@ BAD = [
     ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "stream": "yes"}, 400, "invalid_type"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, 404, "model_not_found"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": MAX_SEQ}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"model": NAME, "prompt": [1] * MAX_SEQ}, 400, "invalid_value"),
+    ("/v1/completions", {"model": NAME, "prompt": [1] * MAX_SEQ}, 400, "context_length_exceeded"),
+    # no max_tokens and a prompt that fills the context: the context is named, not "max_tokens -N"
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi " * MAX_SEQ}]}, 400,
+     "context_length_exceeded"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "temperature": -0.5}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "top_p": 0}, 400, "invalid_value"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400, "invalid_value"),

@@ -8,6 +8,7 @@ travel with the backend (`GraphCounter.config_patches`), not through global conf
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import os
 import time
@@ -124,6 +125,19 @@ def cpu_compile_patches() -> dict:
         tmp.write_text(json.dumps(known, indent=1))
         tmp.replace(record)
     return {"cpp.vec_isa_ok": True} if known[key] == reported else {}
+
+
+@functools.cache
+def kernel_sources_digest() -> str:
+    """sha256 (16 hex) over zoo's C++ op sources: inductor's cache key sees a custom op's name in
+    the graph, not what the op computes or which arguments it takes, so a graph compiled against
+    another version of the kernels must not be served from the persistent cache."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.cpp")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.cache

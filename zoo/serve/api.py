@@ -219,6 +219,10 @@ class Server:
         max_tokens = _field(body, key, int, None)
         least = 1 if chat or max_tokens is None else 0  # completions' 0 (asked for): echo scores the prompt only
         if max_tokens is None:
+            if prompt_len >= self.max_seq:  # nothing left to generate into: say so, not "max_tokens -N"
+                raise APIError(400, f"this model's maximum context length is {self.max_seq} tokens; the request has "
+                                    f"{prompt_len} prompt tokens and leaves none to generate",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
             max_tokens = self.max_seq - prompt_len
         _range(key, max_tokens, max_tokens >= least, f"an integer >= {least}")
         if prompt_len + max_tokens > self.max_seq:

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ...contracts import extends_by_decode
-from ..compiling import GraphCounter, apply_compile_settings, cpu_compile_patches, dynamo_settings, structure
+from ..compiling import GraphCounter, apply_compile_settings, kernel_sources_digest, cpu_compile_patches, dynamo_settings, structure
 from .base import Runner, RunnerOptions, register
 
 
@@ -63,7 +63,7 @@ class CompiledRunner(Runner):
         model = engine.model
         apply_compile_settings()
         patches = cpu_compile_patches() if engine.device.type == "cpu" else {}
-        key = f"zoo-max_seq={engine.max_seq}"
+        key = f"zoo-max_seq={engine.max_seq}-kernels={kernel_sources_digest()}"  # see kernel_sources_digest
         self.counters = {name: GraphCounter(name, key, patches) for name in ("prefill", "decode", "extend")}
         self._prefill = torch.compile(_block_prefill, fullgraph=True, dynamic=False, backend=self.counters["prefill"])
         self._extend = torch.compile(_block_extend, fullgraph=True, dynamic=False, backend=self.counters["extend"])
