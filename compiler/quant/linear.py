@@ -90,7 +90,12 @@ class QuantLinear(nn.Module, WeightSink):
 
     tied_to: the parameter this weight is a quantized copy of (a tied output head: the head
     multiplies a quantized copy; the embedding stays float for its lookups, unless the head
-    keeps the file's blocks, whose rows it then reads: contracts.RowTable)."""
+    keeps the file's blocks, whose rows it then reads: contracts.RowTable).
+
+    blocks_only: it takes a GGUF file's blocks as stored and no float weight (set by
+    apply.keep_stored_blocks, runtime.quant=null): never a silently requantized model."""
+
+    blocks_only = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group: Optional[int],
                  compute_dtype: torch.dtype, tied_to: Optional[str] = None, device=None):
@@ -278,6 +283,10 @@ class QuantLinear(nn.Module, WeightSink):
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
+            if self.blocks_only:
+                raise CheckpointError(f"QuantLinear [{shape[0]}, {shape[1]}] keeps a GGUF file's blocks as stored "
+                                      f"(runtime.quant=null) and takes no float weight; runtime.quant=none loads "
+                                      f"float weights, int8 / int4 quantizes them")
             if self.layout != self.mode:
                 raise CheckpointError(f"QuantLinear [{shape[0]}, {shape[1]}] holds GGUF blocks ({self._what()}): a float "
                                       f"weight cannot be loaded into it again")
