@@ -32,6 +32,18 @@ LAYOUT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int5", "Q5_1"
           "Q6_K": "q6k"}  # every other block type: int8g
 
 
+def _mapped_file(t: torch.Tensor):
+    """The path (or [heap], ...) of the mapping holding tensor t's bytes (/proc/self/maps), or None."""
+    at = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= at < hi:
+                return rest[4] if len(rest) > 4 else None
+    return None
+
+
 def _float_elements(m) -> int:
     return sum(p.numel() for p in m.module.parameters())
 
@@ -114,6 +126,10 @@ def test_kquant_mix_kept_by_default(tmp_path, kquant_llama, mix):
         assert isinstance(module, QuantLinear) and module.blocks_only, part
         assert module.layout == LAYOUT.get(types[part], "int8g"), (part, types[part], module.layout)
     assert body.embed.weight is None
+    for module in (body.layers[0].ffn.w2, body.layers[1].ffn.w2, body.head):  # Q6_K as stored: mapped, not copied
+        if module.layout == "q6k":
+            assert _mapped_file(module.qweight) == str(path), module
+    assert _mapped_file(body.layers[0].mixer.wo.qweight) != str(path)  # repacked (int4 / int8 codes): its own memory
     held = m.info.load.held
     assert set(held) == {"kept", "float"} and set(held["float"]) == {"F32"}
     assert set(held["kept"]) == set(types.values())

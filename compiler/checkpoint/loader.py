@@ -588,6 +588,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
             if uses[name] == 0:
                 for key in [k for k in memo if k[0] == name]:
                     memo.pop(key)
+                source.release(name)  # a mapped file's pages of it leave the process (peak RSS: model + one tensor)
         report.params_filled += 1
         if progress is not None:
             progress(sum(s.info.nbytes for s in stored))

@@ -278,7 +278,9 @@ class QuantLinear(nn.Module, WeightSink):
                     fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
                 elif kind == "int5":  # Q5_0 / Q5_1: their bytes; Q5_K its codes re-packed
                     fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
-                elif kind == "q6k":  # Q6_K: its bytes
+                elif kind == "q6k":  # Q6_K: its bytes; the source's own (a file's map) kept as they are
+                    if self._adopt(value):
+                        return what
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
@@ -296,6 +298,18 @@ class QuantLinear(nn.Module, WeightSink):
         for r in range(0, shape[0], step):
             fill(r)
         return what
+
+    def _adopt(self, value: StoredBlocks) -> bool:
+        """Hold the stored bytes themselves as qweight (the q6k layout is the blocks as stored): a
+        whole weight's contiguous CPU bytes, e.g. a view of a GGUF file's memory map, which the
+        view keeps open. The empty buffer it replaces was never written (never resident)."""
+        data = block_bytes(value)
+        held = self.qweight
+        if (data.device.type != "cpu" or held.device.type != "cpu" or data.dtype != held.dtype
+                or tuple(data.shape) != tuple(held.shape) or not data.is_contiguous()):
+            return False
+        self._buffers["qweight"] = data
+        return True
 
     def _what(self) -> str:
         if self.layout == "q6k":
