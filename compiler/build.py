@@ -224,7 +224,7 @@ def quant_stage(module: Decoder, quant: Optional[str], group: int, device: torch
         from .quant.apply import keep_stored_blocks
 
         plan = plan_load(module, source, checkpoint_stages(source, spec), strict=False)
-        return QuantStage(keep_stored_blocks(module, block_formats(plan, source, module), device))
+        return QuantStage(keep_stored_blocks(module, block_formats(plan, source, module)))
     if quant is None or quant == QUANT_FLOAT:
         return QuantStage(None)
     from .quant.apply import compute_dtype_for, quantize_linears

@@ -202,3 +202,26 @@ def test_cli_generate_says_what_was_kept_on_smollm2(smollm2_gguf, capsys):
     assert "weights: kept as stored: Q4_1 210 tensors (63.28 MiB), Q8_0 1 tensor (28.69 MiB); float as stored: F32 " \
            "61 tensors" in captured.err, captured.err
     assert "France" in captured.out and "weights:" not in captured.out
+
+
+def test_which_builds_keep_the_blocks(tiny_gguf, tmp_path):
+    """The default keeps a file's blocks only where zoo's kernels run them in one process: a GGUF
+    source on the CPU with runtime.quant unset; quant=none / int8 / int4, another device, a
+    parallel run or a safetensors checkpoint decide as before (float unless quant= asks)."""
+    from zoo.compiler.build import keeps_stored_blocks, spec_stage
+    from zoo.compiler.checkpoint.hub import open_source
+    from zoo.compiler.config import compose
+
+    def keeps(overrides, source, device="cpu"):
+        spec = spec_stage(compose("llama3_8b_tiny", overrides), "conf/llama3_8b_tiny.yaml").spec
+        return keeps_stored_blocks(spec, source, torch.device(device))
+
+    gguf_source = GGUFSource(str(tiny_gguf))
+    assert keeps([], gguf_source)
+    assert not keeps(["runtime.quant=none"], gguf_source) and not keeps(["runtime.quant=int4"], gguf_source)
+    assert not keeps([], gguf_source, "meta") and not keeps([], None)
+    assert not keeps(["runtime.parallel.tp=2"], gguf_source)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).save_pretrained(tmp_path)
+    assert not keeps([], open_source(str(tmp_path)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import mmap
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,12 @@ class GGUFSource(Source):
         if t.tensor_type.name not in LAYOUTS:
             raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
         lead = _torch_shape(t.shape)[:-1]
-        # a view of the (copy-on-write) memory map: a sink whose layout is the bytes as stored keeps
-        # it (no copy, QuantLinear's q6k), the others copy what they need; the view keeps the map open
-        raw = torch.from_numpy(t.data.view(np.uint8).reshape(*lead, -1))
+        # a view of the (read-only) memory map: a sink whose layout is the bytes as stored keeps it
+        # (no copy, QuantLinear's q6k), the others copy what they need; the view keeps the map open.
+        # Nothing writes into it (a write would fault): the sinks read it into their own buffers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's note that the array is not writable
+            raw = torch.from_numpy(t.data.view(np.uint8).reshape(*lead, -1))
         if as_format is None or as_format == t.tensor_type.name:
             return raw
         return to_mixed(raw.reshape(-1, raw.shape[-1]), t.tensor_type.name, as_format).reshape(*lead, -1)

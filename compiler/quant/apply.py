@@ -36,10 +36,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..contracts import Float32Linear, FloatLinears, KeepFloat32
+from ..contracts import Float32Linear, FloatLinears, KeepFloat32, RowTable
 from ..errors import ContractError
 from . import cpu_kernels
-from ..contracts import RowTable
 from .experts import QuantExperts, quantize_experts
 from .gguf_blocks import LAYOUTS, MIXED_LAYOUTS
 from .linear import INT4_ROWS, INT8_INPUTS, QuantLinear
@@ -129,7 +128,7 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
     return report
 
 
-def keep_stored_blocks(model: nn.Module, formats: dict[str, list], device: torch.device) -> QuantReport:
+def keep_stored_blocks(model: nn.Module, formats: dict[str, list]) -> QuantReport:
     """runtime.quant=null on a GGUF file (CPU): every linear, expert stack, output head and token
     embedding whose stored tensors reach it as blocks zoo's kernels hold becomes an empty sink
     that takes only those blocks (QuantLinear / QuantExperts with `blocks_only`; the layouts are
@@ -151,7 +150,8 @@ def keep_stored_blocks(model: nn.Module, formats: dict[str, list], device: torch
         floats = sorted({k for k in kinds if k is not None and k not in LAYOUTS and k not in MIXED_LAYOUTS})
         if floats and None not in kinds:
             return None, f"stored as {', '.join(floats)} (float tensors stay float)"
-        return None, "its stored blocks do not reach it as rows of blocks (a rule op that moves more than whole rows): dequantized"
+        return None, ("its stored tensors do not reach it as blocks of one format (joined with float parts, or "
+                      "through a rule op that moves more than whole rows): dequantized")
 
     def kept(kinds: list) -> str:
         return f"kept {', '.join(kinds)} blocks as stored"

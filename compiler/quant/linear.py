@@ -96,6 +96,7 @@ class QuantLinear(nn.Module, WeightSink):
     apply.keep_stored_blocks, runtime.quant=null): never a silently requantized model."""
 
     blocks_only = False
+    _adopted = False  # qweight is the source's own bytes (a view of a GGUF file's map: _adopt)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group: Optional[int],
                  compute_dtype: torch.dtype, tied_to: Optional[str] = None, device=None):
@@ -281,6 +282,8 @@ class QuantLinear(nn.Module, WeightSink):
                 elif kind == "q6k":  # Q6_K: its bytes; the source's own (a file's map) kept as they are
                     if self._adopt(value):
                         return what
+                    if self._adopted:  # (a read-only map is never written: bytes of its own)
+                        self._buffers["qweight"], self._adopted = torch.empty_like(self.qweight), False
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
@@ -302,13 +305,15 @@ class QuantLinear(nn.Module, WeightSink):
     def _adopt(self, value: StoredBlocks) -> bool:
         """Hold the stored bytes themselves as qweight (the q6k layout is the blocks as stored): a
         whole weight's contiguous CPU bytes, e.g. a view of a GGUF file's memory map, which the
-        view keeps open. The empty buffer it replaces was never written (never resident)."""
+        view keeps open. The empty buffer it replaces was never written (never resident). The view
+        may be read-only memory: nothing writes a loaded weight, and a later load_weight gives the
+        module bytes of its own first."""
         data = block_bytes(value)
         held = self.qweight
         if (data.device.type != "cpu" or held.device.type != "cpu" or data.dtype != held.dtype
                 or tuple(data.shape) != tuple(held.shape) or not data.is_contiguous()):
             return False
-        self._buffers["qweight"] = data
+        self._buffers["qweight"], self._adopted = data, True
         return True
 
     def _what(self) -> str:
