@@ -38,9 +38,9 @@ from omegaconf import DictConfig, OmegaConf
 from .checkpoint.loader import LoadPlan, LoadReport
 from .contracts import CachePlan, RowTable, Source
 from .engine.cache import plan_caches
-from .errors import ConfigError, InputError, ZooError
+from .errors import ConfigError, ContractError, InputError, ZooError
 from .model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes, torch_dtype
-from .spec import ModelSpec, use_aot, validate
+from .spec import QUANT_FLOAT, ModelSpec, use_aot, validate
 
 # every stage function, in the order run_build calls them (tests count calls through this list)
 STAGES = ("spec_stage", "cast_stage", "quant_stage", "shard_stage", "precision_stage", "load_stage",
@@ -125,7 +125,8 @@ class PrecisionStage:
 @dataclass(frozen=True)
 class CountStage:
     params: int  # per rank under runtime.parallel; quantized weights counted as weights
-    param_bytes: int
+    param_bytes: int  # everything held: float parameters and the quantized / kept blocks' buffers
+    quantized_bytes: int = 0  # of which quantized weights and GGUF blocks kept as stored
 
 
 @dataclass(frozen=True)
@@ -201,11 +202,30 @@ def cast_stage(spec: ModelSpec, dtype: torch.dtype, *, mtp: bool) -> CastStage:
     return CastStage(cast(build_model(spec, mtp=mtp), dtype), dtype, mtp)
 
 
+def keeps_stored_blocks(spec: ModelSpec, source, device: torch.device) -> bool:
+    """runtime.quant=null keeps a checkpoint's blocks as stored: a source that reads them (GGUF),
+    on the CPU (zoo's kernels), in one process (a rank's cut of stored blocks along their inputs
+    is not read yet: under runtime.parallel the default stays float)."""
+    par = spec.runtime.parallel
+    return (spec.runtime.quant is None and source is not None and source.reads_blocks and device.type == "cpu"
+            and par.tp == 1 and par.ep == 1)
+
+
 def quant_stage(module: Decoder, quant: Optional[str], group: int, device: torch.device,
-                dtype: torch.dtype) -> QuantStage:
+                dtype: torch.dtype, spec: Optional[ModelSpec] = None, source=None) -> QuantStage:
     """runtime.quant: the eligible linears and expert stacks become quantized modules (before
-    sharding: every rank quantizes the linears one process would); device picks their kernels."""
-    if quant is None:
+    sharding: every rank quantizes the linears one process would); device picks their kernels.
+    null with a GGUF file (keeps_stored_blocks): the linears, stacks, head and embedding whose
+    stored tensors are blocks keep them as stored, read off the headers by a plan made on the
+    float model (quant.apply.keep_stored_blocks); none: float."""
+    if spec is not None and keeps_stored_blocks(spec, source, device):
+        from .checkpoint.loader import block_formats, plan_load
+        from .checkpoint.rules import checkpoint_stages
+        from .quant.apply import keep_stored_blocks
+
+        plan = plan_load(module, source, checkpoint_stages(source, spec), strict=False)
+        return QuantStage(keep_stored_blocks(module, block_formats(plan, source, module)))
+    if quant is None or quant == QUANT_FLOAT:
         return QuantStage(None)
     from .quant.apply import compute_dtype_for, quantize_linears
 
@@ -250,7 +270,8 @@ def count_stage(module: Decoder) -> CountStage:
         + sum(m.numel() for m in module.modules() if isinstance(m, QuantExperts)) \
         + sum(m.num_embeddings * m.embedding_dim for m in module.modules()  # a table read from its tied head
               if isinstance(m, RowTable) and m.rows_from is not None)
-    return CountStage(params, parameter_bytes(module) + quantized_bytes(module))
+    held = quantized_bytes(module)
+    return CountStage(params, parameter_bytes(module) + held, held)
 
 
 def cache_stage(module: Decoder, max_batch: int, max_seq: int, cache_dtype: torch.dtype) -> CacheStage:
@@ -269,8 +290,10 @@ def fit_stage(spec: ModelSpec, count: CountStage, caches: CacheStage, device: to
     if dry is None:
         dry = not fits and not has_weights
     if not dry and not fits:
+        held = (f": {count.quantized_bytes / 2**30:.2f} GiB of quantized or kept GGUF blocks, "
+                f"{(count.param_bytes - count.quantized_bytes) / 2**30:.2f} GiB float" if count.quantized_bytes else "")
         raise ZooError(f"{spec.name}: needs {needed / 2**30:.2f} GiB ({count.params:,} parameters in "
-                       f"{spec.runtime.dtype} + {caches.total_bytes / 2**30:.2f} GiB of caches) but {device} has "
+                       f"{spec.runtime.dtype}{held} + {caches.total_bytes / 2**30:.2f} GiB of caches) but {device} has "
                        f"{available / 2**30:.2f} GiB available; nothing was allocated")
     return FitStage(needed, available, fits, bool(dry))
 
@@ -285,12 +308,37 @@ def load_stage(spec: ModelSpec, module: Decoder, source, shard: ShardStage) -> L
     from .checkpoint.loader import plan_load
     from .checkpoint.rules import checkpoint_stages
 
-    return LoadStage(source, plan_load(module, source, checkpoint_stages(source, spec), strict=False,
-                                       slices=shard.slices))
+    plan = plan_load(module, source, checkpoint_stages(source, spec), strict=False, slices=shard.slices)
+    if plan.refusal is None:
+        _check_blocks_only(module, plan, source)
+    return LoadStage(source, plan)
+
+
+def _check_blocks_only(module: Decoder, plan: LoadPlan, source) -> None:
+    """Every sink made to keep stored blocks (quant.apply.keep_stored_blocks) is planned blocks:
+    the quant stage's read of the headers and the load plan agree (a ContractError otherwise,
+    before anything is allocated)."""
+    from .checkpoint.loader import weight_sinks
+
+    given = {a.param for a in plan.assignments if a.blocks is not None}
+    missing = [name for name, sink in weight_sinks(module).items()
+               if getattr(sink, "blocks_only", False) and name not in given]
+    if missing:
+        raise ContractError(f"{source.description}: the quant stage kept {missing[:8]} as stored blocks, but the "
+                            f"load plan hands them other values")
+
+
+def quant_mode(quant: Optional[str], report) -> Optional[str]:
+    """The mode a build ran: runtime.quant, or the quant report's ("stored": a GGUF file's blocks
+    kept by default); None for float."""
+    if report is not None:
+        return report.mode
+    return None if quant == QUANT_FLOAT else quant
 
 
 def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: ShardStage, device: torch.device,
-                  dtype: torch.dtype, seed: int, progress: Optional[Callable[[int], Any]] = None) -> WeightsStage:
+                  dtype: torch.dtype, seed: int, progress: Optional[Callable[[int], Any]] = None,
+                  quant_report=None) -> WeightsStage:
     """Allocate storage once on `device`, then load the planned checkpoint (through the weight
     cache for converted weights, one process only) or draw random weights from `seed`.
     progress: a factory taking the bytes to read and returning a callback for bytes read."""
@@ -307,7 +355,8 @@ def weights_stage(spec: ModelSpec, module: Decoder, load: LoadStage, shard: Shar
         rt = spec.runtime
         # converted weights (GGUF dequantized or repacked, quantized at load) come from the
         # weight cache after the first load (checkpoint/weight_cache.py); not per rank
-        settings = {"dtype": rt.dtype, "quant": rt.quant, "quant_group": rt.quant_group, "device": str(device)}
+        settings = {"dtype": rt.dtype, "quant": quant_mode(rt.quant, quant_report), "quant_group": rt.quant_group,
+                    "device": str(device)}
         report = cached_execute(load.plan, module, load.source, settings, enabled=shard.mesh is None,
                                 progress=None if progress is None else progress(load.plan.bytes_to_read),
                                 row_absmax=None if shard.mesh is None else shard.mesh.max_over_ranks)
@@ -417,7 +466,7 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     spec = s.spec
     c = cast_stage(spec, s.dtype, mtp=s.mtp)
     module = c.module
-    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype)
+    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype, spec=spec, source=source)
     sh = shard_stage(spec, module, source)
     p = precision_stage(module, s.dtype, sh.mesh.device if sh.mesh is not None else s.device)
     # planned before counting: the plan may change what is held (a tied table read from its head's blocks)
@@ -428,7 +477,7 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     if f.dry:
         w = WeightsStage(module, None, 0.0)
     else:
-        w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress)
+        w = weights_stage(spec, module, ld, sh, p.device, s.dtype, seed, progress, quant_report=q.report)
     ru = runner_stage(spec, p.device, f.dry)
     e = engine_stage(w.module, spec, ru, ca, s.cache_dtype)
     return BuildRecords(s, c, q, sh, p, n, ca, f, ld, w, ru, e)

@@ -89,8 +89,9 @@ class RuntimeSchema:
     # false: the default)
     aot: str = "auto"
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
-    # weight-only quantization of the linears (compiler/quant): null (float), int8 (per output
-    # channel) or int4 (groups of quant_group inputs, asymmetric)
+    # weight-only quantization of the linears (compiler/quant): null (the checkpoint's own: a GGUF
+    # file's blocks kept as stored on the CPU, float otherwise), none (float: the blocks
+    # dequantized), int8 (per output channel) or int4 (groups of quant_group inputs, asymmetric)
     quant: Optional[str] = None
     quant_group: int = 32  # 32 | 64 | 128 (int4 only); 32 keeps GGUF Q4_0/Q4_1 blocks as stored
     speculative: SpeculativeSchema = field(default_factory=SpeculativeSchema)
@@ -163,6 +164,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SUBLAYER_NORMS = ("pre", "sandwich", "post", "post_residual")
 SINUSOID_STYLES = ("tensor2tensor", "transformer")  # position/sinusoidal.py's frequency schedules
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
+QUANT_FLOAT = "none"  # runtime.quant=none: float weights, a GGUF file's blocks dequantized
 QUANT_GROUPS = (32, 64, 128)
 AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
 
@@ -301,8 +303,9 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         value = getattr(rt, key)
         if value is not None and value not in DTYPES:
             raise _fail(source, f"runtime.{key}: expected one of {list(DTYPES)}, got {value!r}")
-    if rt.quant is not None and rt.quant not in QUANT_MODES:
-        raise _fail(source, f"runtime.quant: expected one of {list(QUANT_MODES)} or null, got {rt.quant!r}")
+    if rt.quant is not None and rt.quant not in (*QUANT_MODES, QUANT_FLOAT):
+        raise _fail(source, f"runtime.quant: expected one of {[*QUANT_MODES, QUANT_FLOAT]} or null (a GGUF file's "
+                            f"blocks as stored), got {rt.quant!r}")
     if rt.quant_group not in QUANT_GROUPS:
         raise _fail(source, f"runtime.quant_group: expected one of {list(QUANT_GROUPS)}, got {rt.quant_group!r}")
     rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string

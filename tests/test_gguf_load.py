@@ -129,7 +129,8 @@ def test_file_really_is_mixed_and_permuted(tiny_gguf, random_llama):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_from_pretrained_gguf_matches_transformers(tiny_gguf, reference, compile):
-    m = zoo.from_pretrained(str(tiny_gguf), compile=compile, max_seq=48, overrides=["runtime.aot=false"])
+    # the float path (quant=none), tight; the kept default: tests/test_gguf_kept_default.py
+    m = zoo.from_pretrained(str(tiny_gguf), compile=compile, max_seq=48, overrides=["runtime.aot=false"], quant="none")
     assert m.tokenizer is None  # no tokenizer metadata in this file: logits only
     assert m.spec.checkpoint.rules == ["llama"] and not m.spec.tie_embeddings
     # every tensor read: embed, norm, output + 9 per layer, into embed, norm, head + 6 per layer
@@ -143,14 +144,14 @@ def test_gguf_directory_and_named_weights(tiny_gguf, reference):
     """A directory holding one .gguf file, and the file as llama3_8b_tiny's checkpoint.weights."""
     ids = torch.randint(0, 256, (1, 9))
     want = reference(ids).logits
-    from_dir = zoo.from_pretrained(str(tiny_gguf.parent), compile=False, max_seq=32)
-    named = zoo.build("llama3_8b_tiny", [f"checkpoint.weights={tiny_gguf}"], compile=False, max_seq=32)
+    from_dir = zoo.from_pretrained(str(tiny_gguf.parent), compile=False, max_seq=32, quant="none")  # the float path
+    named = zoo.build("llama3_8b_tiny", [f"checkpoint.weights={tiny_gguf}"], compile=False, max_seq=32, quant="none")
     assert named.info.load is not None
     for m in (from_dir, named):
         torch.testing.assert_close(m.prefill(ids), want, rtol=1e-5, atol=1e-5)
     # weights= wins over the config's; checkpoint.weights=null means random weights
     given = zoo.build("llama3_8b_tiny", ["checkpoint.weights=pkg://zoo_test_no_such_package/x.gguf"],
-                      weights=str(tiny_gguf), compile=False, max_seq=32)
+                      weights=str(tiny_gguf), compile=False, max_seq=32, quant="none")
     torch.testing.assert_close(given.prefill(ids), want, rtol=1e-5, atol=1e-5)
     random = zoo.build("llama3_8b_tiny", ["checkpoint.weights=null"], compile=False, max_seq=32)
     assert random.info.load is None

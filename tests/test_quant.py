@@ -216,7 +216,7 @@ def test_int4_quantize_roundtrip_is_within_half_a_step():
 
 
 def test_bad_quant_settings_name_the_key():
-    with pytest.raises(ConfigError, match=r"runtime\.quant: expected one of \['int8', 'int4'\].*'int3'"):
+    with pytest.raises(ConfigError, match=r"runtime\.quant: expected one of \['int8', 'int4', 'none'\] or null.*'int3'"):
         zoo.build("llama3_8b_tiny", quant="int3", dry=True)
     with pytest.raises(ConfigError, match=r"runtime\.quant_group: expected one of \[32, 64, 128\].*48"):
         zoo.build("llama3_8b_tiny", quant="int4", quant_group=48, dry=True)

@@ -32,8 +32,9 @@ TEXT = Path(__file__).parent / "data" / "quant_eval.txt"
 CHUNK = 512
 TOKENS = CHUNK  # scored: the text's first 512 tokens (one chunk per mode keeps the test near a minute)
 MODES = {  # name -> from_pretrained arguments
-    "float32": dict(dtype=torch.float32),
-    "bfloat16": dict(dtype=torch.bfloat16),
+    "float32": dict(dtype=torch.float32, quant="none"),  # the float path: every block dequantized
+    "bfloat16": dict(dtype=torch.bfloat16, quant="none"),
+    "default": dict(dtype=torch.float32),  # no quant=: the file's blocks kept as stored
     "int8": dict(dtype=torch.float32, quant="int8"),
     "int4": dict(dtype=torch.float32, quant="int4", quant_group=32),
 }
@@ -90,8 +91,11 @@ def results(gguf_path, chunks, smollm2_hf) -> dict[str, tuple[float, torch.Tenso
         out[name] = _score(m.prefill, chunks)
         out[f"{name}_decode"] = _score_decode(m, chunks[0])
         print(f"{name}: {time.perf_counter() - t0:.1f} s")
-        if name == "int4":
-            out["int4_report"] = m.info.load.tensors
+        if name in ("int4", "default"):
+            out[f"{name}_report"] = m.info.load.tensors
+        if name == "default":
+            out["default_held"] = m.info.load.held
+            out["default_float_bytes"] = sum(p.numel() * p.element_size() for p in m.module.parameters())
         del m
     for name in ("transformers", *MODES):
         ppl, preds = out[name]
@@ -120,6 +124,21 @@ def test_int4_keeps_the_file_blocks(results):
     # the tied head keeps the blocks and the embedding's lookups read them: no float copy of the table
     assert report["token_embd.weight"] == ("kept Q8_0 blocks as int8 g32 (float16 scales); embed.weight looks its "
                                            "rows up in them (no float copy)")
+
+
+def test_default_keeps_the_file_blocks_as_int4_does(results):
+    """No quant=: the shipped file's 210 Q4_1 linears and its tied Q8_0 head / table kept as stored
+    (the report per type, tensors and bytes), float only for the F32 norms (no float copy of a kept
+    tensor: the model's float parameters are exactly their bytes), and the logits those of
+    quant=int4, which keeps the same blocks."""
+    report, held = results["default_report"], results["default_held"]
+    assert report == results["int4_report"]
+    assert set(held) == {"kept", "float"}, held
+    assert held["kept"]["Q4_1"][0] == 30 * 7 and held["kept"]["Q8_0"][0] == 1, held
+    assert set(held["float"]) == {"F32"}
+    assert results["default_float_bytes"] == held["float"]["F32"][1]  # float32 as stored: byte for byte
+    assert results["default"][0] == results["int4"][0] and torch.equal(results["default"][1], results["int4"][1])
+    assert torch.equal(results["default_decode"][1], results["int4_decode"][1])
 
 
 def test_int8_and_int4_both_keep_the_file_blocks(results):

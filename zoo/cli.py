@@ -167,6 +167,7 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
     if "prompt" not in opts:
         raise ZooError("generate needs prompt=\"...\"")
     model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
+    _print_load_line(model)
     tok = model.tokenizer
     if tok is None:
         raise ZooError("generate needs a tokenizer: give weights= a checkpoint with tokenizer.json or a GGUF file")
@@ -195,6 +196,15 @@ def cmd_generate(opts: dict, overrides: list[str]) -> int:
     return 0
 
 
+def _print_load_line(model) -> None:
+    """What the model holds of its checkpoint, on stderr (stdout carries only the command's output)."""
+    from .report import load_line
+
+    line = load_line(model)
+    if line and (not model.info.parallel or model.info.parallel["rank"] == 0):
+        print(line, file=sys.stderr)
+
+
 def cmd_serve(opts: dict, overrides: list[str]) -> int:
     from .serve.api import serve
     from .serve.scheduler import PREFIX_CACHE_BYTES
@@ -206,6 +216,7 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
     if not any(o.startswith("runtime.max_batch=") for o in overrides):
         overrides = [*overrides, "runtime.max_batch=8"]  # rows of the continuous batch
     model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
+    _print_load_line(model)
     name = opts.get("model_name") or opts.get("conf") or Path(opts["weights"].rstrip("/")).name
     api_key = opts.get("api_key") or None
     serve(model, model_name=name, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 8000)),

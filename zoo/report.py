@@ -59,6 +59,8 @@ def build_rows(model, shapes: dict | None = None) -> list[tuple[str, str]]:
                                        f"in {info.load.seconds:.2f} s"))
         if info.load.cache:  # compiler/checkpoint/weight_cache.py
             rows.append(("  weight cache", info.load.cache))
+        for outcome, text in held_rows(info.load.held):
+            rows.append(("  " + outcome, text))
         for what, names in _by_outcome(info.load.tensors).items():
             rows.append(("  " + what, f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {_names(names)}"))
         for name, why in info.load.ignored[:10]:
@@ -80,6 +82,32 @@ _RUNNER_TEXT = {  # compiler/build.py RUNNERS
     "aot": "AOTInductor packages (torch's C++ runner)",
     "cuda_graph": "decode replayed as a CUDA graph",
 }
+
+
+_HELD = {"kept": "kept as stored", "quantized": "quantized at load", "float": "float as stored",
+         "dequantized": "dequantized"}  # LoadReport.held's outcomes, in this order
+
+
+def held_rows(held: dict) -> list[tuple[str, str]]:
+    """LoadReport.held as report rows: per outcome, each stored type's tensors and stored bytes
+    ("kept as stored", "Q4_K 154 tensors (60.12 MiB), Q6_K 31 tensors (21.40 MiB)")."""
+    rows = []
+    for outcome, label in _HELD.items():
+        types = held.get(outcome)
+        if types:
+            rows.append((label, ", ".join(f"{t} {n} tensor{'s' if n != 1 else ''} ({human_bytes(b)})"
+                                          for t, (n, b) in sorted(types.items()))))
+    return rows
+
+
+def load_line(model) -> str | None:
+    """One line on what the model holds of its checkpoint (`zoo generate` / `zoo serve` print it
+    on stderr): "weights: kept as stored: Q4_1 210 tensors (...); float as stored: F32 ...", or
+    None for random weights."""
+    load = model.info.load
+    if load is None or not load.held:
+        return None
+    return "weights: " + "; ".join(f"{what}: {text}" for what, text in held_rows(load.held))
 
 
 def _by_outcome(tensors: dict[str, str]) -> dict[str, list[str]]:

@@ -12,7 +12,9 @@ Metadata becomes a config.json dict through conf/gguf/<architecture>.yaml.
 from __future__ import annotations
 
 import copy
+import mmap
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +108,12 @@ class GGUFSource(Source):
         if t.tensor_type.name not in LAYOUTS:
             raise CheckpointError(f"{self.description}: tensor {name!r} is {t.tensor_type.name}, not block-quantized")
         lead = _torch_shape(t.shape)[:-1]
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(*lead, -1))
+        # a view of the (read-only) memory map: a sink whose layout is the bytes as stored keeps it
+        # (no copy, QuantLinear's q6k), the others copy what they need; the view keeps the map open.
+        # Nothing writes into it (a write would fault): the sinks read it into their own buffers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's note that the array is not writable
+            raw = torch.from_numpy(t.data.view(np.uint8).reshape(*lead, -1))
         if as_format is None or as_format == t.tensor_type.name:
             return raw
         return to_mixed(raw.reshape(-1, raw.shape[-1]), t.tensor_type.name, as_format).reshape(*lead, -1)
@@ -253,6 +260,22 @@ class GGUFSource(Source):
         if not isinstance(arch, str) or arch not in conf_files("gguf"):
             return {}
         return dict(self._mapping()[2].get("tokenizer", {}))
+
+    def release(self, name: str) -> None:
+        """Drop tensor `name`'s pages from this process (madvise DONTNEED on the whole pages inside
+        its bytes; the file's page cache keeps them, and a view kept by a module re-reads them
+        when touched): a load's peak holds the model and the tensor in hand, not the whole file."""
+        t = self._index.tensors.get(name) if self._index is not None else None
+        mm = getattr(self._index.memmap, "_mmap", None) if t is not None else None
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
+        if end > start:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):
+                pass  # a hint only
 
     def close(self) -> None:
         """Drop the memory map (tensors already returned by `read` are independent copies)."""
@@ -461,8 +484,8 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) ->
         raise CheckpointError(
             f"{name} has GGML type {ggml_type.name}, which zoo cannot read (supported: {supported})"
         )
-    if ggml_type == GGMLQuantizationType.F32:  # a read-only view of the memory map: torch needs its own copy
-        return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
+    if ggml_type == GGMLQuantizationType.F32:  # a view of the memory map: `read` hands out its own copy
+        return torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
     raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8))  # the stored bytes, writable
     return dequantize(raw, ggml_type.name)
 

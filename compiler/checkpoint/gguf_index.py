@@ -109,6 +109,8 @@ def read_index(path: str, block_sizes: dict[int, tuple[int, int]]) -> GGUFIndex:
     block, bytes per block) (gguf.GGML_QUANT_SIZES). Raises GGUFFormatError for a malformed file,
     OSError when it cannot be read."""
     try:
+        # read-only and shared, as llama.cpp maps it: no commit charge, so a file larger than the
+        # machine maps (and the fit check, not mmap, refuses it); views handed to modules are never written
         data = np.memmap(path, mode="r")
     except ValueError as e:  # an empty file
         raise GGUFFormatError(str(e)) from None

@@ -98,6 +98,15 @@ class LoadReport:
     # stored tensor -> what the load did with it ("BF16 -> float32", "kept Q4_1 blocks as int4 g32")
     tensors: dict[str, str] = field(default_factory=dict)
     cache: Optional[str] = None  # weight_cache.py: "hit PATH" (state copied from there), "wrote PATH"
+    # what the model holds of the stored tensors, per outcome and stored type: {"kept": {"Q4_K":
+    # [tensors, stored bytes]}, ...}; outcomes: kept (blocks as stored, by a weight sink), quantized
+    # (values quantized at load), float (stored as floats), dequantized (blocks read as floats)
+    held: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def count(self, outcome: str, ggml_type: str, nbytes: int) -> None:
+        row = self.held.setdefault(outcome, {}).setdefault(ggml_type, [0, 0])
+        row[0] += 1
+        row[1] += nbytes
 
 
 def _listing(items: list[str]) -> str:
@@ -376,18 +385,37 @@ def _sink_assignments(assignments: list[Assignment], sinks: dict, canonical: dic
     out = []
     for a in assignments:
         if a.param in sinks:
-            types = {s.dtype for s in a.node.stored()}
-            (kind,) = types if len(types) == 1 else (None,)
-            if len(types) > 1:
-                kind = source.mixed_blocks(sorted(types))
-            # 2-D weights, or a whole stack [E, O, I] for a stacked sink (GGUF's ffn_*_exps)
-            dims_ok = len(a.node.shape) == 2 or (len(a.node.shape) == 3 and a.index is None and sinks[a.param].stacked)
-            if (kind is not None and dims_ok and sinks[a.param].accepts_blocks(kind) and _rows_only(a.node)
-                    and source.reads_blocks):
+            kind = _block_format(a, sinks[a.param].stacked, source)
+            if kind is not None and sinks[a.param].accepts_blocks(kind):
                 a = Assignment(a.param, a.index, a.node, a.rule, blocks=kind)
                 sinks[a.param].prepare_blocks(kind)  # its buffers' layout for these blocks, before the model is allocated
         out.append(a)
     return out
+
+
+def _block_format(a: Assignment, stacked: bool, source: Source) -> Optional[str]:
+    """The block format `a`'s stored tensors could reach its parameter in unconverted: their one
+    stored type (or the source's re-blocking of several), 2-D weights or a whole stack [E, O, I]
+    (GGUF's ffn_*_exps) for a stacked parameter, through row-wise ops only, from a source that
+    reads bytes; None otherwise. A float type (F16, ...) is returned too: the sink decides."""
+    if not source.reads_blocks or not _rows_only(a.node):
+        return None
+    types = {s.dtype for s in a.node.stored()}
+    kind = next(iter(types)) if len(types) == 1 else source.mixed_blocks(sorted(types))
+    dims_ok = len(a.node.shape) == 2 or (len(a.node.shape) == 3 and a.index is None and stacked)
+    return kind if dims_ok else None
+
+
+def block_formats(plan: LoadPlan, source: Source, model: nn.Module) -> dict[str, list[Optional[str]]]:
+    """For a plan made on the float model: {parameter: the block format of each assignment that
+    fills it (None: not as blocks; see _block_format)}, parameters of 3 dims taken as stacks.
+    What a build that keeps a file's blocks by default (runtime.quant=null) reads off the headers
+    to choose which linears and stacks hold blocks (compiler/build.py's quant stage)."""
+    dims = {name: p.dim() for name, p in model.named_parameters(remove_duplicate=False)}
+    out: dict[str, list[Optional[str]]] = defaultdict(list)
+    for a in plan.assignments:
+        out[a.param].append(_block_format(a, dims.get(a.param) == 3, source))
+    return dict(out)
 
 
 def _tables_from_sinks(model: nn.Module, assignments: list[Assignment], sinks: dict, canonical: dict) -> dict[str, str]:
@@ -494,6 +522,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
         for s in {s.name for s in a.node.stored()}:
             uses[s] += 1
     memo: dict[str, torch.Tensor] = {}
+    counted: set[tuple[str, str]] = set()  # (stored tensor, outcome) already in report.held
     shard = None
     for a in plan.assignments:
         stored = a.node.stored()
@@ -546,6 +575,12 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                 dest.copy_(value)
                 del value
             how = {s.name: _describe(s.dtype, dest) for s in stored}
+        for s in stored:
+            outcome = ("kept" if a.blocks is not None else "quantized") if a.param in sinks else \
+                ("float" if s.dtype in _FLOAT_DTYPES else "dequantized")
+            if (s.name, outcome) not in counted:  # (a tensor read for two parameters: once per outcome)
+                counted.add((s.name, outcome))
+                report.count(outcome, s.dtype, s.info.nbytes)
         for name, h in how.items():
             report.tensors[name] = h if name not in report.tensors else f"{report.tensors[name]}; {h}"
         for name in {s.name for s in stored}:
@@ -553,6 +588,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
             if uses[name] == 0:
                 for key in [k for k in memo if k[0] == name]:
                     memo.pop(key)
+                source.release(name)  # a mapped file's pages of it leave the process (peak RSS: model + one tensor)
         report.params_filled += 1
         if progress is not None:
             progress(sum(s.info.nbytes for s in stored))

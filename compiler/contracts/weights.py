@@ -79,6 +79,8 @@ class Source(ABC):
                              bytes uint8 [..., rows, bytes per row] (GGUF), for sinks that keep the format;
                              mixed_blocks(types) names the format parts of different types are
                              re-blocked into exactly so they can be joined (default None: none)
+      release(name)          the loader is done with a stored tensor: a memory-mapped source may
+                             drop its pages from the process (the default: nothing)
     """
 
     description: str  # e.g. "/path/to/dir (4 shards)": named in error messages
@@ -117,6 +119,11 @@ class Source(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release file handles / memory maps."""
+
+    def release(self, name: str) -> None:
+        """The loader read `name` for the last time (its values are copied, or mapped by a sink
+        that keeps a view): a memory-mapped source may hand its pages back (a view re-reads them
+        from the file when touched). Default: nothing."""
 
     def read_into(self, name: str, out: torch.Tensor) -> bool:
         """Fill `out` with the stored tensor in place; False: this source cannot (read() it)."""

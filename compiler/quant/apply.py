@@ -19,6 +19,14 @@ Rules, the same for every family:
     device is not a CPU (their kernel loops over experts on the host)
   - embeddings, norms, routers and other bare parameters are no nn.Linear and stay as they are
     (listed in the report)
+
+A GGUF file's blocks kept by default (runtime.quant=null on the CPU: keep_stored_blocks, mode
+"stored"): the build's quant stage reads off the headers which block format reaches each
+parameter unconverted (checkpoint/loader.block_formats), and every linear, expert stack, head and
+token embedding whose stored tensors are blocks zoo's CPU kernels hold becomes a sink that takes
+them as they are (and only them: `blocks_only`, no float weight is quantized into it); tensors
+stored as floats stay float, as do the linears the rules above keep float (routers, a kind's
+float_linears), whose blocks are dequantized, each with its reason in the report.
 """
 from __future__ import annotations
 
@@ -28,14 +36,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..contracts import Float32Linear, FloatLinears, KeepFloat32
+from ..contracts import Float32Linear, FloatLinears, KeepFloat32, RowTable
 from ..errors import ContractError
 from . import cpu_kernels
 from .experts import QuantExperts, quantize_experts
+from .gguf_blocks import LAYOUTS, MIXED_LAYOUTS
 from .linear import INT4_ROWS, INT8_INPUTS, QuantLinear
 
 MIN_OUT = 64  # a linear with fewer outputs is a small projection and stays float
 HEAD = "head"  # the output head's attribute on the Decoder
+STORED = "stored"  # QuantReport.mode of a build keeping a GGUF file's blocks by default (keep_stored_blocks)
+ROWS = "stored"  # the attribute of a token embedding's block sink (keep_stored_blocks: an untied table)
 
 
 @dataclass
@@ -50,6 +61,12 @@ class QuantReport:
     kernel: str = ""  # what the matmuls run on
 
     def summary(self) -> str:
+        if self.mode == STORED:
+            stacks = sum("experts" in what for what in self.quantized.values())
+            experts = f" + {stacks} expert stacks" if stacks else ""
+            return (f"GGUF blocks kept as stored (compute {self.compute_dtype}, {self.kernel}): "
+                    f"{len(self.quantized) - stacks} weights{experts}, {self.quantized_params:,} weights; "
+                    f"{self.float_params:,} parameters float (runtime.quant=none: all float)")
         group = f" g{self.group}" if self.mode == "int4" else ""
         stacks = sum("experts" in what for what in self.quantized.values())
         experts = f" + {stacks} expert stacks" if stacks else ""
@@ -102,6 +119,99 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
+            continue
+        seen.add(id(p))
+        report.float_params += p.numel()
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if name not in report.kept_float and not _is_quant_bias(model, owner):
+            report.kept_float.setdefault(name, _kind_of(model, name))
+    return report
+
+
+def keep_stored_blocks(model: nn.Module, formats: dict[str, list]) -> QuantReport:
+    """runtime.quant=null on a GGUF file (CPU): every linear, expert stack, output head and token
+    embedding whose stored tensors reach it as blocks zoo's kernels hold becomes an empty sink
+    that takes only those blocks (QuantLinear / QuantExperts with `blocks_only`; the layouts are
+    set by the load plan's prepare_blocks); the rest stays float. formats: {parameter: the block
+    format of each assignment filling it, None where not as blocks} (checkpoint/loader.block_formats
+    on the float meta model)."""
+    f32 = torch.float32
+    report = QuantReport(STORED, None, "float32", kernel=kernel_name(f32))
+    canonical: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+
+    def stored(param: str) -> tuple[Optional[list], str]:
+        """(the block formats when every assignment of `param` keeps blocks, else None; the
+        reason it stays float)."""
+        kinds = formats.get(param, [])
+        if kinds and all(k in LAYOUTS or k in MIXED_LAYOUTS for k in kinds):
+            return sorted(set(kinds)), ""
+        floats = sorted({k for k in kinds if k is not None and k not in LAYOUTS and k not in MIXED_LAYOUTS})
+        if floats and None not in kinds:
+            return None, f"stored as {', '.join(floats)} (float tensors stay float)"
+        return None, ("its stored tensors do not reach it as blocks of one format (joined with float parts, or "
+                      "through a rule op that moves more than whole rows): dequantized")
+
+    def kept(kinds: list) -> str:
+        return f"kept {', '.join(kinds)} blocks as stored"
+
+    _check_float_linears(model)
+    for path, module in list(model.named_modules()):  # expert stacks: [E, O, I] parameters
+        for name in getattr(module, "quant_stacks", ()):
+            full = f"{path}.{name}" if path else name
+            p = dict(module.named_parameters(recurse=False)).get(name)
+            if p is None or p.dim() != 3:
+                continue  # quantize_experts' contract check names it under runtime.quant
+            kinds, why = stored(canonical.get(id(p), full))
+            if kinds is None:
+                report.kept_float[full] = why
+                continue
+            q = QuantExperts(*p.shape, "int8", None, f32, device=p.device)
+            q.blocks_only = True
+            delattr(module, name)
+            setattr(module, name, q)
+            report.quantized[full] = f"{kept(kinds)}, {q.n_experts} experts"
+            report.quantized_params += q.numel()
+    tied = model.spec.tie_embeddings
+    head_kept = False
+    for path, parent, name, child in _linears(model):
+        full = f"{path}.{name}" if path else name
+        is_head = parent is model and name == HEAD
+        if isinstance(parent, FloatLinears) and name in parent.float_linears:
+            report.kept_float[f"{full}.weight"] = parent.float_linears[name]
+            continue
+        if _inside_float32(model, path) or isinstance(child, KeepFloat32):
+            report.kept_float[f"{full}.weight"] = "inside a float32 module (routing / stream mixing)"
+            continue
+        kinds, why = stored(canonical.get(id(child.weight), f"{full}.weight"))
+        if kinds is None:
+            report.kept_float[f"{full}.weight"] = why
+            continue
+        tied_to = "embed.weight" if is_head and tied else None
+        q = QuantLinear.from_linear(child, "int8", None, f32, tied_to=tied_to)
+        q.blocks_only = True
+        setattr(parent, name, q)
+        head_kept |= is_head
+        report.quantized[full] = kept(kinds) + (" (the tied embed.weight: its lookups read them)" if tied_to else "")
+        report.quantized_params += q.in_features * q.out_features
+    served = {"embed.weight"} if tied and head_kept else set()
+    for path, table in list(model.named_modules()):  # an untied token embedding: a sink of its own
+        if tied or not isinstance(table, RowTable) or not isinstance(table, nn.Embedding):
+            continue  # (a tied table is read from the head's blocks when the head keeps them)
+        kinds, why = stored(canonical.get(id(table.weight), f"{path}.weight"))
+        if kinds is None:
+            report.kept_float[f"{path}.weight"] = f"embedding (token lookups): {why}"
+            continue
+        N, D = table.weight.shape
+        q = QuantLinear(D, N, False, "int8", None, f32, tied_to=f"{path}.weight", device=table.weight.device)
+        q.blocks_only = True
+        setattr(table, ROWS, q)  # owned by the table, which reads its rows there (contracts.RowTable)
+        report.quantized[f"{path}.{ROWS}"] = kept(kinds) + f" (the lookups of {path}.weight read them)"
+        served.add(f"{path}.weight")
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or name in served:
             continue
         seen.add(id(p))
         report.float_params += p.numel()

@@ -112,6 +112,7 @@ class QuantExperts(nn.Module, WeightSink):
     it by that parameter's name (`sink_name`), and fills it row by row (`stacked`)."""
 
     stacked = True  # takes one expert (a row of the stack) per load_weight call
+    blocks_only = False  # takes a GGUF file's blocks only (apply.keep_stored_blocks): no float expert
     sink_suffix = ""  # addressed as the parameter it replaces (`{path}.ffn.w13`), not `.weight`
 
     def __init__(self, n_experts: int, out_features: int, in_features: int, mode: str, group: Optional[int],
@@ -266,6 +267,10 @@ class QuantExperts(nn.Module, WeightSink):
             if value.ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
                 return f"kept (with parts of other types) as {self.what()}"
             return f"kept {value.ggml_type} blocks as {self.what()}"
+        if self.blocks_only:
+            raise CheckpointError(f"expert {index} of stacked experts {list(self.weight_shape)}: the stack keeps a "
+                                  f"GGUF file's blocks as stored (runtime.quant=null) and takes no float weight; "
+                                  f"runtime.quant=none loads float weights")
         self._fill(index, value)  # (a stack whose other experts are blocks: quantized into their layout)
         return f"quantized -> {self.what()}"
 

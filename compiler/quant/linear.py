@@ -90,7 +90,13 @@ class QuantLinear(nn.Module, WeightSink):
 
     tied_to: the parameter this weight is a quantized copy of (a tied output head: the head
     multiplies a quantized copy; the embedding stays float for its lookups, unless the head
-    keeps the file's blocks, whose rows it then reads: contracts.RowTable)."""
+    keeps the file's blocks, whose rows it then reads: contracts.RowTable).
+
+    blocks_only: it takes a GGUF file's blocks as stored and no float weight (set by
+    apply.keep_stored_blocks, runtime.quant=null): never a silently requantized model."""
+
+    blocks_only = False
+    _adopted = False  # qweight is the source's own bytes (a view of a GGUF file's map: _adopt)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group: Optional[int],
                  compute_dtype: torch.dtype, tied_to: Optional[str] = None, device=None):
@@ -273,11 +279,19 @@ class QuantLinear(nn.Module, WeightSink):
                     fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
                 elif kind == "int5":  # Q5_0 / Q5_1: their bytes; Q5_K its codes re-packed
                     fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
-                elif kind == "q6k":  # Q6_K: its bytes
+                elif kind == "q6k":  # Q6_K: its bytes; the source's own (a file's map) kept as they are
+                    if self._adopt(value):
+                        return what
+                    if self._adopted:  # (a read-only map is never written: bytes of its own)
+                        self._buffers["qweight"], self._adopted = torch.empty_like(self.qweight), False
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
+            if self.blocks_only:
+                raise CheckpointError(f"QuantLinear [{shape[0]}, {shape[1]}] keeps a GGUF file's blocks as stored "
+                                      f"(runtime.quant=null) and takes no float weight; runtime.quant=none loads "
+                                      f"float weights, int8 / int4 quantizes them")
             if self.layout != self.mode:
                 raise CheckpointError(f"QuantLinear [{shape[0]}, {shape[1]}] holds GGUF blocks ({self._what()}): a float "
                                       f"weight cannot be loaded into it again")
@@ -287,6 +301,20 @@ class QuantLinear(nn.Module, WeightSink):
         for r in range(0, shape[0], step):
             fill(r)
         return what
+
+    def _adopt(self, value: StoredBlocks) -> bool:
+        """Hold the stored bytes themselves as qweight (the q6k layout is the blocks as stored): a
+        whole weight's contiguous CPU bytes, e.g. a view of a GGUF file's memory map, which the
+        view keeps open. The empty buffer it replaces was never written (never resident). The view
+        may be read-only memory: nothing writes a loaded weight, and a later load_weight gives the
+        module bytes of its own first."""
+        data = block_bytes(value)
+        held = self.qweight
+        if (data.device.type != "cpu" or held.device.type != "cpu" or data.dtype != held.dtype
+                or tuple(data.shape) != tuple(held.shape) or not data.is_contiguous()):
+            return False
+        self._buffers["qweight"], self._adopted = data, True
+        return True
 
     def _what(self) -> str:
         if self.layout == "q6k":
