@@ -101,6 +101,8 @@ FAMILIES = {
                                 max_position_embeddings=64)),
     # sinusoidal positions ("Attention Is All You Need"'s), embeddings * sqrt(d), ReLU MLP, a biased tied head
     "ctrl": ("CTRLConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, dff=100, n_positions=64)),
+    # Llama with its rotary in interleaved pairs, q/k/v biases, an o_proj [D, D] (heads * head_dim == D)
+    "helium": ("HeliumConfig", dict(DIMS, attention_bias=True)),
     # Qwen3-MoE blocks; sliding (7, its own rope theta) / full layers and dense / sparse MLPs, each per layer
     "mellum": ("MellumConfig", dict(DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36,
                                     sliding_window=7, layer_types=["sliding_attention", "full_attention",
@@ -138,6 +140,7 @@ FLAGSHIPS = {
     "xglm_564m": ("XGLMConfig", dict()),  # XGLMConfig's defaults are facebook/xglm-564M's
     "ctrl": ("CTRLConfig", dict()),  # CTRLConfig's defaults are Salesforce/ctrl's
     "mellum_12b": ("MellumConfig", dict()),  # MellumConfig's defaults are Mellum2-12B-A2.5B-Base's
+    "helium_2b": ("HeliumConfig", dict()),  # HeliumConfig's defaults are kyutai/helium-1-2b's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
@@ -156,6 +159,9 @@ def test_flagship_parameter_count(preset):
     ("hunyuan_v1_dense", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0,
                                               "alpha": 1000.0}}, ["dynamic", "conf/hf/hunyuan_v1_dense.yaml"]),
     ("nemotron", {"hidden_act": "swish"}, ["hidden_act='swish'", "conf/hf/nemotron.yaml"]),
+    # Helium's o_proj is [hidden, hidden]: heads * head_dim must be hidden_size
+    ("helium", {"head_dim": 16}, ["num_attention_heads * default(head_dim, 128) == hidden_size",
+                                  "num_attention_heads=4", "conf/hf/helium.yaml"]),
 ])
 def test_what_cannot_be_expressed_is_refused(family, change, words):
     check_import_refused({**make_config(family).to_dict(), **change}, words)
