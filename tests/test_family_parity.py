@@ -185,7 +185,8 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
 
 REACH_MOE_COMPILED = {"cohere2_moe": 3,  # compiled samples: shared_combine mean (dense + RoPE full, local + MoE,
                       # NoPE + MoE); chunked + L2 q/k norm, NoPE + temperature, MoE scale_input
-                      "llama4_text/compiled": 2}
+                      "llama4_text/compiled": 2,
+                      "phimoe": 1}  # SparseMixer routing in the graphs (one layer structure)
 for _i, _name in enumerate(reach_moe.FAMILIES):
     FAMILIES[f"reach_moe/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,
