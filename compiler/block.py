@@ -29,8 +29,8 @@ algorithm, never the sequence length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ class BuildContext:
 
     spec: ModelSpec
     rope_impl: Any
+    layer: Optional[int] = None  # the index of the layer being built (a kind whose constants follow its depth)
 
     @property
     def dim(self) -> int:
@@ -57,6 +58,7 @@ class Block(nn.Module):
     def __init__(self, layer: LayerSpec, ctx: BuildContext):
         super().__init__()
         spec = ctx.spec
+        ctx = replace(ctx, layer=layer.index)
         res = residual_kind(spec.residual)
         pre, post = spec.sublayer_norms in ("pre", "sandwich"), spec.sublayer_norms != "pre"
         self.after_add = spec.sublayer_norms == "post_residual"

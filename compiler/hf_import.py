@@ -46,12 +46,14 @@ from and which config.json key fills which zoo key. Nothing here names a family.
     irrelevant:                  # config.json keys that do not change inference, with the reason
       initializer_range: training-time init
     # Every config.json key must be covered: by fields, expect, require, cases, the rope / layout
-    # readers, irrelevant, or conf/hf/common.yaml (keys of every PretrainedConfig); keys with a
-    # leading underscore are transformers' metadata; any other key is an error. docs/adding-a-family.md
+    # readers, irrelevant, or conf/hf/common.yaml (keys of every PretrainedConfig, and key
+    # patterns such as `*_token_id`, listed there once for every family); keys with a leading
+    # underscore are transformers' metadata; any other key is an error. docs/adding-a-family.md
     # documents each form with an example.
 """
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -226,12 +228,35 @@ def _layout_exprs(rule: dict, file: str, entry: str) -> list[Expr]:
     return out
 
 
-def common_keys() -> dict[str, str]:
-    """config.json keys every PretrainedConfig has (conf/hf/common.yaml): key -> why it needs no import."""
+def _common_table() -> dict:
     from .config import find_conf
 
     path = find_conf("hf", COMMON_KEYS)
-    return dict((OmegaConf.to_container(OmegaConf.load(path)) or {}).get("irrelevant") or {}) if path else {}
+    return (OmegaConf.to_container(OmegaConf.load(path)) or {}) if path else {}
+
+
+def common_keys() -> dict[str, str]:
+    """config.json keys every PretrainedConfig has (conf/hf/common.yaml): key -> why it needs no import."""
+    return dict(_common_table().get("irrelevant") or {})
+
+
+def common_patterns() -> dict[str, str]:
+    """conf/hf/common.yaml's `irrelevant_patterns`: shell-style key patterns (`*_token_id`) of
+    config.json keys that never change the computation, for every family -> why."""
+    return dict(_common_table().get("irrelevant_patterns") or {})
+
+
+def key_coverage(key: str, covered: dict[str, str]) -> str | None:
+    """How a top-level config.json key is covered (`covered`: covered_keys of an import map), or
+    None: an entry of the map or of common.yaml, a common pattern, or a leading underscore
+    (transformers' private metadata: _name_or_path, the _model_name_or_path it writes after
+    loading a GGUF), never read as architecture."""
+    if key in covered:
+        return covered[key]
+    if key.startswith("_"):
+        return "transformers' private metadata"
+    pattern = next((p for p in common_patterns() if fnmatch.fnmatchcase(key, p)), None)
+    return f"common pattern {pattern!r}" if pattern else None
 
 
 def _keys_of(keys: Any) -> list[str]:
@@ -275,9 +300,7 @@ def check_keys(config: dict, spec: dict, where: str) -> None:
     may change the model in a way the zoo would not reproduce, so it is an error."""
     covered = covered_keys(spec)
     for key in config:
-        # a leading underscore: transformers' private metadata (_name_or_path, the _model_name_or_path
-        # it writes after loading a GGUF), never read as architecture
-        if key not in covered and not key.startswith("_"):
+        if key_coverage(key, covered) is None:
             value = repr(config[key])
             value = value if len(value) <= 80 else value[:77] + "..."
             raise ConfigError(f"{where}: config.json key {key!r} = {value} is not covered by {spec['file']} for "

@@ -23,6 +23,7 @@ KINDS = {
     "kimi_linear": "kda + mla",
 }
 MORE = {"gpt2era/gpt2": "learned absolute positions (Block.extend)", "gpt2era/bloom": "gqa with ALiBi",
+        "reach_dense/diffllama": "diff_attn (gqa's full cache, doubled values)",
         "reach_moe/llama4_text": "gqa chunked (ring of 8 slots; the splits cross chunks) + NoPE with temperature"}
 SPLITS = ([11, 9, 6], [1, 1, 1, 4, 19], [5, 1, 20], [2, 24])  # first chunk by prefill_row, the rest extended
 

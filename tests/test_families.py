@@ -17,7 +17,7 @@ import zoo
 from zoo.compiler.checkpoint.rules import load_stage
 from zoo.compiler.config import compose, conf_dir
 from zoo.compiler.errors import CheckpointError, ConfigError
-from zoo.compiler.hf_import import covered_keys, import_config, import_specs
+from zoo.compiler.hf_import import covered_keys, import_config, import_specs, key_coverage
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_every_key_of_every_family_config_class_is_covered():
             continue
         checked.append(model_type)
         covered = covered_keys(spec)
-        if gaps := sorted(k for k in config.to_dict() if k not in covered):
+        if gaps := sorted(k for k in config.to_dict() if key_coverage(k, covered) is None):
             missing[model_type] = gaps
     assert not missing, f"config.json keys no import map covers: {missing}"
     assert {"llama", "qwen3_next", "deepseek_v3", "qwen2", "qwen3", "smollm3", "granite", "phi3"} <= set(checked)
@@ -165,17 +165,16 @@ from tests.helpers import check_decode_equals_prefill, check_parity
 from zoo.compiler.config import conf_dir, find_conf
 from zoo.families import families
 
-path = sys.argv[1]
-ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+reference, path = sys.argv[1], sys.argv[2]  # Helium's checkpoint; the same weights as helium_lab
+ref = transformers.AutoModelForCausalLM.from_pretrained(reference).eval()
 m = zoo.from_pretrained(path, compile=False, max_batch=2, max_seq=32)
 check_parity(ref, m, torch.randint(0, 97, (2, 7)), steps=5)
 check_decode_equals_prefill(m, torch.randint(0, 97, (2, 16)), prompt_len=5)
-row = next(f for f in families() if f.model_type == "helium")
-assert not find_conf("hf", "helium").is_relative_to(conf_dir())
+row = next(f for f in families() if f.model_type == "helium_lab")
+assert not find_conf("hf", "helium_lab").is_relative_to(conf_dir())
 print(json.dumps({"preset": row.preset, "import_map": row.import_map, "mixers": row.mixers,
-                  "params": zoo.build("helium_2b", dry=True).info.params}))
+                  "params": zoo.build("helium_lab_2b", dry=True).info.params}))
 """
-
 
 def doc_files() -> dict[str, str]:
     """The files docs/adding-a-family.md shows: yaml blocks whose first line is `# file: NAME`."""
@@ -184,12 +183,14 @@ def doc_files() -> dict[str, str]:
 
 
 def test_adding_a_family_worked_example(tmp_path):
-    """The doc's Helium files in a fresh ZOO_CONF_DIR: a family zoo does not ship loads a
-    transformers checkpoint and matches it, with nothing under the package changed."""
+    """The doc's files in a fresh ZOO_CONF_DIR: a family zoo does not ship (helium_lab, Helium's
+    config.json under a made-up model_type) loads a checkpoint and matches transformers' Helium
+    on the same weights, with nothing under the package changed."""
     import json
+    import shutil
 
     files = doc_files()
-    assert set(files) == {"helium_2b.yaml", "hf/helium.yaml", "rules/helium.yaml"}
+    assert set(files) == {"helium_lab_2b.yaml", "hf/helium_lab.yaml", "rules/helium_lab.yaml"}
     assert not any((conf_dir() / name).exists() for name in files)
     _write(tmp_path / "conf", files)
     torch.manual_seed(0)
@@ -201,14 +202,18 @@ def test_adding_a_family_worked_example(tmp_path):
         for name, p in ref.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    ref.save_pretrained(tmp_path / "ckpt")
+    ref.save_pretrained(tmp_path / "helium")
+    shutil.copytree(tmp_path / "helium", tmp_path / "ckpt")
+    published = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**published, "model_type": "helium_lab"}))
     env = {**os.environ, "ZOO_CONF_DIR": str(tmp_path / "conf")}
-    proc = subprocess.run([sys.executable, "-c", WORKED, str(tmp_path / "ckpt")], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", WORKED, str(tmp_path / "helium"), str(tmp_path / "ckpt")],
+                          env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["preset"] == "helium_2b" and out["mixers"] == ["gqa"]
-    assert out["import_map"] == str(tmp_path / "conf" / "hf" / "helium.yaml")
+    assert out["preset"] == "helium_lab_2b" and out["mixers"] == ["gqa"]
+    assert out["import_map"] == str(tmp_path / "conf" / "hf" / "helium_lab.yaml")
     with torch.device("meta"):  # the doc's preset is Helium-1-2B's published size
         flagship = transformers.HeliumForCausalLM(transformers.HeliumConfig())
     assert out["params"] == sum(p.numel() for p in flagship.parameters())

@@ -173,7 +173,9 @@ for _i, _name in enumerate(gpt2era.FAMILIES):
 
 # ------------------------------------------- dense families through data (issue 26; test_reach_dense.py)
 
-REACH_DENSE_COMPILED = {"apertus": 1, "ministral3": 1}  # compiled samples: xIELU; attention temperature
+REACH_DENSE_COMPILED = {"apertus": 1, "ministral3": 1,  # compiled samples: xIELU; attention temperature;
+                        "diffllama": 3}  # differential attention (mixer diff_attn): lambda_init is each
+# layer's constant, so each of the 3 layers is a structure (a graph) of its own
 for _i, _name in enumerate(reach_dense.FAMILIES):
     FAMILIES[f"reach_dense/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_dense.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=40,
@@ -185,7 +187,8 @@ for _i, _name in enumerate(reach_dense.FAMILIES):
 
 REACH_MOE_COMPILED = {"cohere2_moe": 3,  # compiled samples: shared_combine mean (dense + RoPE full, local + MoE,
                       # NoPE + MoE); chunked + L2 q/k norm, NoPE + temperature, MoE scale_input
-                      "llama4_text/compiled": 2}
+                      "llama4_text/compiled": 2,
+                      "phimoe": 1}  # SparseMixer routing in the graphs (one layer structure)
 for _i, _name in enumerate(reach_moe.FAMILIES):
     FAMILIES[f"reach_moe/{_name}"] = Family(
         (lambda n=_name, i=_i: reach_moe.reference(n, i)), model_type=_name.split("/")[0], rtol=1e-4, max_seq=48,

@@ -252,3 +252,122 @@ def test_llama4_scout_empty_no_rope_layers_is_the_default_schedule():
     config["no_rope_layers"] = []
     spec = validate(import_config(config, "config.json"), "config.json")
     assert [layer.mixer_name for layer in spec.layers] == expected
+
+
+# ------------------------------------------------------------------ the corpus of published configs
+#
+# tests/data/published_configs/*.json: config.json files of shipped families as their publishers
+# wrote them (README.md there says where each came from). Each is shrunk in its dimension keys
+# only (layers, hidden, heads, head dims, vocab, experts, latent ranks; per-layer lists cut to the
+# layers kept), a random transformers model is built from it, and zoo loads a directory holding
+# that model's weights and the shrunk published config.json itself, every other key as published
+# (token ids, dtypes, generation defaults, remote-code names, ...): prefill and every decode step
+# equal to transformers', decode through the caches == one prefill.
+
+import fnmatch
+from pathlib import Path
+
+CORPUS = Path(__file__).parent / "data" / "published_configs"
+PUBLISHED = sorted(p.stem for p in CORPUS.glob("*.json"))
+# the keys the test may change, and to what when a file has them (DIMENSIONS) or by its own entry
+# (SHRINK, where a file's other keys pin a size: Phi-4-mini's 48 longrope factors need head_dim 128)
+DIMENSIONS = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+              "n_routed_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+              "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
+              "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 16, "max_window_layers": 4}
+SHRINK = {"phi_4_mini_instruct": {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2}}
+PER_LAYER = ("layer_types",)  # lists with one entry per layer: cut to the layers kept
+# what the twin cannot keep: its weights are stored in float32, not as the file's FP8 blocks
+TWIN_DROPS = ("quantization_config",)
+
+
+def _shrunk(name: str) -> dict:
+    """The published config.json of `name`, its dimension keys (only) at tiny sizes."""
+    config = json.loads((CORPUS / f"{name}.json").read_text())
+    out = dict(config)
+    for key, value in DIMENSIONS.items():
+        if key in config:
+            out[key] = value
+    if "num_key_value_heads" in config:  # MHA stays MHA, GQA stays GQA
+        mha = config["num_key_value_heads"] == config["num_attention_heads"]
+        out["num_key_value_heads"] = out["num_attention_heads"] if mha else 2
+    out.update(SHRINK.get(name, {}))
+    for key in PER_LAYER:
+        if isinstance(config.get(key), list):
+            out[key] = config[key][:out["num_hidden_layers"]]
+    for key in TWIN_DROPS:
+        out.pop(key, None)
+    return out
+
+
+def _reference_config(config: dict):
+    """transformers' config of the shrunk file. Token ids past the tiny vocabulary become null
+    for transformers only (an embedding's padding_idx must lie inside it; ids never reach the
+    logits): zoo reads them as published."""
+    ids = {k: None for k, v in config.items()
+           if fnmatch.fnmatchcase(k, "*_token_id") and isinstance(v, int) and v >= config["vocab_size"]}
+    kwargs = {k: v for k, v in {**config, **ids}.items() if k != "model_type"}
+    return transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """name -> (transformers model, directory of its weights + the shrunk published config.json)."""
+    out = {}
+    for i, name in enumerate(PUBLISHED):
+        config = _shrunk(name)
+        torch.manual_seed(200 + i)
+        ref = transformers.AutoModelForCausalLM.from_config(_reference_config(config), dtype=torch.float32).eval()
+        from tests.helpers import randomize_constant_vectors
+
+        randomize_constant_vectors(ref)
+        path = save_reference(ref, tmp_path_factory.mktemp(name))
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+        out[name] = (ref, path)
+    return out
+
+
+def test_corpus_changes_only_dimension_keys():
+    """The twin differs from the published file in the keys this test may change, nowhere else;
+    every file has its source in the README."""
+    allowed = set(DIMENSIONS) | {"num_key_value_heads", *PER_LAYER, *TWIN_DROPS}
+    readme = (CORPUS / "README.md").read_text()
+    assert len(PUBLISHED) >= 15
+    for name in PUBLISHED:
+        config, shrunk = json.loads((CORPUS / f"{name}.json").read_text()), _shrunk(name)
+        changed = {k for k in set(config) | set(shrunk) if config.get(k, "absent") != shrunk.get(k, "absent")}
+        assert changed <= allowed, (name, changed - allowed)
+        assert f"`{name}.json`" in readme, f"{name}.json has no source in {CORPUS / 'README.md'}"
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_config_parity(published, name):
+    ref, path = published[name]
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=BATCH, max_seq=24)
+    seq = check_parity(ref, m, ids(9, 7), steps=4)
+    check_decode_equals_prefill(m, seq, prompt_len=6)
+
+
+def test_no_import_map_relists_a_common_key():
+    """conf/hf/common.yaml is the one list of keys that never change the computation: an import
+    map that relisted one would be a second list to keep in step."""
+    from zoo.compiler.hf_import import common_keys, common_patterns, import_specs
+
+    common, patterns = common_keys(), common_patterns()
+    relisted = {t: sorted(k for k in spec.get("irrelevant") or {}
+                          if k in common or any(fnmatch.fnmatchcase(k, p) for p in patterns))
+                for t, spec in import_specs().items()}
+    assert not {t: keys for t, keys in relisted.items() if keys}
+
+
+def test_token_ids_never_refuse_architecture_keys_still_do():
+    """Any `*_token_id` (unk_token_id: the key a transformers-written Llama config.json was refused
+    for) passes for every family; a key that would change the model is still refused, named."""
+    from tests.helpers import check_import_refused
+
+    config = _shrunk("llama_3_1_8b_instruct")
+    validate(import_config({**config, "unk_token_id": 0, "eot_token_id": 7, "image_token_id": 9}, "c"), "c")
+    check_import_refused({**config, "attn_logit_softcapping": 50.0}, ["'attn_logit_softcapping'", "conf/hf/llama.yaml"])
+    check_import_refused({**config, "per_layer_config": {"0": {}}}, ["'per_layer_config'"])
+    check_import_refused({**config, "token_ids": [1, 2]}, ["'token_ids'"])  # the pattern is exact

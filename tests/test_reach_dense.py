@@ -101,6 +101,10 @@ FAMILIES = {
                                 max_position_embeddings=64)),
     # sinusoidal positions ("Attention Is All You Need"'s), embeddings * sqrt(d), ReLU MLP, a biased tied head
     "ctrl": ("CTRLConfig", dict(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4, dff=100, n_positions=64)),
+    # differential attention (mixer diff_attn): head pairs subtract, lambda per layer (3 layers: 3 lambda_init)
+    "diffllama": ("DiffLlamaConfig", dict(DIMS, attention_bias=True)),
+    # Llama with its rotary in interleaved pairs, q/k/v biases, an o_proj [D, D] (heads * head_dim == D)
+    "helium": ("HeliumConfig", dict(DIMS, attention_bias=True)),
     # Qwen3-MoE blocks; sliding (7, its own rope theta) / full layers and dense / sparse MLPs, each per layer
     "mellum": ("MellumConfig", dict(DIMS, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36,
                                     sliding_window=7, layer_types=["sliding_attention", "full_attention",
@@ -138,6 +142,8 @@ FLAGSHIPS = {
     "xglm_564m": ("XGLMConfig", dict()),  # XGLMConfig's defaults are facebook/xglm-564M's
     "ctrl": ("CTRLConfig", dict()),  # CTRLConfig's defaults are Salesforce/ctrl's
     "mellum_12b": ("MellumConfig", dict()),  # MellumConfig's defaults are Mellum2-12B-A2.5B-Base's
+    "diffllama": ("DiffLlamaConfig", dict()),  # DiffLlamaConfig's defaults (the preset's sizes)
+    "helium_2b": ("HeliumConfig", dict()),  # HeliumConfig's defaults are kyutai/helium-1-2b's
     "mpt_7b": ("MptConfig", dict(d_model=4096, n_heads=32, n_layers=32, vocab_size=50432)),  # mosaicml/mpt-7b
 }
 
@@ -156,6 +162,9 @@ def test_flagship_parameter_count(preset):
     ("hunyuan_v1_dense", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0,
                                               "alpha": 1000.0}}, ["dynamic", "conf/hf/hunyuan_v1_dense.yaml"]),
     ("nemotron", {"hidden_act": "swish"}, ["hidden_act='swish'", "conf/hf/nemotron.yaml"]),
+    # Helium's o_proj is [hidden, hidden]: heads * head_dim must be hidden_size
+    ("helium", {"head_dim": 16}, ["num_attention_heads * default(head_dim, 128) == hidden_size",
+                                  "num_attention_heads=4", "conf/hf/helium.yaml"]),
 ])
 def test_what_cannot_be_expressed_is_refused(family, change, words):
     check_import_refused({**make_config(family).to_dict(), **change}, words)
@@ -186,3 +195,33 @@ def test_new_options_bad_values_are_refused(conf, overrides, words):
     with pytest.raises(zoo.ConfigError) as e:
         zoo.build(conf, dry=True, overrides=overrides)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_differential_attention_is_its_naive_reference():
+    """diff_attn's prefill (gqa's batched path with doubled values, pairs combined after) against
+    the naive head-by-head (softmax_1 - lambda softmax_2) V of compiler/mixers/differential_attention.py,
+    float64, on every layer of a tiny twin (lambda_init differs per layer); odd kv-head counts refused."""
+    import torch
+
+    from zoo.compiler.mixers.differential_attention import lambda_init, reference
+
+    reference_model = globals()["reference"]("diffllama", 3)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        reference_model.save_pretrained(Path(d))
+        m = zoo.from_pretrained(d, compile=False, max_batch=2, max_seq=24)
+    decoder = m.engine.model
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(0))
+    for i, block in enumerate(decoder.layers):
+        mixer = block.mixer
+        assert mixer.lambda_init == lambda_init(i)
+        cos, sin = decoder.rope_impl.table(mixer.rot_dim, 9, "cpu")
+        fields = mixer.cache_fields(2, 24, torch.float32)
+        cache = {k: torch.zeros(f.shape, dtype=f.dtype) for k, f in fields.items()}
+        with torch.no_grad():
+            got = mixer.prefill(x, cache, {"rope": {mixer.rope: (cos, sin)}})
+        torch.testing.assert_close(got, reference(mixer, x, cos, sin), rtol=1e-5, atol=1e-6)
+    with pytest.raises(zoo.ConfigError, match="n_kv_heads=3 must be even"):
+        zoo.build("diffllama_tiny", dry=True, overrides=["mixers.attn.n_heads=6", "mixers.attn.n_kv_heads=3"])

@@ -107,6 +107,10 @@ FAMILIES = {
                                     num_shared_experts=1, expert_selection_fn="sigmoid",
                                     shared_expert_combination_strategy="sum", sliding_window=5,
                                     sliding_window_pattern=2),
+    # SparseMixer routing (Phi-3.5-MoE), its masks wide (jitter 0.3: most tokens' second softmax leaves
+    # out experts); LayerNorms with biases, q/k/v/o and head biases
+    "phimoe": dict(COMMON, intermediate_size=20, num_local_experts=7, num_experts_per_tok=2, attention_bias=True,
+                   lm_head_bias=True, router_jitter_noise=0.3),
     # Llama 4: RoPE layers chunked (8 positions: the prompts cross chunks) with a weightless q/k L2 norm after
     # RoPE, NoPE layers global with the position temperature (floor_scale 4: it grows within the prompt); a MoE
     # whose experts take sigmoid(logit) * x, plus a shared expert, on layers 1 and 2, dense SwiGLUs on 0 and 3
@@ -179,6 +183,7 @@ FLAGSHIPS = {
     "ernie4_5_21b_a3b": ("ernie4_5_moe", dict()),
     "afmoe": ("afmoe", dict()),
     "cohere2_moe": ("cohere2_moe", dict()),
+    "phi3_5_moe": ("phimoe", dict(attention_bias=True, lm_head_bias=True)),  # Phi-3.5-MoE-instruct's sizes
     "llama4_scout": ("llama4_text", dict()),  # Llama4TextConfig's defaults are Llama-4-Scout-17B-16E's text part
     "dbrx": ("dbrx", dict(  # databricks/dbrx-base
         d_model=6144, n_heads=48, n_layers=40, max_seq_len=32768, vocab_size=100352,
@@ -213,6 +218,8 @@ def test_flagship_parameter_count(preset):
     ("olmoe", {"clip_qkv": 8.0}, ["clip_qkv", "after its q/k norms", "conf/hf/olmoe.yaml"]),
     ("granite_swa", {"layer_rope_theta": [10000.0, 0.0, 10000.0, 10000.0]},
      ["layer_rope_theta", "NoPE", "conf/hf/granite_swa.yaml"]),
+    # transformers' SparseMixer picks exactly two experts, whatever num_experts_per_tok says
+    ("phimoe", {"num_experts_per_tok": 3}, ["num_experts_per_tok=3", "expected 2", "conf/hf/phimoe.yaml"]),
 ])
 def test_what_cannot_be_expressed_is_refused(name, change, words):
     check_import_refused({**make_config(name).to_dict(), **change}, words)
@@ -271,3 +278,24 @@ def test_llama4_chunked_layers_keep_a_ring_of_one_chunk():
     assert tuple(k.shape) == (2, 2, 48, 16) and k.grows
     with pytest.raises(ConfigError, match=r"mixers\.rope: chunk=8: .*no window \(window=4\)"):
         zoo.build("llama4_scout_tiny", dry=True, overrides=["mixers.rope.window=4"])
+
+
+def test_sparsemixer_route_is_transformers():
+    """zoo's SparseMixer routing (compiler/ffn/moe.py sparsemixer_route) against transformers'
+    inference path, on logits close enough that its masks leave experts out of each softmax; and
+    the options it cannot combine with are refused by name."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from zoo.compiler.ffn.moe import sparsemixer_route
+
+    torch.manual_seed(0)
+    logits = torch.randn(400, 9) * torch.rand(400, 1)
+    for eps in (0.01, 0.3):
+        want, want_idx = sparsemixer(logits, jitter_eps=eps, training=False)
+        weights, idx = sparsemixer_route(logits, 2, eps)
+        assert torch.equal(idx, want_idx)
+        torch.testing.assert_close(weights, want, rtol=0, atol=0)
+        plain = logits.softmax(-1).gather(-1, idx[:, :1])  # round one without its mask
+        assert (weights[:, :1] > plain + 1e-6).float().mean() > 0.3  # the masks change most weights
+    with pytest.raises(zoo.ConfigError, match=r"routing=sparsemixer .* norm_topk_prob"):
+        zoo.build("phi3_5_moe_tiny", dry=True, overrides=["ffns.moe.norm_topk_prob=true"])

@@ -82,16 +82,23 @@ def test_refused_names_the_reason(capsys):
 
 def test_user_dir_family(tmp_path, monkeypatch):
     """A family added in the user conf dir only (an import map reusing a shipped preset and rules)
-    verifies the same way: helium is Llama under another model_type, its rotary in interleaved
-    pairs (a `set:` entry)."""
+    verifies the same way. Its model_type, helium_lab, is made up (zoo ships helium): transformers
+    is given the class, Helium's under that name, as a lab's own package would register it; the
+    import map is Llama's with the rotary in interleaved pairs (a `set:` entry)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    lab = type("HeliumLabConfig", (transformers.HeliumConfig,), {"model_type": "helium_lab"})
+    monkeypatch.setitem(transformers.CONFIG_MAPPING._extra_content, "helium_lab", lab)
+    monkeypatch.setitem(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "helium_lab", "HeliumForCausalLM")
     llama = (ROOT / "conf" / "hf" / "llama.yaml").read_text()
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "helium.yaml").write_text(re.sub(r"^model_type: llama$", "model_type: helium", llama,
-                                                        flags=re.M) + "set: {mixers.attn.rope_interleaved: true}\n"
-                                                 # Helium's o_proj is [D, D]: heads * head_dim == D
-                                                 "verify: {config: {head_dim: 12}}\n")
+    (tmp_path / "hf" / "helium_lab.yaml").write_text(
+        re.sub(r"^model_type: llama$", "model_type: helium_lab", llama, flags=re.M)
+        + "set: {mixers.attn.rope_interleaved: true}\n"
+        "verify: {config: {head_dim: 12}}\n")  # Helium's o_proj is [D, D]: heads * head_dim == D
     monkeypatch.setenv("ZOO_CONF_DIR", str(tmp_path))
-    v = verify("helium")
+    v = verify("helium_lab")
     assert v.status == "ok", (v.message, v.steps)
 
 

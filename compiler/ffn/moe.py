@@ -9,7 +9,10 @@ optional always-on shared experts.
 Routing (one code path for the DeepSeek and Qwen families, chosen by the spec):
   routing               learned: the top_k experts by score (below); hash: a fixed table
                         tid2eid [V, K] picks each token's experts by its token id (DeepSeek-V4's
-                        first layers; ctx["ids"]), the scores still weight them
+                        first layers; ctx["ids"]), the scores still weight them; sparsemixer:
+                        Phi-3.5-MoE's inference routing (sparsemixer_route, below: k rounds of
+                        the best remaining logit, each weighted by a softmax over the logits
+                        within jitter_eps of it; scoring, norm_topk_prob and groups unused)
   scoring               softmax over all experts, sigmoid per expert, or sqrtsoftplus
                         (sqrt(softplus(logit)) per expert, DeepSeek-V4)
   score_correction_bias added to the scores for *selection only* (DeepSeek-V3 noaux_tc); the
@@ -69,7 +72,7 @@ from ..errors import ConfigError
 from ..registry import register
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-ROUTINGS = ("learned", "hash")
+ROUTINGS = ("learned", "hash", "sparsemixer")
 GROUP_SCORES = ("top2_sum", "max")
 SHARED_COMBINES = ("sum", "mean")
 
@@ -142,6 +145,25 @@ class TokenHash(nn.Module):
         return self.tid2eid[ids.reshape(-1)].long()
 
 
+def sparsemixer_route(logits: torch.Tensor, top_k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMixer's routing at inference (Phi-3.5-MoE; arXiv 2409.12136): logits [T, E] float32
+    -> (weights [T, K], idx [T, K]). Round k picks the best logit m not picked before; the logits
+    farther below m than 2 * jitter_eps relative to max(|logit|, m) are masked, and so are earlier
+    picks; the pick's weight is its softmax over what is left. No renormalisation across picks.
+    (transformers writes the two rounds of top_k = 2 out; this is the same loop for any K.)"""
+    remaining = logits
+    weights, picks = [], []
+    for _ in range(top_k):
+        best, pick = remaining.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = logits.abs().clamp(min=best)
+        far = (best - logits) / factor > 2 * jitter_eps
+        gates = remaining.masked_fill(far, float("-inf")).softmax(-1)
+        weights.append(gates.gather(-1, pick))
+        picks.append(pick)
+        remaining = remaining.scatter(-1, pick, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(picks, dim=-1)
+
+
 @register("ffn", "moe")
 class MoE(FFN, QuantStacks):
     """x [..., D] -> [..., D]. Parameters: router.weight [E, D], router.score_bias [E] (when
@@ -175,6 +197,7 @@ class MoE(FFN, QuantStacks):
         swiglu_alpha: Optional[float] = None  # experts' gate * sigmoid(alpha * gate) instead of silu (gpt-oss)
         swiglu_up_offset: float = 0.0  # experts' (up + offset) (gpt-oss: 1)
         scale_input: bool = False  # expert(weight * x) instead of weight * expert(x) (Llama 4)
+        jitter_eps: float = 0.0  # routing=sparsemixer: the relative logit gap of its masks (Phi-3.5-MoE: 0.01)
 
         def resolve(self, model: dict) -> "MoE.Spec":
             shared = self.shared_ffn_dim
@@ -194,6 +217,11 @@ class MoE(FFN, QuantStacks):
             if self.routing == "hash" and (self.score_correction_bias or self.n_group > 1):
                 return ("routing=hash takes the experts from the token-id table: score_correction_bias and "
                         "n_group (which only steer a learned selection) must be false and 1")
+            if self.routing == "sparsemixer" and (self.score_correction_bias or self.n_group > 1
+                                                  or self.norm_topk_prob or self.jitter_eps < 0):
+                return ("routing=sparsemixer weights each pick by its own masked softmax: score_correction_bias, "
+                        f"n_group and norm_topk_prob must be false, 1 and false, jitter_eps >= 0 (got "
+                        f"{self.score_correction_bias}, {self.n_group}, {self.norm_topk_prob}, {self.jitter_eps})")
             if self.swiglu_limit is not None and self.swiglu_limit <= 0:
                 return f"swiglu_limit must be positive (or null), got {self.swiglu_limit}"
             if self.swiglu_alpha is not None and self.swiglu_alpha <= 0:
@@ -310,6 +338,9 @@ class MoE(FFN, QuantStacks):
         s = self.spec
         bias = None if self.router.bias is None else self.router.bias.float()
         logits = F.linear(x.float(), self.router.weight.float(), bias)
+        if s.routing == "sparsemixer":
+            weights, idx = sparsemixer_route(logits, s.top_k, s.jitter_eps)
+            return weights * s.routed_scaling_factor, idx
         if s.scoring == "softmax":
             scores = logits.softmax(-1)
         elif s.scoring == "sigmoid":
