@@ -202,14 +202,16 @@ def cast_stage(spec: ModelSpec, dtype: torch.dtype, *, mtp: bool) -> CastStage:
 
 
 def quant_stage(module: Decoder, quant: Optional[str], group: int, device: torch.device,
-                dtype: torch.dtype) -> QuantStage:
+                dtype: torch.dtype, prefill: str = "int8") -> QuantStage:
     """runtime.quant: the eligible linears and expert stacks become quantized modules (before
-    sharding: every rank quantizes the linears one process would); device picks their kernels."""
+    sharding: every rank quantizes the linears one process would); device picks their kernels;
+    prefill: runtime.quant_prefill (how zoo's CPU kernels take many rows)."""
     if quant is None:
         return QuantStage(None)
     from .quant.apply import compute_dtype_for, quantize_linears
 
-    return QuantStage(quantize_linears(module, quant, group, compute_dtype_for(device, dtype), device=device))
+    return QuantStage(quantize_linears(module, quant, group, compute_dtype_for(device, dtype), device=device,
+                                       prefill=prefill))
 
 
 def shard_stage(spec: ModelSpec, module: Decoder, source) -> ShardStage:
@@ -417,7 +419,7 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     spec = s.spec
     c = cast_stage(spec, s.dtype, mtp=s.mtp)
     module = c.module
-    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype)
+    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype, spec.runtime.quant_prefill)
     sh = shard_stage(spec, module, source)
     p = precision_stage(module, s.dtype, sh.mesh.device if sh.mesh is not None else s.device)
     # planned before counting: the plan may change what is held (a tied table read from its head's blocks)

@@ -73,16 +73,20 @@ def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype,
-                     device: torch.device = torch.device("cpu")) -> QuantReport:
+                     device: torch.device = torch.device("cpu"), prefill: str = "int8") -> QuantReport:
     """Replace the eligible nn.Linear modules of `model` (a model.Decoder, in place) by empty
     QuantLinear ones, and the eligible stacked experts by empty QuantExperts (device: where the
-    model will run)."""
+    model will run; prefill: runtime.quant_prefill, the float_rows of zoo's kernels)."""
+    float_rows = cpu_kernels.PREFILL_MODES[prefill]
     report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."),
                          kernel=kernel_name(compute_dtype))
     report.quantized_params += quantize_experts(model, mode, group, compute_dtype, torch.device(device),
                                                 report.quantized, report.kept_float)
     tied = model.spec.tie_embeddings
     _check_float_linears(model)
+    for m in model.modules():
+        if isinstance(m, QuantExperts):
+            m.float_rows = float_rows
     replaced: set[int] = set()
     for path, parent, name, child in _linears(model):
         full = f"{path}.{name}" if path else name
@@ -95,6 +99,7 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
         child_mode = "int8" if is_head else mode
         tied_to = "embed.weight" if is_head and tied else None
         q = QuantLinear.from_linear(child, child_mode, group, compute_dtype, tied_to=tied_to)
+        q.float_rows = float_rows
         setattr(parent, name, q)
         replaced.add(id(q))
         report.quantized[full] = q._what() + (" (a copy of the tied embed.weight)" if tied_to else "")

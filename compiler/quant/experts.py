@@ -78,10 +78,11 @@ BLOCK_KINDS = ("q4", "int8g")  # the layouts that hold GGUF blocks exactly (modu
 
 @torch.library.custom_op("zoo::block_expert_mm", mutates_args=())
 def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
-                    kind: str, group: int) -> torch.Tensor:
+                    kind: str, group: int, float_rows: int = 0) -> torch.Tensor:
     """x [N, I] float32 rows sorted by expert, offs [E] int64 (as quant_expert_mm), kind q4 | int8g
     (the module docstring's layouts) -> [N, O] float32 through zoo's CPU kernels (their torch
-    reference where the kernels did not build: the same numbers)."""
+    reference where the kernels did not build: the same numbers). float_rows: the kernels' (0: a
+    row's output is the same bits however many rows chose its expert: batch invariance)."""
     compiled = cpu_kernels.available()
     out = x.new_empty(x.shape[0], qweight.shape[1])
     start = 0
@@ -89,17 +90,17 @@ def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         if end > start:
             xs, qw, sm = x[start:end], qweight[e], scales[e]
             if kind == "q4":
-                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group) if compiled
-                                  else cpu_kernels.int4_reference(xs, qw, sm, group))
+                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group, float_rows) if compiled
+                                  else cpu_kernels.int4_reference(xs, qw, sm, group, float_rows=float_rows))
             else:
-                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group) if compiled
-                                  else cpu_kernels.int8g_reference(xs, qw, sm, group))
+                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group, float_rows) if compiled
+                                  else cpu_kernels.int8g_reference(xs, qw, sm, group, float_rows))
         start = end
     return out
 
 
 @block_expert_mm.register_fake
-def _block_expert_mm_fake(x, qweight, scales, offs, kind, group):
+def _block_expert_mm_fake(x, qweight, scales, offs, kind, group, float_rows=0):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
@@ -123,6 +124,7 @@ class QuantExperts(nn.Module, WeightSink):
         self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.layout = mode  # what the buffers hold: int8 | int4 (torch's kernels) or a BLOCK_KINDS one
         self.block_types: set[str] = set()  # the GGUF block types the plan hands it (prepare_blocks)
+        self.float_rows = 0  # the block layouts' kernels: as QuantLinear.float_rows (runtime.quant_prefill)
         if mode == "int8":
             self.register_buffer("qweight", torch.empty(E, O, I, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.empty(E, O, dtype=compute_dtype, device=device))
@@ -178,7 +180,7 @@ class QuantExperts(nn.Module, WeightSink):
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, I] rows sorted by expert, offs [E] -> [N, O] in x's dtype (see expert_mm)."""
         if self.layout in BLOCK_KINDS:
-            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group)
+            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group, self.float_rows)
         else:
             y = quant_expert_mm(x.to(self.compute_dtype), self.qweight, self.scales, offs, self.group or 0)
         return y.to(x.dtype)
