@@ -122,3 +122,20 @@ def test_float_prefill_is_the_float_gemm_and_not_invariant(layouts):
         assert not torch.equal(many[:1], kernel(x[:1])), f"{name}: the float GEMM equals the int8 path"
     with pytest.raises(RuntimeError, match="float_rows must be 0"):
         torch.ops.zoo_quant.int8_linear(x[:, :416].contiguous(), torch.zeros(O, I, dtype=torch.int8), torch.ones(O), -1)
+
+
+def test_quant_prefill_setting_reaches_every_kernel_and_bad_values_name_the_key():
+    """runtime.quant_prefill: int8 (the default, float_rows 0) or float (16) on every QuantLinear and
+    QuantExperts of a build; anything else refused naming the key, the value and the choices."""
+    import zoo
+    from zoo.compiler.errors import ConfigError
+    from zoo.compiler.quant.experts import QuantExperts
+    from zoo.compiler.quant.linear import QuantLinear
+
+    for overrides, rows in (((), 0), (("runtime.quant_prefill=float",), 16)):
+        m = zoo.build("deepseek_v3_tiny", list(overrides), quant="int4", dry=True)
+        quantized = [q for q in m.module.modules() if isinstance(q, (QuantLinear, QuantExperts))]
+        assert any(isinstance(q, QuantExperts) for q in quantized)
+        assert {q.float_rows for q in quantized} == {rows}, overrides
+    with pytest.raises(ConfigError, match=r"runtime\.quant_prefill: expected one of \['int8', 'float'\], got 'fp32'"):
+        zoo.build("llama3_8b_tiny", ["runtime.quant_prefill=fp32"], quant="int4", dry=True)
