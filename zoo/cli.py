@@ -59,7 +59,7 @@ ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
 # commands that read no config: an override would be ignored, so it is refused
 NO_OVERRIDES = {"configs", "families", "cache"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group",
-                "decode_buckets", "step_tokens"}
+                "quant_prefill", "decode_buckets", "step_tokens"}
 
 
 def _usage() -> str:

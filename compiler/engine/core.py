@@ -233,7 +233,7 @@ class Engine:
         """The block context of a prefill over positions 0..L-1."""
         L = ids.shape[1]
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
-        return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}}
+        return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
 
     def decode_caches(self, b: int) -> list[dict]:
         """The caches of decode bucket b: views of rows 0..b-1 of every field (the engine's own at

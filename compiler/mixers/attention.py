@@ -381,7 +381,12 @@ class Attention(Mixer):
         write = write_prefill if self.ring is None else write_ring
         write(cache["k"], k)
         write(cache["v"], v)
-        if self.ring is None and not self.explicit:
+        if self.ring is None and self.prefix_kernel(ctx, q, cache["k"]):
+            # each query as its decode step computes it, over the cache as decode reads it: the same
+            # bits whole, in chunks, after a reused prefix or decoded (one_query.prefix_attention)
+            start = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+            o = one_query.prefix_attention(q, cache["k"].to(q.dtype), cache["v"].to(q.dtype), start, self.scale)
+        elif self.ring is None and not self.explicit:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         else:
@@ -449,6 +454,8 @@ class Attention(Mixer):
             write_extend(cache["k"], k, qpos)
             write_extend(cache["v"], v, qpos)
             kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
+            if self.prefix_kernel(ctx, q, kc):  # as prefill: each query as its decode step
+                return self._out(one_query.prefix_attention(q, kc, vc, start, self.scale), gate)
             visible = torch.arange(kc.shape[2], device=x.device) <= qpos[..., None]  # [B, L, S]
             return self._out(self.attend(q, kc, vc, visible[:, None]), gate)
         kpos = torch.cat((ring_positions(start, cache["k"].shape[2]), qpos), dim=1)  # [B, Sw + L]
@@ -464,6 +471,15 @@ class Attention(Mixer):
         """ctx "one_query_kernel": whether zoo's CPU decode-attention kernel (one_query.py) is
         built, building it here on a CPU (contracts.Mixer.decode_context: outside the graphs)."""
         return {"one_query_kernel": device.type == "cpu" and one_query.available()}
+
+    def prefix_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether a prefill or an extend attends through zoo's CPU kernel, each query as a decode
+        step (one_query.prefix_attention): where decode does (one_query_kernel's conditions, for any
+        number of queries) over a cache whose slot is the position (no chunks)."""
+        H, Dh, Hkv = q.shape[1], q.shape[3], k.shape[1]
+        return (bool(ctx.get("one_query_kernel")) and q.dtype == torch.float32 and not self.explicit
+                and self.window is None and self.chunk is None and H % Hkv == 0 and H // Hkv <= 64
+                and Dh % 8 == 0 and Dh <= 512)
 
     def one_query_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a decode step attends through zoo's CPU kernel (one_query.py): it is built

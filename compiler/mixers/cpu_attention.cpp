@@ -92,46 +92,30 @@ inline void axpy(float w, const float* x, float* acc, int64_t n) {
     at::vec::fmadd(Vec(w), Vec::loadu(x + d), Vec::loadu(acc + d)).store(acc + d);
 }
 
-at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& n_,
-                            double scale) {
-  TORCH_CHECK(q_.dim() == 3 && k_.dim() == 4 && v_.sizes() == k_.sizes(), "decode_attention: expected q [B, H, Dh] and ",
-              "k, v [B, Hkv, S, Dh], got ", q_.sizes(), ", ", k_.sizes(), ", ", v_.sizes());
-  const int64_t B = q_.size(0), H = q_.size(1), Dh = q_.size(2), Hkv = k_.size(1), S = k_.size(2);
-  TORCH_CHECK(k_.size(0) == B && k_.size(3) == Dh && H % Hkv == 0, "decode_attention: q ", q_.sizes(),
-              " does not match k ", k_.sizes());
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_.scalar_type() == at::kFloat && v_.scalar_type() == at::kFloat &&
-                  q_.device().is_cpu(), "decode_attention: q, k, v must be float32 CPU tensors");
-  TORCH_CHECK(n_.scalar_type() == at::kLong && n_.numel() == B, "decode_attention: n must be [B] int64, got ",
-              n_.sizes(), " ", n_.scalar_type());
-  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), nt = n_.contiguous();
+// The attention of R query rows, each its own decode step: row r's H query heads qp[r] [H, Dh]
+// over slots 0..n[r]-1 of KV row kv[r] of k, v [.., Hkv, S, Dh] -> op [R, H, Dh]. A row's result
+// depends on its own query, cache and n only (chunks of kChunk slots from slot 0, merged in chunk
+// order), never on the other rows: a decode step, a prefill and an extend that hand the same
+// query and cache get the same bits (batch invariance, issue #46).
+void attend_rows(const float* qp, const float* kp, const float* vp, const int64_t* kv, const int64_t* n, int64_t R,
+                 int64_t H, int64_t Hkv, int64_t S, int64_t Dh, float sc, float* op) {
   const int64_t g = H / Hkv;
-  TORCH_CHECK(g <= 64 && Dh % at::vec::Vectorized<float>::size() == 0 && Dh <= 512, "decode_attention: ",
-              "supports up to 64 query heads per KV head and Dh a multiple of ",
-              at::vec::Vectorized<float>::size(), " up to 512, got ", g, " and ", Dh);
-  const int64_t* n = nt.data_ptr<int64_t>();
   int64_t most = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(n[b] >= 1 && n[b] <= S, "decode_attention: row ", b, " sees ", n[b], " slots (expected 1..", S, ")");
-    most = std::max(most, n[b]);
-  }
+  for (int64_t r = 0; r < R; ++r) most = std::max(most, n[r]);
   const int64_t chunks = (most + kChunk - 1) / kChunk;
   // per (row, query head, chunk): the chunk's max score, sum of exp and unnormalised output
-  std::vector<float> cmax(B * H * chunks, -std::numeric_limits<float>::infinity()), csum(B * H * chunks, 0.f);
-  std::vector<float> cacc(B * H * chunks * Dh, 0.f);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  std::vector<float> cmax(R * H * chunks, -std::numeric_limits<float>::infinity()), csum(R * H * chunks, 0.f);
+  std::vector<float> cacc(R * H * chunks * Dh, 0.f);
   auto run = Dh == 64 ? &chunk<64 / Vec::size()> : Dh == 128 ? &chunk<128 / Vec::size()> : &chunk<0>;
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
-    float p[kChunk * 64];  // scores of up to 64 query heads per KV head (checked above)
+  at::parallel_for(0, R * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    float p[kChunk * 64];  // scores of up to 64 query heads per KV head (checked by the callers)
     float m[64], l[64];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c = t % chunks, bh = t / chunks, b = bh / Hkv, kh = bh % Hkv;
-      const int64_t s0 = c * kChunk, s1 = std::min(n[b], s0 + kChunk);
+      const int64_t c = t % chunks, rh = t / chunks, r = rh / Hkv, kh = rh % Hkv;
+      const int64_t s0 = c * kChunk, s1 = std::min(n[r], s0 + kChunk);
       if (s0 >= s1) continue;  // this row sees fewer slots
-      const int64_t kv = (b * Hkv + kh) * S * Dh, h0 = b * H + kh * g;
-      run(qp + h0 * Dh, g, kp + kv, vp + kv, Dh, s0, s1, sc, p, m, l, cacc.data() + (h0 * chunks + c) * Dh,
+      const int64_t kvo = (kv[r] * Hkv + kh) * S * Dh, h0 = r * H + kh * g;
+      run(qp + h0 * Dh, g, kp + kvo, vp + kvo, Dh, s0, s1, sc, p, m, l, cacc.data() + (h0 * chunks + c) * Dh,
           chunks * Dh);
       for (int64_t j = 0; j < g; ++j) {
         cmax[(h0 + j) * chunks + c] = m[j];
@@ -139,27 +123,89 @@ at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_, const at
       }
     }
   });
-  at::Tensor o = at::empty({B, H, Dh}, q.options());
-  float* op = o.data_ptr<float>();
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const float* m = cmax.data() + bh * chunks;
-    const float top = *std::max_element(m, m + chunks);
-    float total = 0.f;
-    float* out = op + bh * Dh;
-    std::fill(out, out + Dh, 0.f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (csum[bh * chunks + c] == 0.f) continue;
-      const float w = std::exp(m[c] - top);
-      total += w * csum[bh * chunks + c];
-      axpy(w, cacc.data() + (bh * chunks + c) * Dh, out, Dh);
+  at::parallel_for(0, R * H, 16, [&](int64_t a, int64_t b) {
+    for (int64_t rh = a; rh < b; ++rh) {
+      const float* m = cmax.data() + rh * chunks;
+      const float top = *std::max_element(m, m + chunks);
+      float total = 0.f;
+      float* out = op + rh * Dh;
+      std::fill(out, out + Dh, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (csum[rh * chunks + c] == 0.f) continue;
+        const float w = std::exp(m[c] - top);
+        total += w * csum[rh * chunks + c];
+        axpy(w, cacc.data() + (rh * chunks + c) * Dh, out, Dh);
+      }
+      for (int64_t d = 0; d < Dh; ++d) out[d] /= total;
     }
-    for (int64_t d = 0; d < Dh; ++d) out[d] /= total;
-  }
+  });
+}
+
+void check_kv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t H, int64_t Dh) {
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(3) == Dh && H % k.size(1) == 0, op, ": q ", q.sizes(),
+              " does not match k, v [B, Hkv, S, Dh] ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  q.device().is_cpu(), op, ": q, k, v must be float32 CPU tensors");
+  TORCH_CHECK(H / k.size(1) <= 64 && Dh % at::vec::Vectorized<float>::size() == 0 && Dh <= 512, op, ": ",
+              "supports up to 64 query heads per KV head and Dh a multiple of ",
+              at::vec::Vectorized<float>::size(), " up to 512, got ", H / k.size(1), " and ", Dh);
+}
+
+at::Tensor decode_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& n_,
+                            double scale) {
+  TORCH_CHECK(q_.dim() == 3, "decode_attention: expected q [B, H, Dh], got ", q_.sizes());
+  const int64_t B = q_.size(0), H = q_.size(1), Dh = q_.size(2);
+  check_kv("decode_attention", q_, k_, v_, H, Dh);
+  TORCH_CHECK(k_.size(0) == B, "decode_attention: q ", q_.sizes(), " does not match k ", k_.sizes());
+  TORCH_CHECK(n_.scalar_type() == at::kLong && n_.numel() == B, "decode_attention: n must be [B] int64, got ",
+              n_.sizes(), " ", n_.scalar_type());
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), nt = n_.contiguous();
+  const int64_t S = k.size(2);
+  const int64_t* n = nt.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(n[b] >= 1 && n[b] <= S, "decode_attention: row ", b, " sees ", n[b], " slots (expected 1..", S, ")");
+  std::vector<int64_t> kv(B);
+  for (int64_t b = 0; b < B; ++b) kv[b] = b;
+  at::Tensor o = at::empty({B, H, Dh}, q.options());
+  attend_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv.data(), n, B, H, k.size(1), S, Dh,
+              static_cast<float>(scale), o.data_ptr<float>());
   return o;
+}
+
+// zoo_attn::prefix_attention(q [B, H, L, Dh], k, v [B, Hkv, S, Dh], start [B], scale) -> [B, H, L, Dh]:
+// query t of row b sees slots 0..start[b] + t, each query computed as its decode step would be.
+at::Tensor prefix_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& start_,
+                            double scale) {
+  TORCH_CHECK(q_.dim() == 4, "prefix_attention: expected q [B, H, L, Dh], got ", q_.sizes());
+  const int64_t B = q_.size(0), H = q_.size(1), L = q_.size(2), Dh = q_.size(3);
+  check_kv("prefix_attention", q_, k_, v_, H, Dh);
+  TORCH_CHECK(k_.size(0) == B, "prefix_attention: q ", q_.sizes(), " does not match k ", k_.sizes());
+  TORCH_CHECK(start_.scalar_type() == at::kLong && start_.numel() == B, "prefix_attention: start must be [B] int64, got ",
+              start_.sizes(), " ", start_.scalar_type());
+  const at::Tensor q = q_.transpose(1, 2).contiguous(), k = k_.contiguous(), v = v_.contiguous(),
+                   st = start_.contiguous();  // q [B, L, H, Dh]: row (b, t) is one decode step's query
+  const int64_t S = k.size(2);
+  const int64_t* s0 = st.data_ptr<int64_t>();
+  std::vector<int64_t> kv(B * L), n(B * L);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(s0[b] >= 0 && s0[b] + L <= S, "prefix_attention: row ", b, " starts at ", s0[b], " with ", L,
+                " queries over ", S, " slots");
+    for (int64_t t = 0; t < L; ++t) kv[b * L + t] = b, n[b * L + t] = s0[b] + t + 1;
+  }
+  at::Tensor o = at::empty({B, L, H, Dh}, q.options());
+  attend_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv.data(), n.data(), B * L, H, k.size(1),
+              S, Dh, static_cast<float>(scale), o.data_ptr<float>());
+  return o.transpose(1, 2).contiguous();  // [B, H, L, Dh] contiguous, as the fake (empty_like(q))
 }
 
 }  // namespace
 
-TORCH_LIBRARY(zoo_attn, m) { m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor n, float scale) -> Tensor"); }
+TORCH_LIBRARY(zoo_attn, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor n, float scale) -> Tensor");
+  m.def("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(zoo_attn, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(zoo_attn, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("prefix_attention", &prefix_attention);
+}

@@ -36,6 +36,7 @@ def _load() -> str | None:
     why = native.load(SOURCE)
     if why is None:
         torch.library.register_fake("zoo_attn::decode_attention")(lambda q, k, v, n, scale: torch.empty_like(q))
+        torch.library.register_fake("zoo_attn::prefix_attention")(lambda q, k, v, start, scale: q.new_empty(q.shape))
     return why
 
 
@@ -46,3 +47,11 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.ops.zoo_attn.decode_attention(q, k, v, n, scale)
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, L, Dh] at positions start[b] + t over k, v [B, Hkv, S, Dh] -> o [B, H, L, Dh]: query t
+    of row b sees slots 0..start[b] + t, each computed as decode_attention computes its step (the
+    same bits: a prompt prefilled whole, in chunks, after a reused prefix or decoded gives each
+    position the same attention output, issue #46)."""
+    return torch.ops.zoo_attn.prefix_attention(q, k, v, start, scale)

@@ -90,16 +90,20 @@ def compute_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: torch.dtype,
-                     device: torch.device = torch.device("cpu")) -> QuantReport:
+                     device: torch.device = torch.device("cpu"), prefill: str = "int8") -> QuantReport:
     """Replace the eligible nn.Linear modules of `model` (a model.Decoder, in place) by empty
     QuantLinear ones, and the eligible stacked experts by empty QuantExperts (device: where the
-    model will run)."""
+    model will run; prefill: runtime.quant_prefill, the float_rows of zoo's kernels)."""
+    float_rows = cpu_kernels.PREFILL_MODES[prefill]
     report = QuantReport(mode, group if mode == "int4" else None, str(compute_dtype).removeprefix("torch."),
                          kernel=kernel_name(compute_dtype))
     report.quantized_params += quantize_experts(model, mode, group, compute_dtype, torch.device(device),
                                                 report.quantized, report.kept_float)
     tied = model.spec.tie_embeddings
     _check_float_linears(model)
+    for m in model.modules():
+        if isinstance(m, QuantExperts):
+            m.float_rows = float_rows
     replaced: set[int] = set()
     for path, parent, name, child in _linears(model):
         full = f"{path}.{name}" if path else name
@@ -112,6 +116,7 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
         child_mode = "int8" if is_head else mode
         tied_to = "embed.weight" if is_head and tied else None
         q = QuantLinear.from_linear(child, child_mode, group, compute_dtype, tied_to=tied_to)
+        q.float_rows = float_rows
         setattr(parent, name, q)
         replaced.add(id(q))
         report.quantized[full] = q._what() + (" (a copy of the tied embed.weight)" if tied_to else "")
@@ -128,13 +133,14 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
     return report
 
 
-def keep_stored_blocks(model: nn.Module, formats: dict[str, list]) -> QuantReport:
+def keep_stored_blocks(model: nn.Module, formats: dict[str, list], prefill: str = "int8") -> QuantReport:
     """runtime.quant=null on a GGUF file (CPU): every linear, expert stack, output head and token
     embedding whose stored tensors reach it as blocks zoo's kernels hold becomes an empty sink
     that takes only those blocks (QuantLinear / QuantExperts with `blocks_only`; the layouts are
     set by the load plan's prepare_blocks); the rest stays float. formats: {parameter: the block
     format of each assignment filling it, None where not as blocks} (checkpoint/loader.block_formats
-    on the float meta model)."""
+    on the float meta model); prefill: runtime.quant_prefill, as quantize_linears takes it."""
+    float_rows = cpu_kernels.PREFILL_MODES[prefill]
     f32 = torch.float32
     report = QuantReport(STORED, None, "float32", kernel=kernel_name(f32))
     canonical: dict[int, str] = {}
@@ -168,7 +174,7 @@ def keep_stored_blocks(model: nn.Module, formats: dict[str, list]) -> QuantRepor
                 report.kept_float[full] = why
                 continue
             q = QuantExperts(*p.shape, "int8", None, f32, device=p.device)
-            q.blocks_only = True
+            q.blocks_only, q.float_rows = True, float_rows
             delattr(module, name)
             setattr(module, name, q)
             report.quantized[full] = f"{kept(kinds)}, {q.n_experts} experts"
@@ -190,7 +196,7 @@ def keep_stored_blocks(model: nn.Module, formats: dict[str, list]) -> QuantRepor
             continue
         tied_to = "embed.weight" if is_head and tied else None
         q = QuantLinear.from_linear(child, "int8", None, f32, tied_to=tied_to)
-        q.blocks_only = True
+        q.blocks_only, q.float_rows = True, float_rows
         setattr(parent, name, q)
         head_kept |= is_head
         report.quantized[full] = kept(kinds) + (" (the tied embed.weight: its lookups read them)" if tied_to else "")

@@ -26,14 +26,19 @@
 //       blocks [O, I/256 * 210] uint8: GGUF Q6_K blocks as stored (6.5625 bits a weight), I a
 //          multiple of 256: W = d * sc[i / 16] * (q - 32), q 6 bits (the layout at q6k_rows)
 //
-// Few rows (M <= 16, decode): x is rounded to int8 per block of 32 inputs (scale max|x| / 127,
-// llama.cpp's Q8 activations) and each block's dot product is integer (maddubs: 32 multiply-adds
-// in one instruction), scaled once per block; the m term of int4 uses float sums of x, int5's
-// those of the rounded x (as llama.cpp's Q5 dots). That
-// reads the codes without widening them to floats, which is what makes a matrix-vector product
-// as fast as the memory: a float32 FMA loop over the widened codes measured 2-3x slower.
-// Many rows (prefill): a chunk of weight rows at a time is dequantized into float32 and
-// multiplied by at::mm (the BLAS GEMM), activations unrounded.
+// Every row count (decode, a decode bucket, a prefill chunk, a whole prompt), one numerics: x is
+// rounded to int8 per block of 32 inputs (scale max|x| / 127, llama.cpp's Q8 activations) and each
+// block's dot product is integer (maddubs, or vpdpbusd at VNNI: 32 multiply-adds in a few
+// instructions), scaled once per block and added in one fixed order per (row, output) (the row
+// tiles below); the m term of int4 uses float sums of x, int5's those of the rounded x (as
+// llama.cpp's Q5 dots). So a row's output is the same bits whatever other rows share the call and
+// however the outputs split between threads (batch invariance: a served answer does not depend on
+// the path its cache took). Reading the codes without widening them to floats is also what makes
+// a matrix-vector product as fast as the memory (a float32 FMA loop over the widened codes measured
+// 2-3x slower), and prefill reuses each decoded block across a tile of rows.
+// float_rows > 0 (runtime.quant_prefill=float) gives the invariance up: calls of more rows
+// dequantize a chunk of weight rows at a time into float32 and multiply by at::mm (the BLAS GEMM),
+// activations unrounded.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -65,8 +70,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kGemvRows = 16;  // up to this many rows of x (a decode batch): integer dots, else GEMM
-constexpr int64_t kMaxBlocks = 2048;  // inputs / 32 of the few-row path's stack buffers (I <= 65536)
 
 inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
 inline float half_to_float(const float* h) { return *h; }
@@ -118,27 +121,6 @@ inline float m_term(const S* m, const float* xs, int64_t ng) {
   return hsum(am) + tail;
 }
 
-// sum over steps i < n of step(i, acc) into four sums of vector type V (__m256 or __m512): each
-// step's scaled add depends on the previous one into the same sum, so one sum would wait on the
-// FMA latency every step
-template <typename V, typename Step>
-inline V sum_in_four(int64_t n, Step step) {
-  V a0{}, a1{}, a2{}, a3{};
-  int64_t i = 0;
-  for (; i + 3 < n; i += 4) {
-    a0 = step(i, a0);
-    a1 = step(i + 1, a1);
-    a2 = step(i + 2, a2);
-    a3 = step(i + 3, a3);
-  }
-  for (; i < n; ++i) a0 = step(i, a0);
-  return (a0 + a1) + (a2 + a3);
-}
-
-// over the blocks of 32 inputs (AVX2)
-template <typename Block>
-inline __m256 sum_blocks(int64_t nb, Block block) { return sum_in_four<__m256>(nb, block); }
-
 // the 32 codes of one Q4 block (16 bytes) as 32 bytes in input order: the 16 bytes broadcast to
 // both halves, the upper half shifted by a nibble (three instructions, the load included)
 inline __m256i q4_codes(const uint8_t* qs) {
@@ -186,20 +168,6 @@ inline void widen32(__m256i q, float d0, float m0, float d1, float m1, float* ou
 
 #endif
 
-// ds[b] = d[b / per] dx[b]: the scale of each block of 32 inputs (groups of per blocks) times the
-// activation scale (the block loop then broadcasts one float instead of converting and multiplying)
-template <typename S>
-inline void group_block_scales(const S* d, int64_t per, const float* dx, int64_t nb, float* ds) {
-  int64_t b = 0;
-#ifdef ZOO_AVX2
-  if (per == 1)
-    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(ds + b, _mm256_mul_ps(load8(d + b), _mm256_loadu_ps(dx + b)));
-#endif
-  // (no integer division per block: at a few hundred inputs a row it costs more than the block's dot)
-  for (int64_t g = b / per; b < nb; ++g)
-    for (int64_t k = 0; k < per && b < nb; ++k, ++b) ds[b] = half_to_float(d + g) * dx[b];
-}
-
 #ifdef ZOO_AVX512
 inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -235,12 +203,6 @@ inline __m512 dot64(__m512i w_u8, __m512i x_i8) {
 #endif
 }
 
-// signed codes: |w| times x with w's sign (vpdpbusd multiplies unsigned by signed)
-inline __m512 dot64_signed(__m512i w, __m512i x) {
-  const __mmask64 neg = _mm512_movepi8_mask(w);
-  return dot64(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
-}
-
 // 16 lanes of scales: lane l takes s[idx[l]] (2 blocks x 8 lanes, or 4 half-blocks x 4 lanes)
 inline __m512 spread(const float* s, int n, __m512i idx) {
   const __m128 v = n == 2 ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s))) : _mm_loadu_ps(s);
@@ -249,9 +211,6 @@ inline __m512 spread(const float* s, int n, __m512i idx) {
 const __m512i kTwoBlocks = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 const __m512i kFourHalves = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
 
-// over pairs of blocks (AVX512)
-template <typename Pair>
-inline __m512 sum_pairs(int64_t np, Pair pair) { return sum_in_four<__m512>(np, pair); }
 #endif
 
 // the fifth bit of input t of a Q5 block (its 4 high bytes at qh) as 0 or 16; 0 for int4
@@ -262,215 +221,234 @@ inline int32_t high5(const uint8_t* qh, int64_t t) {
   else
     return 0;
 }
+// ----------------------------------------------------------------------------- the row tiles
+//
+// One numerics for every M (decode, a decode bucket, a chunk, a whole prefill) and every thread
+// split: each output of each row of x is
+//   sum over blocks b of  (db[b] * dx[b]) * (the block's integer dot)   [+ sum_g m[g] xs[g]]
+// the float products added into four sums by the block's index (b & 3; at AVX512, pairs of blocks
+// by p & 3), combined as (s0 + s1) + (s2 + s3), then reduced across lanes, then the m term (and,
+// for int8 per channel, times the row's scale). A tile is up to kTile rows of x against one weight
+// row: each block's codes are decoded once for all the tile's rows (what makes prefill fast: the
+// codes are read and unpacked once per kTile rows, not per row), and each row keeps its own sums,
+// so a row's result is the same whichever rows share its tile. Threads split the outputs only:
+// an output of a row is always computed whole by one thread, in that one order.
+// (ISA levels differ from each other in their lane layout; within a level the order is fixed.)
+constexpr int64_t kTile = 8;      // rows of x per pass over a weight row
+constexpr int64_t kOutTile = 16;  // outputs per thread task: their weight rows stay in cache while x passes
 
-// One output of an int4 (int5 with Q5) row over one int8-rounded row of x:
-//   sum_b d[b >> sh] dx[b] sum_{i in b} q[i] xq[i]  +  sum_g m[g] xs[g]
-// d, m: the row's scales (sm[o, 0], sm[o, 1], float16 or float32); sh = log2(blocks per group);
-// xs [ng]: the float sums of x over each group; qh: the row's high bits (Q5 only).
-template <typename S, bool Q5>
-inline float q4_row(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
-                    const int8_t* xq, const float* dx, const float* xs) {
-#ifdef ZOO_AVX512
-  float ds[kMaxBlocks];
-  group_block_scales(d, int64_t(1) << sh, dx, nb, ds);
-  auto pair = [&](int64_t p, __m512 acc) {
-    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
-    return _mm512_fmadd_ps(dot64(codes64<Q5>(qs, qh, p), xv), spread(ds + 2 * p, 2, kTwoBlocks), acc);
-  };
-  float acc = hsum512(sum_pairs(nb / 2, pair));
-  if (nb % 2) {
-    const int64_t b = nb - 1;
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    acc += ds[b] * hsum(dot32(codes32<Q5>(qs, qh, b), xv));
+// The activations of M rows as the dots take them: xq [M, I] int8 and dx [M, I/32] (quantize_rows),
+// and xs [M, ng] the per-group sums the m term multiplies: of x itself (sums = 1: int4 / int8g,
+// as the kernels always took them) or of the rounded x (sums = 2: int5, as llama.cpp's Q5 dots),
+// none for sums = 0. Rows are prepared in parallel, each on its own (the same values whatever M).
+struct Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs;
+  Activations(const float* x, int64_t M, int64_t I, int64_t group, int sums)
+      : xq(M * I), dx(M * (I / kBlock)), xs(sums ? M * (I / group) : 0, 0.f) {
+    const int64_t nb = I / kBlock, ng = I / group;
+    at::parallel_for(0, M, 4, [&](int64_t a, int64_t b) {
+      quantize_rows(x + a * I, b - a, I, xq.data() + a * I, dx.data() + a * nb);
+      for (int64_t r = a; r < b && sums == 1; ++r)
+        for (int64_t g = 0; g < ng; ++g)
+          for (int64_t i = 0; i < group; ++i) xs[r * ng + g] += x[r * I + g * group + i];
+      for (int64_t r = a; r < b && sums == 2; ++r)
+        for (int64_t k = 0; k < nb; ++k) {
+          int32_t s = 0;
+          for (int64_t t = 0; t < kBlock; ++t) s += xq[r * I + k * kBlock + t];
+          xs[r * ng + k * kBlock / group] += dx[r * nb + k] * float(s);
+        }
+    });
   }
-  return acc + m_term(m, xs, ng);
-#elif defined(ZOO_AVX2)
-  float ds[kMaxBlocks];
-  group_block_scales(d, int64_t(1) << sh, dx, nb, ds);
-  auto block = [&](int64_t b, __m256 acc) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    return _mm256_fmadd_ps(dot32(codes32<Q5>(qs, qh, b), xv), _mm256_broadcast_ss(ds + b), acc);
-  };
-  return hsum(sum_blocks(nb, block)) + m_term(m, xs, ng);
-#else
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t dot = 0;
-    const uint8_t* h = qh + 4 * b;
-    for (int64_t t = 0; t < 16; ++t)
-      dot += (int32_t(qs[16 * b + t] & 0x0F) | high5<Q5>(h, t)) * xq[b * kBlock + t] +
-             (int32_t(qs[16 * b + t] >> 4) | high5<Q5>(h, t + 16)) * xq[b * kBlock + t + 16];
-    acc += half_to_float(d + (b >> sh)) * dx[b] * float(dot);
-  }
-  for (int64_t g = 0; g < ng; ++g) acc += half_to_float(m + g) * xs[g];
-  return acc;
-#endif
-}
+};
 
-#ifdef ZOO_AVX2
-// Several rows of x (2..kGemvRows) against one int4 (int5) weight row: each block's codes are
-// widened once and used for every row; out[r * O] for r < M.
-template <typename S, bool Q5>
-inline void q4_rows(const uint8_t* qs, const uint8_t* qh, const S* d, const S* m, int64_t ng, int sh, int64_t nb,
-                    const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
-                    int64_t O) {
-  __m256 acc[kGemvRows];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = codes32<Q5>(qs, qh, b);
-    const float db = half_to_float(d + (b >> sh));
-    for (int64_t r = 0; r < M; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(dot32(w, xv), _mm256_set1_ps(db * dx[r * nb + b]), acc[r]);
+// Every (row, output) of y [M, O] once: tasks of kOutTile outputs between the threads; in a task
+// the rows kTile at a time, each tile over the task's outputs. tile(o, r0, R, scratch): rows
+// r0 .. r0 + R of output o; scratch: the task's nscratch floats.
+template <typename Tile>
+void over_tiles(int64_t M, int64_t O, int64_t nscratch, Tile tile) {
+  at::parallel_for(0, (O + kOutTile - 1) / kOutTile, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> scratch(nscratch);
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t o0 = t * kOutTile, o1 = std::min(O, o0 + kOutTile);
+      for (int64_t r0 = 0; r0 < M; r0 += kTile)
+        for (int64_t o = o0; o < o1; ++o) tile(o, r0, std::min(kTile, M - r0), scratch.data());
     }
-  }
-  for (int64_t r = 0; r < M; ++r)
-    out[r * O] = hsum(acc[r]) + m_term(m, xsum + r * ng, ng);
+  });
 }
 
-// The same for int8 weights (times the row scale sc).
-inline void int8_rows(const int8_t* qw, float sc, int64_t nb, const int8_t* xq, const float* dx, int64_t M,
-                      int64_t I, float* out, int64_t O) {
-  __m256 acc[kGemvRows];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    for (int64_t r = 0; r < M; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(dot32(aw, _mm256_sign_epi8(xv, w)), _mm256_set1_ps(dx[r * nb + b]), acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) out[r * O] = sc * hsum(acc[r]);
-}
-#endif
-
-// sum_b dx[b] sum_{i in b} qw[i] xq[i] over the blocks of one int8 row (times the row scale later)
-inline float int8_row(const int8_t* qw, int64_t nb, const int8_t* xq, const float* dx) {
-#ifdef ZOO_AVX512
-  auto pair = [&](int64_t p, __m512 acc) {
-    const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
-    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
-    return _mm512_fmadd_ps(dot64_signed(w, xv), spread(dx + 2 * p, 2, kTwoBlocks), acc);
-  };
-  float acc = hsum512(sum_pairs(nb / 2, pair));
-  if (nb % 2) {
-    const int64_t b = nb - 1;
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    acc += dx[b] * hsum(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)));
-  }
-  return acc;
-#elif defined(ZOO_AVX2)
-  auto block = [&](int64_t b, __m256 acc) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    // maddubs multiplies unsigned by signed: |w| times x with w's sign
-    return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), _mm256_set1_ps(dx[b]), acc);
-  };
-  return hsum(sum_blocks(nb, block));
-#else
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t dot = 0;
-    for (int64_t t = 0; t < kBlock; ++t) dot += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
-    acc += dx[b] * float(dot);
-  }
-  return acc;
-#endif
-}
-
-// ds[2b], ds[2b + 1]: the scales of inputs 32b..32b+15 and 32b+16..32b+31 (groups of 16) times
-// the activation scale dx[b]
+// db[b] = d[b / per] as float: each block's (or with per = 0, each half-block's: groups of 16) d
 template <typename S>
-inline void half_block_scales(const S* d, const float* dx, int64_t nb, float* ds) {
-  for (int64_t b = 0; b < nb; ++b) {
-    ds[2 * b] = half_to_float(d + 2 * b) * dx[b];
-    ds[2 * b + 1] = half_to_float(d + 2 * b + 1) * dx[b];
+inline void block_d(const S* d, int64_t per, int64_t nb, float* db) {
+  if (per == 0) {
+    for (int64_t j = 0; j < 2 * nb; ++j) db[j] = half_to_float(d + j);
+    return;
   }
+  for (int64_t b = 0, g = 0; b < nb; ++g)
+    for (int64_t k = 0; k < per && b < nb; ++k, ++b) db[b] = half_to_float(d + g);
 }
 
-// One output of a grouped int8 row over one int8-rounded row of x:
-//   sum_b ds[b] sum_{i in b} qw xq  (groups of 32 or more: int8_row over the block scales)
-//   sum_b (ds[2b] sum_{t < 16} qw xq + ds[2b + 1] sum_{t >= 16} qw xq)  (groups of 16)
-// plus sum_g m[g] xs[g]; ds: scratch of 2 nb floats; m null: no offsets (no m term).
+// sum_g m[g] xs[g] (the m term), the same code for every row
 template <typename S>
-inline float i8g_row(const int8_t* qw, const S* d, const S* m, int64_t ng, int64_t group, int64_t nb,
-                     const int8_t* xq, const float* dx, const float* xs, float* ds) {
+inline float m_sum(const S* m, const float* xs, int64_t ng) {
 #ifdef ZOO_AVX2
-  const float mt = m ? m_term(m, xs, ng) : 0.f;
+  return m_term(m, xs, ng);
 #else
   float mt = 0.f;
-  for (int64_t g = 0; m && g < ng; ++g) mt += half_to_float(m + g) * xs[g];
-#endif
-  if (group != 16) {
-    group_block_scales(d, group / kBlock, dx, nb, ds);
-    return int8_row(qw, nb, xq, ds) + mt;
-  }
-  half_block_scales(d, dx, nb, ds);
-#ifdef ZOO_AVX512
-  auto pair = [&](int64_t p, __m512 acc) {
-    const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
-    const __m512i xv = _mm512_loadu_si512(xq + 2 * p * kBlock);
-    // lanes 0-3, 4-7, 8-11, 12-15: inputs 0-15 and 16-31 of the first block, then the second's
-    return _mm512_fmadd_ps(dot64_signed(w, xv), spread(ds + 4 * p, 4, kFourHalves), acc);
-  };
-  float acc = hsum512(sum_pairs(nb / 2, pair));
-  if (nb % 2) {
-    const int64_t b = nb - 1;
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
-    acc += hsum(_mm256_mul_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc));
-  }
-  return acc + mt;
-#elif defined(ZOO_AVX2)
-  auto block = [&](int64_t b, __m256 acc) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    // the 8 int32 sums of dot32: lanes 0-3 hold inputs 0-15, lanes 4-7 inputs 16-31
-    const __m256 sc = _mm256_set_m128(_mm_set1_ps(ds[2 * b + 1]), _mm_set1_ps(ds[2 * b]));
-    return _mm256_fmadd_ps(dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), sc, acc);
-  };
-  return hsum(sum_blocks(nb, block)) + mt;
-#else
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t lo = 0, hi = 0;
-    for (int64_t t = 0; t < 16; ++t) lo += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
-    for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xq[b * kBlock + t];
-    acc += ds[2 * b] * float(lo) + ds[2 * b + 1] * float(hi);
-  }
-  return acc + mt;
+  for (int64_t g = 0; g < ng; ++g) mt += half_to_float(m + g) * xs[g];
+  return mt;
 #endif
 }
 
-#ifdef ZOO_AVX2
-// Several rows of x (2..kGemvRows) against one grouped int8 weight row (as int8_rows: each block's
-// codes loaded once for every row); out[r * O] for r < M.
-template <typename S>
-inline void i8g_rows(const int8_t* qw, const S* d, const S* m, int64_t ng, int64_t group, int64_t nb,
-                     const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t I, float* out,
-                     int64_t O) {
-  __m256 acc[kGemvRows];
-  for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t per = group == 16 ? 0 : group / kBlock;
-  for (int64_t b = 0, g = 0, k = 0; b < nb; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    // lanes 0-3 hold inputs 0-15, lanes 4-7 inputs 16-31: their group scales
-    const __m256 db = per ? _mm256_set1_ps(half_to_float(d + g))
-                          : _mm256_set_m128(_mm_set1_ps(half_to_float(d + 2 * b + 1)), _mm_set1_ps(half_to_float(d + 2 * b)));
-    if (per && ++k == per) k = 0, ++g;
-    for (int64_t r = 0; r < M; ++r) {
+// R rows of x (xq [R, I] with row stride I, dx [R, nb], xs [R, ng]) against one int4 (int5 with
+// Q5: high bits qh) weight row: out[r * O] for r < R. db [nb]: the row's d per block; m [ng]: its
+// offsets (sm[o, 1]).
+template <typename S, bool Q5>
+void q4_tile(const uint8_t* qs, const uint8_t* qh, const float* db, const S* m, int64_t ng, int64_t nb,
+             const int8_t* xq, const float* dx, const float* xs, int64_t R, int64_t I, float* out, int64_t O) {
+#ifdef ZOO_AVX512
+  __m512 acc[kTile][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t np = nb / 2;
+  for (int64_t p0 = 0; p0 < np; p0 += 4)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = p0 + j;
+      if (p >= np) break;
+      const __m512i w = codes64<Q5>(qs, qh, p);
+      const __m512 d = spread(db + 2 * p, 2, kTwoBlocks);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_loadu_si512(xq + r * I + 2 * p * kBlock);
+        const __m512 s = _mm512_mul_ps(d, spread(dx + r * nb + 2 * p, 2, kTwoBlocks));
+        acc[r][j] = _mm512_fmadd_ps(dot64(w, xv), s, acc[r][j]);
+      }
+    }
+  for (int64_t r = 0; r < R; ++r) {
+    float v = hsum512(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    if (nb % 2) {  // the odd block: its dot reduced, then scaled
+      const int64_t b = nb - 1;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(dot32(aw, _mm256_sign_epi8(xv, w)), _mm256_mul_ps(db, _mm256_set1_ps(dx[r * nb + b])),
-                               acc[r]);
+      v += (db[b] * dx[r * nb + b]) * hsum(dot32(codes32<Q5>(qs, qh, b), xv));
+    }
+    out[r * O] = v + m_sum(m, xs + r * ng, ng);
+  }
+#elif defined(ZOO_AVX2)
+  __m256 acc[kTile][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 4)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = b0 + j;
+      if (b >= nb) break;
+      const __m256i w = codes32<Q5>(qs, qh, b);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+        acc[r][j] = _mm256_fmadd_ps(dot32(w, xv), _mm256_set1_ps(db[b] * dx[r * nb + b]), acc[r][j]);
+      }
+    }
+  for (int64_t r = 0; r < R; ++r)
+    out[r * O] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]))) +
+                 m_sum(m, xs + r * ng, ng);
+#else
+  float acc[kTile][4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t q[kBlock];
+    const uint8_t* h = qh + 4 * b;
+    for (int64_t t = 0; t < 16; ++t) {
+      q[t] = int32_t(qs[16 * b + t] & 0x0F) | high5<Q5>(h, t);
+      q[t + 16] = int32_t(qs[16 * b + t] >> 4) | high5<Q5>(h, t + 16);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t dot = 0;
+      for (int64_t t = 0; t < kBlock; ++t) dot += q[t] * xq[r * I + b * kBlock + t];
+      acc[r][b & 3] += (db[b] * dx[r * nb + b]) * float(dot);
     }
   }
-  for (int64_t r = 0; r < M; ++r) out[r * O] = hsum(acc[r]) + (m ? m_term(m, xsum + r * ng, ng) : 0.f);
-}
+  for (int64_t r = 0; r < R; ++r)
+    out[r * O] = ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])) + m_sum(m, xs + r * ng, ng);
 #endif
+}
+
+// R rows of x against one row of signed int8 codes qw [I]: int8g (db [nb] the row's d per block,
+// or with Half (groups of 16) db [2 nb] per half-block; m [ng] its offsets or null) and int8 per
+// channel (db all ones, times post = the row's scale): out[r * O] = post * sum + m term.
+template <typename S, bool Half>
+void i8_tile(const int8_t* qw, const float* db, const S* m, int64_t ng, int64_t nb, float post, const int8_t* xq,
+             const float* dx, const float* xs, int64_t R, int64_t I, float* out, int64_t O) {
+#ifdef ZOO_AVX512
+  __m512 acc[kTile][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t np = nb / 2;
+  for (int64_t p0 = 0; p0 < np; p0 += 4)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = p0 + j;
+      if (p >= np) break;
+      const __m512i w = _mm512_loadu_si512(qw + 2 * p * kBlock);
+      // |w| times x with w's sign (vpdpbusd multiplies unsigned by signed)
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      const __m512i aw = _mm512_abs_epi8(w);
+      // lanes 0-7 the first block's, 8-15 the second's (Half: 4 lanes per half-block)
+      const __m512 d = Half ? spread(db + 4 * p, 4, kFourHalves) : spread(db + 2 * p, 2, kTwoBlocks);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_loadu_si512(xq + r * I + 2 * p * kBlock);
+        const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512 s = _mm512_mul_ps(d, spread(dx + r * nb + 2 * p, 2, kTwoBlocks));
+        acc[r][j] = _mm512_fmadd_ps(dot64(aw, sx), s, acc[r][j]);
+      }
+    }
+  for (int64_t r = 0; r < R; ++r) {
+    float v = hsum512(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    if (nb % 2) {
+      const int64_t b = nb - 1;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+      const __m256 p = dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+      const float dxb = dx[r * nb + b];
+      v += Half ? hsum(_mm256_mul_ps(p, _mm256_set_m128(_mm_set1_ps(db[2 * b + 1] * dxb), _mm_set1_ps(db[2 * b] * dxb))))
+                : (db[b] * dxb) * hsum(p);
+    }
+    out[r * O] = post * v + (m ? m_sum(m, xs + r * ng, ng) : 0.f);
+  }
+#elif defined(ZOO_AVX2)
+  __m256 acc[kTile][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 4)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = b0 + j;
+      if (b >= nb) break;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + b * kBlock));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // maddubs multiplies unsigned by signed
+      // the 8 int32 sums of dot32: lanes 0-3 hold inputs 0-15, lanes 4-7 inputs 16-31
+      const __m256 d = Half ? _mm256_set_m128(_mm_set1_ps(db[2 * b + 1]), _mm_set1_ps(db[2 * b])) : _mm256_set1_ps(db[b]);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * I + b * kBlock));
+        const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b]));
+        acc[r][j] = _mm256_fmadd_ps(dot32(aw, _mm256_sign_epi8(xv, w)), s, acc[r][j]);
+      }
+    }
+  for (int64_t r = 0; r < R; ++r)
+    out[r * O] = post * hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]))) +
+                 (m ? m_sum(m, xs + r * ng, ng) : 0.f);
+#else
+  float acc[kTile][4] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * I + b * kBlock;
+      const float dxb = dx[r * nb + b];
+      int32_t lo = 0, hi = 0;
+      for (int64_t t = 0; t < 16; ++t) lo += int32_t(qw[b * kBlock + t]) * xb[t];
+      for (int64_t t = 16; t < kBlock; ++t) hi += int32_t(qw[b * kBlock + t]) * xb[t];
+      if (Half)
+        acc[r][b & 3] += (db[2 * b] * dxb) * float(lo) + (db[2 * b + 1] * dxb) * float(hi);
+      else
+        acc[r][b & 3] += (db[b] * dxb) * float(lo + hi);
+    }
+  for (int64_t r = 0; r < R; ++r)
+    out[r * O] = post * ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])) + (m ? m_sum(m, xs + r * ng, ng) : 0.f);
+#endif
+}
 
 // Weight rows [r0, r1) of int8g dequantized into out [r1 - r0, I] float32; ns: sm's rows per
 // output, 2 (d, m) or 1 (d only). A group at a time: the inner loop vectorizes.
@@ -541,7 +519,9 @@ at::Tensor chunked_gemm(const at::Tensor& x, int64_t O, int64_t I, Dequant dequa
   return y;
 }
 
-void check_x(const at::Tensor& x, int64_t I, const char* op) {
+void check_x(const at::Tensor& x, int64_t I, const char* op, int64_t float_rows) {
+  TORCH_CHECK(float_rows >= 0, op, ": float_rows must be 0 (int8 activations at every row count) or a row count ",
+              "above which the float GEMM runs, got ", float_rows);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               op, ": x must be a 2-D float32 CPU tensor, got ", x.scalar_type(), " of ", x.sizes());
   TORCH_CHECK(x.size(1) == I && I % kBlock == 0, op, ": x has ", x.size(1), " inputs, the weight ", I,
@@ -550,14 +530,14 @@ void check_x(const at::Tensor& x, int64_t I, const char* op) {
 
 template <typename S, bool Q5>
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uint8_t* qh, const at::Tensor& sm,
-                            int64_t group);
+                            int64_t group, int64_t float_rows);
 
 // the checks of int4_linear and int5_linear (op: the name for the errors), then the kernel on the
 // contiguous tensors; qh: int5's high bits (checked by int5_linear) or null
 at::Tensor int4_or_int5(const char* op, const at::Tensor& x_, const at::Tensor& qs_, const uint8_t* qh,
-                        const at::Tensor& sm_, int64_t group) {
+                        const at::Tensor& sm_, int64_t group, int64_t float_rows) {
   const int64_t O = qs_.size(0), I = qs_.size(1) * 2;
-  check_x(x_, I, op);
+  check_x(x_, I, op, float_rows);
   TORCH_CHECK(group % kBlock == 0 && I % group == 0, op, ": group ", group, " must be a multiple of 32 ",
               "dividing the inputs (", I, ")");
   TORCH_CHECK(qs_.scalar_type() == at::kByte && (sm_.scalar_type() == at::kHalf || sm_.scalar_type() == at::kFloat) &&
@@ -566,80 +546,59 @@ at::Tensor int4_or_int5(const char* op, const at::Tensor& x_, const at::Tensor& 
               qs_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qs = qs_.contiguous(), sm = sm_.contiguous();
   if (qh != nullptr)
-    return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, true>(x, qs, qh, sm, group)
-                                         : int4_linear_impl<float, true>(x, qs, qh, sm, group);
-  return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, false>(x, qs, qh, sm, group)
-                                       : int4_linear_impl<float, false>(x, qs, qh, sm, group);
+    return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, true>(x, qs, qh, sm, group, float_rows)
+                                         : int4_linear_impl<float, true>(x, qs, qh, sm, group, float_rows);
+  return sm.scalar_type() == at::kHalf ? int4_linear_impl<at::Half, false>(x, qs, qh, sm, group, float_rows)
+                                       : int4_linear_impl<float, false>(x, qs, qh, sm, group, float_rows);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group) {
-  return int4_or_int5("int4_linear", x, qs, nullptr, sm, group);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sm, int64_t group,
+                       int64_t float_rows) {
+  return int4_or_int5("int4_linear", x, qs, nullptr, sm, group, float_rows);
 }
 
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& qh_, const at::Tensor& sm,
-                       int64_t group) {
+                       int64_t group, int64_t float_rows) {
   TORCH_CHECK(qh_.scalar_type() == at::kByte && qh_.dim() == 2 && qs.dim() == 2 && qh_.size(0) == qs.size(0) &&
                   qh_.size(1) * 4 == qs.size(1),
               "int5_linear: expected qh [O, I/8] uint8 beside qs [O, I/2], got ", qh_.sizes(), " ", qh_.scalar_type(),
               " and ", qs.sizes());
   const at::Tensor qh = qh_.contiguous();  // (kept alive to the end of the call)
-  return int4_or_int5("int5_linear", x, qs, qh.data_ptr<uint8_t>(), sm, group);
+  return int4_or_int5("int5_linear", x, qs, qh.data_ptr<uint8_t>(), sm, group, float_rows);
 }
+
+// whether this call takes the float GEMM: float_rows > 0 (runtime.quant_prefill=float) and more rows
+inline bool float_gemm(const at::Tensor& x, int64_t float_rows) { return float_rows > 0 && x.size(0) > float_rows; }
 
 template <typename S, bool Q5>
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uint8_t* qh, const at::Tensor& sm,
-                            int64_t group) {
+                            int64_t group, int64_t float_rows) {
   const int64_t O = qs.size(0), I = qs.size(1) * 2;
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const S* s = sm.data_ptr<S>();
   const int64_t M = x.size(0), ng = I / group, nb = I / kBlock;
-  if (M > kGemvRows || nb > kMaxBlocks)  // (no model has more inputs than the stack buffers hold)
+  if (float_gemm(x, float_rows))
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q4_dequantize<S, Q5>(q, qh, s, I, group, r0, r1, out); });
+  TORCH_CHECK(group % kBlock == 0 && ((group / kBlock) & (group / kBlock - 1)) == 0, "int4_linear: group ", group,
+              " must be 32 times a power of two");
   at::Tensor y = at::empty({M, O}, x.options());
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(M * I);
-  std::vector<float> dx(M * nb), xsum(M * ng, 0.f);  // xsum: the m term is sum_g m[g] * xsum[g]
-  quantize_rows(xp, M, I, xq.data(), dx.data());
-  if constexpr (Q5) {
-    // int5's m term over the int8-rounded x, as llama.cpp's Q5_0 (signed codes) and Q5_1 (Q8_1's
-    // block sums) take it: Q5_0's m = -16 d then cancels the rounding of q d for q near 16, where
-    // over x itself decode perplexity drifted 5x further from float (SmolLM2 Q4_K_M / Q5_K_M)
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t sum = 0;
-        for (int64_t t = 0; t < kBlock; ++t) sum += xq[r * I + b * kBlock + t];
-        xsum[r * ng + b * kBlock / group] += dx[r * nb + b] * float(sum);
-      }
-  } else {
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t g = 0; g < ng; ++g)
-        for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
-  }
-  int sh = 0;
-  while ((kBlock << sh) < group) ++sh;
-  TORCH_CHECK((kBlock << sh) == group, "int4_linear: group ", group, " must be 32 times a power of two");
-  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    for (int64_t o = a; o < b; ++o) {
-      const uint8_t* qo = q + o * (I / 2);
-      const uint8_t* ho = Q5 ? qh + o * (I / 8) : nullptr;
-      const S* so = s + o * ng * 2;
-#ifdef ZOO_AVX2
-      if (M > 1) {
-        q4_rows<S, Q5>(qo, ho, so, so + ng, ng, sh, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = q4_row<S, Q5>(qo, ho, so, so + ng, ng, sh, nb, xq.data() + r * I, dx.data() + r * nb, xsum.data() + r * ng);
-    }
+  // int5's m term over the int8-rounded x, as llama.cpp's Q5_0 (signed codes) and Q5_1 (Q8_1's
+  // block sums) take it: Q5_0's m = -16 d then cancels the rounding of q d for q near 16, where
+  // over x itself decode perplexity drifted 5x further from float (SmolLM2 Q4_K_M / Q5_K_M)
+  const Activations a(x.data_ptr<float>(), M, I, group, Q5 ? 2 : 1);
+  over_tiles(M, O, nb, [&](int64_t o, int64_t r0, int64_t R, float* db) {
+    const S* so = s + o * ng * 2;
+    block_d(so, group / kBlock, nb, db);
+    q4_tile<S, Q5>(q + o * (I / 2), Q5 ? qh + o * (I / 8) : nullptr, db, so + ng, ng, nb, a.xq.data() + r0 * I,
+                   a.dx.data() + r0 * nb, a.xs.data() + r0 * ng, R, I, yp + r0 * O + o, O);
   });
   return y;
 }
 
-at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& scale_) {
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& scale_, int64_t float_rows) {
   const int64_t O = qw_.size(0), I = qw_.size(1);
-  check_x(x_, I, "int8_linear");
+  check_x(x_, I, "int8_linear", float_rows);
   TORCH_CHECK(qw_.scalar_type() == at::kChar && scale_.scalar_type() == at::kFloat && scale_.numel() == O,
               "int8_linear: expected qw [O, I] int8 and scale [O] float32, got ", qw_.sizes(), " ",
               qw_.scalar_type(), " and ", scale_.sizes(), " ", scale_.scalar_type());
@@ -647,66 +606,51 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Te
   const int8_t* q = qw.data_ptr<int8_t>();
   const float* sc = scale.data_ptr<float>();
   const int64_t M = x.size(0), nb = I / kBlock;
-  if (M > kGemvRows || nb > kMaxBlocks)  // (no model has more inputs than the stack buffers hold)
+  if (float_gemm(x, float_rows))
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { int8_dequantize(q, sc, I, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(M * I);
-  std::vector<float> dx(M * nb);
-  quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
-  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    for (int64_t o = a; o < b; ++o) {
-#ifdef ZOO_AVX2
-      if (M > 1) {
-        int8_rows(q + o * I, sc[o], nb, xq.data(), dx.data(), M, I, yp + o, O);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; ++r) yp[r * O + o] = sc[o] * int8_row(q + o * I, nb, xq.data() + r * I, dx.data() + r * nb);
-    }
+  const Activations a(x.data_ptr<float>(), M, I, kBlock, 0);
+  const std::vector<float> ones(nb, 1.f);  // per channel: each block's scale is dx alone
+  over_tiles(M, O, 0, [&](int64_t o, int64_t r0, int64_t R, float*) {
+    i8_tile<float, false>(q + o * I, ones.data(), nullptr, 0, nb, sc[o], a.xq.data() + r0 * I, a.dx.data() + r0 * nb,
+                          nullptr, R, I, yp + r0 * O + o, O);
   });
   return y;
 }
 
 template <typename S>
-at::Tensor int8g_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sm, int64_t group) {
+at::Tensor int8g_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sm, int64_t group,
+                             int64_t float_rows) {
   const int64_t O = qw.size(0), I = qw.size(1);
   const int8_t* q = qw.data_ptr<int8_t>();
   const S* s = sm.data_ptr<S>();
   const int64_t M = x.size(0), ng = I / group, nb = I / kBlock, ns = sm.size(1);
-  if (M > kGemvRows || nb > kMaxBlocks)
+  if (float_gemm(x, float_rows))
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, ns, I, group, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(M * I);
-  std::vector<float> dx(M * nb), xsum(M * ng, 0.f);
-  quantize_rows(xp, M, I, xq.data(), dx.data());
-  for (int64_t r = 0; r < M && ns == 2; ++r)
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t i = 0; i < group; ++i) xsum[r * ng + g] += xp[r * I + g * group + i];
-  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    float ds[2 * kMaxBlocks];
-    for (int64_t o = a; o < b; ++o) {
-      const S* so = s + o * ng * ns;
-      const S* mo = ns == 2 ? so + ng : nullptr;
-#ifdef ZOO_AVX2
-      if (M > 1) {
-        i8g_rows(q + o * I, so, mo, ng, group, nb, xq.data(), dx.data(), xsum.data(), M, I, yp + o, O);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * O + o] = i8g_row(q + o * I, so, mo, ng, group, nb, xq.data() + r * I, dx.data() + r * nb,
-                                xsum.data() + r * ng, ds);
-    }
+  const Activations a(x.data_ptr<float>(), M, I, group, ns == 2 ? 1 : 0);
+  const bool half = group == 16;
+  over_tiles(M, O, 2 * nb, [&](int64_t o, int64_t r0, int64_t R, float* db) {
+    const S* so = s + o * ng * ns;
+    const S* mo = ns == 2 ? so + ng : nullptr;
+    block_d(so, half ? 0 : group / kBlock, nb, db);
+    const int8_t* xq = a.xq.data() + r0 * I;
+    const float* dx = a.dx.data() + r0 * nb;
+    const float* xs = mo ? a.xs.data() + r0 * ng : nullptr;
+    if (half)
+      i8_tile<S, true>(q + o * I, db, mo, ng, nb, 1.f, xq, dx, xs, R, I, yp + r0 * O + o, O);
+    else
+      i8_tile<S, false>(q + o * I, db, mo, ng, nb, 1.f, xq, dx, xs, R, I, yp + r0 * O + o, O);
   });
   return y;
 }
 
-at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& sm_, int64_t group) {
+at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Tensor& sm_, int64_t group,
+                        int64_t float_rows) {
   const int64_t O = qw_.size(0), I = qw_.size(1);
-  check_x(x_, I, "int8g_linear");
+  check_x(x_, I, "int8g_linear", float_rows);
   TORCH_CHECK((group == 16 || group % kBlock == 0) && I % group == 0, "int8g_linear: group ", group,
               " must be 16 or a multiple of 32 dividing the inputs (", I, ")");
   TORCH_CHECK(qw_.scalar_type() == at::kChar && (sm_.scalar_type() == at::kFloat || sm_.scalar_type() == at::kHalf) &&
@@ -714,8 +658,8 @@ at::Tensor int8g_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::T
               "int8g_linear: expected qw [O, I] int8 and sm [O, 2, I/g] or [O, 1, I/g] float32 or float16, got ",
               qw_.sizes(), " ", qw_.scalar_type(), " and ", sm_.sizes(), " ", sm_.scalar_type());
   const at::Tensor x = x_.contiguous(), qw = qw_.contiguous(), sm = sm_.contiguous();
-  return sm.scalar_type() == at::kHalf ? int8g_linear_impl<at::Half>(x, qw, sm, group)
-                                       : int8g_linear_impl<float>(x, qw, sm, group);
+  return sm.scalar_type() == at::kHalf ? int8g_linear_impl<at::Half>(x, qw, sm, group, float_rows)
+                                       : int8g_linear_impl<float>(x, qw, sm, group, float_rows);
 }
 
 // ----------------------------------------------------------------------------- Q6_K as stored
@@ -820,7 +764,7 @@ void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* 
   const __m512i lanes[4] = {kFourHalves, _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(4)),
                             _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(8)),
                             _mm512_add_epi32(kFourHalves, _mm512_set1_epi32(12))};
-  __m512 acc[kGemvRows][2];
+  __m512 acc[kTile][2];
   for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kQ6Bytes;
@@ -841,7 +785,7 @@ void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* 
   // block b's 8 lanes take groups 2b (lanes 0-3) and 2b + 1 (4-7) of the 8 scales of its half
   const __m256i lanes[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
                             _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
-  __m256 acc[kGemvRows][2];
+  __m256 acc[kTile][2];
   for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kQ6Bytes;
@@ -865,7 +809,7 @@ void q6k_rows(const uint8_t* row, int64_t nsb, const int8_t* xq, const int32_t* 
 #else
   float dsc[16];
   uint8_t q[kQ6Block];
-  float acc[kGemvRows] = {};
+  float acc[kTile] = {};
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* blk = row + s * kQ6Bytes;
     q6_scales(blk, dsc);
@@ -922,27 +866,26 @@ void q6k_dequantize(const uint8_t* blocks, int64_t I, int64_t r0, int64_t r1, fl
   });
 }
 
-at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_) {
+at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_, int64_t float_rows) {
   TORCH_CHECK(blocks_.scalar_type() == at::kByte && blocks_.dim() == 2 && blocks_.size(1) % kQ6Bytes == 0,
               "q6k_linear: expected blocks [O, I/256 * 210] uint8 (GGUF Q6_K rows as stored), got ", blocks_.sizes(),
               " ", blocks_.scalar_type());
   const int64_t O = blocks_.size(0), I = blocks_.size(1) / kQ6Bytes * kQ6Block;
-  check_x(x_, I, "q6k_linear");
+  check_x(x_, I, "q6k_linear", float_rows);
   const at::Tensor x = x_.contiguous(), blocks = blocks_.contiguous();
   const uint8_t* q = blocks.data_ptr<uint8_t>();
-  const int64_t M = x.size(0), nb = I / kBlock, nsb = I / kQ6Block;
-  if (M > kGemvRows)
+  const int64_t M = x.size(0), nsb = I / kQ6Block;
+  if (float_gemm(x, float_rows))
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q6k_dequantize(q, I, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  std::vector<int8_t> xq(M * I);
-  std::vector<float> dx(M * nb), dx2(M * I / 16);
+  const Activations a(x.data_ptr<float>(), M, I, kBlock, 0);
+  std::vector<float> dx2(M * I / 16);
   std::vector<int32_t> off(M * I / 4);
-  quantize_rows(x.data_ptr<float>(), M, I, xq.data(), dx.data());
-  q6_activations(xq.data(), dx.data(), M * I, off.data(), dx2.data());
-  at::parallel_for(0, O, 32, [&](int64_t a, int64_t b) {
-    for (int64_t o = a; o < b; ++o)
-      q6k_rows(q + o * nsb * kQ6Bytes, nsb, xq.data(), off.data(), dx2.data(), M, I, yp + o, O);
+  q6_activations(a.xq.data(), a.dx.data(), M * I, off.data(), dx2.data());
+  over_tiles(M, O, 0, [&](int64_t o, int64_t r0, int64_t R, float*) {
+    q6k_rows(q + o * nsb * kQ6Bytes, nsb, a.xq.data() + r0 * I, off.data() + r0 * I / 4, dx2.data() + r0 * I / 16, R, I,
+             yp + r0 * O + o, O);
   });
   return y;
 }
@@ -962,11 +905,13 @@ int64_t simd_level() {
 }  // namespace
 
 TORCH_LIBRARY(zoo_quant, m) {
-  m.def("int4_linear(Tensor x, Tensor qs, Tensor sm, int group) -> Tensor");
-  m.def("int5_linear(Tensor x, Tensor qs, Tensor qh, Tensor sm, int group) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor qw, Tensor scale) -> Tensor");
-  m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group) -> Tensor");
-  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
+  // float_rows: 0 (the default) int8 activations at every row count; n > 0: more rows than n take
+  // the float GEMM over dequantized rows (runtime.quant_prefill=float)
+  m.def("int4_linear(Tensor x, Tensor qs, Tensor sm, int group, int float_rows=0) -> Tensor");
+  m.def("int5_linear(Tensor x, Tensor qs, Tensor qh, Tensor sm, int group, int float_rows=0) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qw, Tensor scale, int float_rows=0) -> Tensor");
+  m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group, int float_rows=0) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor blocks, int float_rows=0) -> Tensor");
   m.def("simd_level() -> int");
 }
 

@@ -23,11 +23,17 @@ Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 path is a scalar fallback; scripts/results/design-measurements.md), and
 torchao's CPU int4 layout calls the same op (its int8-activation kernels need AVX512-VNNI / AMX).
 Decode is a matrix-vector product per linear, so its speed is how fast the codes can be read:
-for up to FEW_ROWS rows (a decode batch) the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8
-activations, on the same file) and take each block's dot product in integers, 32 multiply-adds
-per instruction; more rows (prefill) dequantize a chunk of weight rows to float32 at a time and
-call the BLAS GEMM with x as it is. `round_activations` and the references below say exactly
-what each path computes; tests/test_quant.py holds the kernels to them.
+the kernels round x to int8 per block of 32 inputs (llama.cpp's Q8 activations, on the same file)
+and take each block's dot product in integers, 32 multiply-adds per instruction. They do so at
+every row count, with one fixed order of the float sums per (row, output) (cpu_kernels.cpp's row
+tiles), so a row's output is bit for bit the same alone, in a decode bucket, in a prefill chunk or
+among a whole prompt's rows, and whichever threads split the outputs (batch invariance: a greedy
+answer does not depend on the path its cache took; tests/test_quant.py and tests/test_invariance.py).
+`float_rows` (runtime.quant_prefill=float: FLOAT_ROWS) trades that away for the old prefill: calls
+of more rows dequantize a chunk of weight rows to float32 at a time and call the BLAS GEMM with x
+as it is. `round_activations` and the references below say what each path computes (the
+references' sums run in torch's order, so they match the kernels within float32 rounding, not
+bit for bit); tests/test_quant.py holds the kernels to them.
 
 Built on first use (compiler/native.py: the C++ compiler inductor uses, into the zoo cache) and
 loaded with torch.ops.load_library; `register_fake` gives the compiled graphs their shapes. Where
@@ -48,7 +54,8 @@ from . import gguf_blocks
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BLOCK = 32  # inputs per Q4 block (the nibble pairing of qs) and per activation scale
 Q6K_GROUP = 16  # inputs per Q6_K group scale
-FEW_ROWS = 16  # up to this many rows of x: integer dots over int8-rounded activations (kGemvRows)
+FLOAT_ROWS = 16  # runtime.quant_prefill=float: calls of more rows take the float GEMM (the kernels' float_rows)
+PREFILL_MODES = {"int8": 0, "float": FLOAT_ROWS}  # runtime.quant_prefill -> the kernels' float_rows
 
 
 # ----------------------------------------------------------------------------- reference
@@ -67,7 +74,7 @@ def int4_dequantize(qs: torch.Tensor, sm: torch.Tensor, qh: torch.Tensor | None 
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, I] float32 -> x rounded to int8 per block of 32 inputs, as the kernels' few-row path
+    """x [M, I] float32 -> x rounded to int8 per block of 32 inputs, as the kernels' integer path
     does: codes round(x * 127 / max|x|), scale max|x| / 127 (returned dequantized)."""
     M, I = x.shape
     blocks = x.reshape(M, I // BLOCK, BLOCK)
@@ -76,12 +83,16 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(M, I)
 
 
+def _float_gemm(x: torch.Tensor, float_rows: int) -> bool:
+    return float_rows > 0 and x.shape[0] > float_rows
+
+
 def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int,
-                   qh: torch.Tensor | None = None) -> torch.Tensor:
-    """What int4_linear computes (int5_linear with qh), in torch ops: up to FEW_ROWS rows with the
-    q d part over the int8-rounded x and the m part over x itself (int5: over the rounded x too, as
-    llama.cpp's Q5_0 / Q5_1 dots); more rows with x as it is."""
-    if x.shape[0] > FEW_ROWS:
+                   qh: torch.Tensor | None = None, float_rows: int = 0) -> torch.Tensor:
+    """What int4_linear computes (int5_linear with qh), in torch ops: the q d part over the
+    int8-rounded x and the m part over x itself (int5: over the rounded x too, as llama.cpp's
+    Q5_0 / Q5_1 dots); with float_rows > 0, calls of more rows with x as it is (the float GEMM)."""
+    if _float_gemm(x, float_rows):
         return F.linear(x, int4_dequantize(qs, sm, qh))
     only_d = sm.clone()
     only_d[:, 1] = 0
@@ -90,9 +101,10 @@ def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: i
     return F.linear(xr, int4_dequantize(qs, only_d, qh)) + F.linear(x if qh is None else xr, m)
 
 
-def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
+def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torch.Tensor, group: int,
+                   float_rows: int = 0) -> torch.Tensor:
     """What int5_linear computes (int4_reference with the fifth bits)."""
-    return int4_reference(x, qs, sm, group, qh)
+    return int4_reference(x, qs, sm, group, qh, float_rows)
 
 
 def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
@@ -103,10 +115,11 @@ def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     return w + sm[:, 1].repeat_interleave(g, dim=1) if sm.shape[1] == 2 else w
 
 
-def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int) -> torch.Tensor:
-    """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x up to
-    FEW_ROWS rows, the m part, if any, over x itself)."""
-    if x.shape[0] > FEW_ROWS:
+def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int,
+                    float_rows: int = 0) -> torch.Tensor:
+    """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x, the m
+    part, if any, over x itself; float_rows as there)."""
+    if _float_gemm(x, float_rows):
         return F.linear(x, int8g_dequantize(qw, sm))
     y = F.linear(round_activations(x), int8g_dequantize(qw, sm[:, :1]))
     return y + F.linear(x, sm[:, 1].float().repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
@@ -119,15 +132,15 @@ def q6k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return c.q.to(torch.int8), c.d[:, None]
 
 
-def q6k_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def q6k_reference(x: torch.Tensor, blocks: torch.Tensor, float_rows: int = 0) -> torch.Tensor:
     """What q6k_linear computes: int8g_reference of the blocks' codes and group scales."""
     qw, sm = q6k_codes(blocks)
-    return int8g_reference(x, qw, sm, Q6K_GROUP)
+    return int8g_reference(x, qw, sm, Q6K_GROUP, float_rows)
 
 
-def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What int8_linear computes (x rounded to int8 per 32 inputs up to FEW_ROWS rows)."""
-    return F.linear(round_activations(x) if x.shape[0] <= FEW_ROWS else x, qw.float() * scale[:, None])
+def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor, float_rows: int = 0) -> torch.Tensor:
+    """What int8_linear computes (x rounded to int8 per 32 inputs; float_rows as int4_reference's)."""
+    return F.linear(x if _float_gemm(x, float_rows) else round_activations(x), qw.float() * scale[:, None])
 
 
 def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,15 +170,15 @@ def _load() -> str | None:
     why = native.load(SOURCE)
     if why is None:
         torch.library.register_fake("zoo_quant::int4_linear")(
-            lambda x, qs, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
+            lambda x, qs, sm, group, float_rows=0: x.new_empty(x.shape[0], qs.shape[0]))
         torch.library.register_fake("zoo_quant::int5_linear")(
-            lambda x, qs, qh, sm, group: x.new_empty(x.shape[0], qs.shape[0]))
+            lambda x, qs, qh, sm, group, float_rows=0: x.new_empty(x.shape[0], qs.shape[0]))
         torch.library.register_fake("zoo_quant::int8_linear")(
-            lambda x, qw, scale: x.new_empty(x.shape[0], qw.shape[0]))
+            lambda x, qw, scale, float_rows=0: x.new_empty(x.shape[0], qw.shape[0]))
         torch.library.register_fake("zoo_quant::int8g_linear")(
-            lambda x, qw, sm, group: x.new_empty(x.shape[0], qw.shape[0]))
+            lambda x, qw, sm, group, float_rows=0: x.new_empty(x.shape[0], qw.shape[0]))
         torch.library.register_fake("zoo_quant::q6k_linear")(
-            lambda x, blocks: x.new_empty(x.shape[0], blocks.shape[0]))
+            lambda x, blocks, float_rows=0: x.new_empty(x.shape[0], blocks.shape[0]))
     return why
 
 

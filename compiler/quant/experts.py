@@ -21,6 +21,12 @@ Both dequantize to gguf.quants.dequantize's values (`dequantize`; signed zeros a
 expert in a stack of block experts (per-expert tensors of different types) is quantized into
 their layout (int4_quantize's codes, or int8 per channel as int8g).
 
+Float experts quantized on the CPU (runtime.quant with zoo's float32 kernels, the default) take
+the same layouts: int4 as q4 (its group, float16 d and m), int8 per channel as int8g g32 (the row's
+scale in every group): one kernel numerics for every expert product, whatever rows chose the
+expert (batch invariance, cpu_kernels.py). With a bfloat16 / float16 compute dtype they are held
+for torch's kernels instead:
+
 The quantization is linear.py's (int8_quantize: per output channel; int4_quantize: groupwise
 asymmetric), applied expert by expert. The matmul is one op in the graph, `zoo::quant_expert_mm`,
 looping inside over the experts that own rows and calling torch's weight-only kernel on views of
@@ -78,10 +84,11 @@ BLOCK_KINDS = ("q4", "int8g")  # the layouts that hold GGUF blocks exactly (modu
 
 @torch.library.custom_op("zoo::block_expert_mm", mutates_args=())
 def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
-                    kind: str, group: int) -> torch.Tensor:
+                    kind: str, group: int, float_rows: int = 0) -> torch.Tensor:
     """x [N, I] float32 rows sorted by expert, offs [E] int64 (as quant_expert_mm), kind q4 | int8g
     (the module docstring's layouts) -> [N, O] float32 through zoo's CPU kernels (their torch
-    reference where the kernels did not build: the same numbers)."""
+    reference where the kernels did not build: the same numbers). float_rows: the kernels' (0: a
+    row's output is the same bits however many rows chose its expert: batch invariance)."""
     compiled = cpu_kernels.available()
     out = x.new_empty(x.shape[0], qweight.shape[1])
     start = 0
@@ -89,17 +96,17 @@ def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         if end > start:
             xs, qw, sm = x[start:end], qweight[e], scales[e]
             if kind == "q4":
-                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group) if compiled
-                                  else cpu_kernels.int4_reference(xs, qw, sm, group))
+                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group, float_rows) if compiled
+                                  else cpu_kernels.int4_reference(xs, qw, sm, group, float_rows=float_rows))
             else:
-                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group) if compiled
-                                  else cpu_kernels.int8g_reference(xs, qw, sm, group))
+                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group, float_rows) if compiled
+                                  else cpu_kernels.int8g_reference(xs, qw, sm, group, float_rows))
         start = end
     return out
 
 
 @block_expert_mm.register_fake
-def _block_expert_mm_fake(x, qweight, scales, offs, kind, group):
+def _block_expert_mm_fake(x, qweight, scales, offs, kind, group, float_rows=0):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
@@ -116,7 +123,7 @@ class QuantExperts(nn.Module, WeightSink):
     sink_suffix = ""  # addressed as the parameter it replaces (`{path}.ffn.w13`), not `.weight`
 
     def __init__(self, n_experts: int, out_features: int, in_features: int, mode: str, group: Optional[int],
-                 compute_dtype: torch.dtype, device=None):
+                 compute_dtype: torch.dtype, device=None, zoo_kernel: bool = False):
         super().__init__()
         E, O, I = n_experts, out_features, in_features
         self.n_experts, self.out_features, self.in_features = E, O, I
@@ -124,7 +131,20 @@ class QuantExperts(nn.Module, WeightSink):
         self.mode_group = self.group  # the configured group (self.group follows the layout)
         self.layout = mode  # what the buffers hold: int8 | int4 (torch's kernels) or a BLOCK_KINDS one
         self.block_types: set[str] = set()  # the GGUF block types the plan hands it (prepare_blocks)
-        if mode == "int8":
+        self.float_rows = 0  # the block layouts' kernels: as QuantLinear.float_rows (runtime.quant_prefill)
+        if zoo_kernel and (mode == "int4" or I % cpu_kernels.BLOCK == 0):
+            # zoo's float32 CPU kernels (the CPU default): float experts quantized into the block
+            # layouts (int4: q4 g, float16 d and m; int8 per channel: int8g g32 with the row's scale
+            # in every group, d only), so their products are the kernels' one numerics at every row
+            # count (batch invariance), as the linears'
+            g = group if mode == "int4" else cpu_kernels.BLOCK
+            self.layout, self.group = ("q4", g) if mode == "int4" else ("int8g", g)
+            codes = (E, O, I // 2, torch.uint8) if mode == "int4" else (E, O, I, torch.int8)
+            self.register_buffer("qweight", torch.empty(codes[:3], dtype=codes[3], device=device))
+            self.register_buffer("scales", torch.empty(E, O, 2 if mode == "int4" else 1, I // g,
+                                                       dtype=torch.float16 if mode == "int4" else torch.float32,
+                                                       device=device))
+        elif mode == "int8":
             self.register_buffer("qweight", torch.empty(E, O, I, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.empty(E, O, dtype=compute_dtype, device=device))
         elif mode == "int4":
@@ -153,7 +173,7 @@ class QuantExperts(nn.Module, WeightSink):
         return torch.float32 if self.layout in BLOCK_KINDS else self.scales.dtype
 
     def what(self) -> str:
-        if self.layout in BLOCK_KINDS:
+        if self.layout in BLOCK_KINDS and self.block_types:  # GGUF blocks (float experts: as quantized)
             bits = "int4" if self.layout == "q4" else "int8"
             held = f"{bits} g{self.group} ({str(self.scales.dtype).removeprefix('torch.')} scales)"
         else:
@@ -179,7 +199,7 @@ class QuantExperts(nn.Module, WeightSink):
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, I] rows sorted by expert, offs [E] -> [N, O] in x's dtype (see expert_mm)."""
         if self.layout in BLOCK_KINDS:
-            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group)
+            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group, self.float_rows)
         else:
             y = quant_expert_mm(x.to(self.compute_dtype), self.qweight, self.scales, offs, self.group or 0)
         return y.to(x.dtype)
@@ -299,7 +319,7 @@ class QuantExperts(nn.Module, WeightSink):
             part = w[r:r + step]
             n = len(part)
             if self.layout == "q4":  # int4_quantize's codes in the Q4 byte order, d = scale, m = zero - 8 scale
-                q, scale, zero = int4_quantize(part, 32)
+                q, scale, zero = int4_quantize(part, self.group)
                 pairs = q.to(torch.uint8).reshape(n, -1, 2, 16)
                 self.qweight[e, r:r + n].copy_((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1))
                 self.scales[e, r:r + n].copy_(torch.stack((scale, zero - 8.0 * scale), dim=1))
@@ -353,7 +373,8 @@ def quantize_experts(model: nn.Module, mode: str, group: int, compute_dtype: tor
             if why:
                 kept_float[full] = why
                 continue
-            q = QuantExperts(E, O, I, mode, group, kernel_dtype(compute_dtype), device=p.device)
+            q = QuantExperts(E, O, I, mode, group, kernel_dtype(compute_dtype), device=p.device,
+                             zoo_kernel=compute_dtype == torch.float32)
             delattr(module, name)
             setattr(module, name, q)
             quantized[full] = q.what()

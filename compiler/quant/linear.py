@@ -112,6 +112,9 @@ class QuantLinear(nn.Module, WeightSink):
         # zoo's kernels (float32 compute); without a C++ compiler their torch reference, same numbers
         self.zoo_kernel = compute_dtype == torch.float32
         self.compiled_kernel = self.zoo_kernel and cpu_kernels.available()
+        # zoo's kernels: 0 rounds x to int8 at every row count (batch invariant); n > 0 runs calls of
+        # more rows on the float GEMM (runtime.quant_prefill=float; cpu_kernels.PREFILL_MODES)
+        self.float_rows = 0
         O, I = out_features, in_features
         if mode == "int8":
             if self.zoo_kernel and I % INT8_INPUTS:
@@ -183,25 +186,26 @@ class QuantLinear(nn.Module, WeightSink):
         return y if self.bias is None else y + self.bias
 
     def _zoo_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        f = self.float_rows
         if self.layout == "q6k":
             if self.compiled_kernel:
-                return torch.ops.zoo_quant.q6k_linear(x2, self.qweight)
-            return cpu_kernels.q6k_reference(x2, self.qweight)
+                return torch.ops.zoo_quant.q6k_linear(x2, self.qweight, f)
+            return cpu_kernels.q6k_reference(x2, self.qweight, f)
         if self.layout == "int8g":
             if self.compiled_kernel:
-                return torch.ops.zoo_quant.int8g_linear(x2, self.qweight, self.scales, self.group)
-            return cpu_kernels.int8g_reference(x2, self.qweight, self.scales, self.group)
+                return torch.ops.zoo_quant.int8g_linear(x2, self.qweight, self.scales, self.group, f)
+            return cpu_kernels.int8g_reference(x2, self.qweight, self.scales, self.group, f)
         if self.layout == "int8":
             if self.compiled_kernel:
-                return torch.ops.zoo_quant.int8_linear(x2, self.qweight, self.scales)
-            return cpu_kernels.int8_reference(x2, self.qweight, self.scales)
+                return torch.ops.zoo_quant.int8_linear(x2, self.qweight, self.scales, f)
+            return cpu_kernels.int8_reference(x2, self.qweight, self.scales, f)
         if self.layout == "int5":
             if self.compiled_kernel:
-                return torch.ops.zoo_quant.int5_linear(x2, self.qweight, self.qhigh, self.scales, self.group)
-            return cpu_kernels.int5_reference(x2, self.qweight, self.qhigh, self.scales, self.group)
+                return torch.ops.zoo_quant.int5_linear(x2, self.qweight, self.qhigh, self.scales, self.group, f)
+            return cpu_kernels.int5_reference(x2, self.qweight, self.qhigh, self.scales, self.group, f)
         if self.compiled_kernel:
-            return torch.ops.zoo_quant.int4_linear(x2, self.qweight, self.scales, self.group)
-        return cpu_kernels.int4_reference(x2, self.qweight, self.scales, self.group)
+            return torch.ops.zoo_quant.int4_linear(x2, self.qweight, self.scales, self.group, f)
+        return cpu_kernels.int4_reference(x2, self.qweight, self.scales, self.group, float_rows=f)
 
     def serves_rows(self) -> bool:
         """Rows are read back in the GGUF block layouts of zoo's kernels (contracts.WeightSink)."""
@@ -455,11 +459,11 @@ class QuantLinear(nn.Module, WeightSink):
                 raise ConfigError(f"{what}: a [{self.out_features}, {self.in_features}] linear keeps {O} output rows "
                                   f"per rank; torch's int4 kernel needs a multiple of {INT4_ROWS} (choose another "
                                   f"tp, or runtime.quant=int8)")
-        bias = self.bias
+        bias, float_rows = self.bias, self.float_rows
         local = QuantLinear(I, O, False, self.mode, self.group, self.compute_dtype, tied_to=self.tied_to,
                             device=self.qweight.device)
         self.__dict__.update(local.__dict__)
-        self.bias = bias
+        self.bias, self.float_rows = bias, float_rows
 
     def vocab_parallel(self, rows: tuple[int, int], gather) -> "VocabParallelQuantHead":
         return VocabParallelQuantHead(self, rows, gather)
@@ -473,7 +477,7 @@ class VocabParallelQuantHead(QuantLinear):
     def __init__(self, q: QuantLinear, rows: tuple[int, int], gather):
         super().__init__(q.in_features, rows[1] - rows[0], False, q.mode, q.group, q.compute_dtype,
                          tied_to=q.tied_to, device=q.qweight.device)
-        self.rows, self.gather = rows, gather
+        self.rows, self.gather, self.float_rows = rows, gather, q.float_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gather(super().forward(x))
