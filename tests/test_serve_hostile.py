@@ -132,15 +132,16 @@ def test_a_client_that_never_reads_holds_up_no_one(base):
     body = json.dumps({"model": NAME, "prompt": "one two three", "max_tokens": MAX_SEQ - 8, "n": 2, "logprobs": 20,
                        "stream": True, "ignore_eos": True}).encode()
     host, port = base.removeprefix("http://").split(":")
-    slow = socket.create_connection((host, int(port)))
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    slow.connect((host, int(port)))
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     try:
         deadline = time.monotonic() + 30
         while httpx.get(base + "/health").json()["running"] == 0:  # the hostile stream is in flight
             assert time.monotonic() < deadline, "the never-read stream never started"
-            time.sleep(0.05)
+            time.sleep(0.01)
         out: dict = {}
         t = threading.Thread(target=_answer, args=(base, out))
         t.start()
