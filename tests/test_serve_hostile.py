@@ -80,7 +80,10 @@ HOSTILE = [
     # llguidance's lexer runs out of fuel on its first token (zoo's GRAMMAR_LIMITS): that request only
     ("regex blowup", "/v1/chat/completions", _chat(regex="((a{100}){100}){100}"), 400, "invalid_grammar"),
     ("right-recursive Lark", "/v1/chat/completions",
-     _chat(grammar="start: x\nx: " + " | ".join(f'"{i}" x' for i in range(3000)) + ' | "e"'), 400, "invalid_grammar"),
+     # every output starts with "(" (no short way out), after which the parser's row predicts
+     # all 3001 branches: past llguidance's max_items_in_row whatever token comes first
+     _chat(grammar='start: x\nx: "(" y\ny: ' + " | ".join(f'"{i}" x' for i in range(3000)) + ' | ")"', temperature=0),
+     400, "invalid_grammar"),
 ]
 
 
