@@ -10,7 +10,8 @@ What it reports (and its exit code checks): no 5xx, every answered request compl
 server's RSS sampled every --sample seconds (first / last / max, and its growth from the end of
 the warm-up to the end of the load besides the prefix store's, which fills up to
 prefix_cache_mib by design: under 128 MiB), greedy answers under load equal to the same requests sent alone.
---tiny serves the random checkpoint the tests use (tests/serve_fixtures.py), written to a temp
+Committed: scripts/results/soak_serve.json (--tiny, 300 requests) and soak_serve_smollm2.json
+(`--requests 150 --seconds 180`). --tiny serves the random checkpoint the tests use (tests/serve_fixtures.py), written to a temp
 dir. The server runs eagerly (compile=false): the soak is about the server, not the graphs.
 Timings depend on the machine's load: on a shared machine they are no measurement.
 """
