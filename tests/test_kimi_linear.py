@@ -237,3 +237,34 @@ def test_original_checkpoint_names_load(reference, tmp_path):
     (renamed / "config.json").write_text(json.dumps(config))
     m = zoo.from_pretrained(str(renamed), compile=False, max_seq=32, overrides=CHUNK)
     check_parity(ref, m, torch.randint(0, VOCAB, (1, 9)), steps=1)
+
+
+# ----------------------------------------------------------------------------- zoo patterns
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_nope_mla_probe_rebuilds_the_prefill(eager, absorbed):
+    """The MLA layers keep no RoPE (`rope: false`): their probe (zoo patterns) reads no rope table,
+    and weighting the layer's expanded values by its probabilities (either form) gives the layer's
+    own prefill output. (transformers' eager attention path fails on this family's MLA, so the
+    layer itself is the oracle, as for DeepSeek-V4's kinds in test_patterns.py.)"""
+    from zoo.compiler.mixers.mla import expanded_qkv
+    from zoo.compiler.patterns import _observe
+
+    ids = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def check(i, mixer, x, cache, ctx):
+        if mixer.kind != "mla":
+            return
+        maps = mixer.attention_probe(x, ctx, absorbed=absorbed)
+        torch.testing.assert_close(maps.probs.sum(-1), torch.ones(maps.probs.shape[:-1]), rtol=0, atol=1e-5)
+        q_nope, q_rope, kv = mixer.project(x, None, None)
+        _, _, v = expanded_qkv(q_nope, q_rope, kv, mixer.wkv_b.weight)
+        o = torch.matmul(maps.probs, v).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+        want = type(mixer).prefill(mixer, x, {n: torch.zeros_like(t) for n, t in cache.items()}, ctx)
+        torch.testing.assert_close(mixer.wo(o), want, rtol=1e-5, atol=1e-6)
+        seen.append(i)
+
+    _observe(eager.engine, ids, check)
+    assert seen == [2, 4]

@@ -215,6 +215,7 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
                        f"reused prompt caches; 0 turns prefix reuse off)")
     if not any(o.startswith("runtime.max_batch=") for o in overrides):
         overrides = [*overrides, "runtime.max_batch=8"]  # rows of the continuous batch
+    _check_serve_budget(opts, _speculative(opts, overrides), int(mib) << 20)
     model = _load(opts, _speculative(opts, overrides), dry=False, progress=True)
     _print_load_line(model)
     name = opts.get("model_name") or opts.get("conf") or Path(opts["weights"].rstrip("/")).name
@@ -223,6 +224,23 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
           api_key=api_key, max_queue=int(opts.get("max_queue", 64)), log_level=opts.get("log_level", "info"),
           tool_format=opts.get("tool_format") or None, prefix_cache_bytes=int(mib) << 20)
     return 0
+
+
+def _check_serve_budget(opts: dict, overrides: list[str], prefix_cache_bytes: int) -> None:
+    """Before anything is allocated: the weights, the caches of max_batch x max_seq (the cache
+    plan of a dry build: headers only) and the prefix cache against the host's available memory,
+    a named refusal with the sizes (zoo/serve/limits.py). A build on another device checks its
+    own memory in the build's fit stage; under torchrun each rank holds a share: not checked here."""
+    from .serve.limits import check_kv_budget
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    probe = _load(opts, overrides, dry=True, progress=False)
+    rt = probe.spec.runtime
+    if str(rt.device) != "cpu":
+        return
+    check_kv_budget(probe.info, int(rt.max_batch), int(rt.max_seq), prefix_cache_bytes, probe.info.available_bytes,
+                    where=f"zoo serve {probe.spec.name}")
 
 
 def resolve_target(text: str, revision=None):

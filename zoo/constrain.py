@@ -181,7 +181,9 @@ class Grammars:
     them (least recently used out past CACHE_SIZE). Thread-safe: the API compiles, the scheduler
     thread only uses constraints."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: Optional[dict] = None):
+        """limits: llguidance.LLParserLimits fields (the server's, zoo/serve/limits.py); None:
+        llguidance's defaults."""
         import llguidance
 
         # vocab_size is the model's (its logits may be padded past the tokenizer's ids)
@@ -191,6 +193,7 @@ class Grammars:
         self._ends = frozenset(int(e) for e in eos_ids)
         # llguidance reads every added token as a special token: a grammar names them by id
         self._added = {t.content: i for i, t in tokenizer._backend.get_added_tokens_decoder().items()}
+        self._limits = llguidance.LLParserLimits(**limits) if limits else None
         self._cache: collections.OrderedDict[tuple, Grammar] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -234,7 +237,7 @@ class Grammars:
         if prefix is not None:
             text = _after(prefix, text)
         try:
-            m = LLMatcher(self._tok, text, log_level=0)
+            m = LLMatcher(self._tok, text, log_level=0, limits=self._limits)
         except Exception as e:  # the constructor raises on some invalid grammars, flags others
             raise GrammarError(field, f"the grammar engine rejects it: {e}")
         if m.is_error():

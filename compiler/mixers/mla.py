@@ -239,7 +239,7 @@ class MLA(Mixer, FloatLinears):
                         absorbed: bool = False) -> AttentionMaps:
         """prefill's attention as probabilities (contracts.AttentionProbe): its projection, RoPE,
         scale and causal mask, scored in the expanded form or (absorbed) the decode form."""
-        cos, sin = ctx["rope"][self.rope]
+        cos, sin = self._cos_sin(ctx)  # (None, None) for a NoPE MLA (rope: false)
         q_nope, q_rope, kv = self.project(x, cos, sin)
         logits = self.probe_logits(q_nope, q_rope, kv, heads, absorbed)
         logits, probs = masked_softmax(logits, causal_mask(x.shape[1], x.device))

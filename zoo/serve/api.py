@@ -31,26 +31,14 @@ from ..compiler.errors import ZooError
 from ..constrain import Grammar, GrammarError, Grammars
 from ..tools import ToolError, by_name
 from . import completions as completions_api
+from . import limits
 from .chat import ChatOutput, ChatPlan
+from .errors import APIError
+from .limits import MAX_STOP, MAX_TOP_LOGPROBS  # noqa: F401 - every bound lives in limits.py
 from .metrics import Metrics
 from .scheduler import PREFIX_CACHE_BYTES, Event, QueueFull, SamplingParams, Scheduler, Sequence
 from .web import add_routes as add_web_routes
 from .tokenize import add_routes as add_token_routes
-
-MAX_STOP = 16
-MAX_TOP_LOGPROBS = 20
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
 # ---------------------------------------------------------------------------- field checks
@@ -99,9 +87,11 @@ class Server:
         # the grammar engine reads the tokenizer once (~1 s for a 50k vocabulary), here and not
         # in the first constrained request
         self.grammars, self.grammars_error = None, None
+        self.token_bytes = limits.longest_token_bytes(self.tokenizer) if self.tokenizer is not None else 1
         if self.tokenizer is not None:
             try:
-                self.grammars = Grammars(self.tokenizer, self.vocab, self.scheduler.eos)
+                self.grammars = Grammars(self.tokenizer, self.vocab, self.scheduler.eos,
+                                         limits=limits.GRAMMAR_LIMITS)
             except Exception as e:  # a tokenizer the engine cannot read: only constrained requests fail
                 self.grammars_error = f"{type(e).__name__}: {e}"
 
@@ -120,11 +110,7 @@ class Server:
         """The request's JSON object, after the key check, naming a model this server serves
         (`need_model=False`: /tokenize and friends, where `model` may be left out)."""
         self.check_auth(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        body = limits.parse_json(await limits.read_body(request))  # size- and depth-bounded
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         if need_model or body.get("model") is not None:
@@ -145,6 +131,7 @@ class Server:
 
     def chat_plan(self, body: dict) -> ChatPlan:
         """tools / tool_choice / reasoning of a chat request (serve/chat.py); 400 naming the field."""
+        limits.check_tools(body.get("tools"))
         try:
             return ChatPlan.of(self.tokenizer, body, self.tool_format)
         except ToolError as e:
@@ -181,6 +168,7 @@ class Server:
             raise APIError(400, str(e), param="messages", code="invalid_value") from e
         except ZooError as e:
             raise APIError(400, str(e), param="messages") from e
+        limits.check_prompt_text(text, self.max_seq, self.token_bytes, "messages")
         return tok.encode(text, add_special_tokens=False), text  # the template writes its own BOS
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
@@ -198,7 +186,9 @@ class Server:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append(self.need_tokenizer("a text prompt").encode(p))
+                tok = self.need_tokenizer("a text prompt")
+                limits.check_prompt_text(p, self.max_seq, self.token_bytes, "prompt")
+                out.append(tok.encode(p))
                 continue
             if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 raise APIError(400, "a token-id prompt must be a non-empty list of integers", param="prompt",
@@ -238,11 +228,10 @@ class Server:
         seed = _field(body, "seed", int, None)
         n = _field(body, "n", int, 1)
         _range("n", n, 1 <= n <= self.max_batch, f"an integer in 1..{self.max_batch} (max_batch)")
+        limits.check_seed(seed, n)
         stop = _field(body, "stop", (str, list), [])
         stop = [stop] if isinstance(stop, str) else stop
-        if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-            raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP} strings", param="stop",
-                           code="invalid_value")
+        limits.check_stop(stop)
         if stop:
             self.need_tokenizer("'stop'")
         if chat:
@@ -298,6 +287,7 @@ class Server:
         if not found:
             return None
         kind, value, where, prefix = found[0]
+        limits.check_grammar(kind, value, where)
         self.need_tokenizer(f"'{where}'")
         if self.grammars is None:
             raise APIError(400, f"'{where}': the grammar engine cannot read this model's tokenizer "
@@ -361,6 +351,9 @@ class Run:
                     continue
                 if ev.kind == "done":
                     left -= 1
+                    if ev.finish_reason == "error" and ev.code == "invalid_grammar":  # the request's own
+                        raise APIError(400, f"the output constraint failed while generating: {ev.error}",
+                                       code="invalid_grammar")
                     if ev.finish_reason in ("error", "cancelled"):
                         raise APIError(500 if ev.finish_reason == "error" else 503,
                                        f"generation failed: {ev.error or 'the server is shutting down'}",
@@ -475,17 +468,27 @@ def create_app(model, model_name: str, api_key: Optional[str] = None, max_queue:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        plan = server.chat_plan(body)
-        prompt, text = server.chat_prompt(body, plan)
-        params, _ = server.sampling(body, len(prompt), chat=True, plan=plan, prompt_text=text)
-        outputs = [plan.output(text) for _ in params] if plan.active else None
+
+        def prepare():
+            plan = server.chat_plan(body)
+            prompt, text = server.chat_prompt(body, plan)
+            params, _ = server.sampling(body, len(prompt), chat=True, plan=plan, prompt_text=text)
+            return prompt, params, [plan.output(text) for _ in params] if plan.active else None
+
+        # templates, tokenizing and grammar compiles off the event loop: one large request
+        # never holds up the others' streams
+        prompt, params, outputs = await asyncio.to_thread(prepare)
         return await respond(request, body, [prompt], params, chat=True, outputs=outputs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
-        prompts = server.completion_prompts(body)
-        params, _ = server.sampling(body, max(len(p) for p in prompts), chat=False)
+
+        def prepare():
+            prompts = server.completion_prompts(body)
+            return prompts, server.sampling(body, max(len(p) for p in prompts), chat=False)[0]
+
+        prompts, params = await asyncio.to_thread(prepare)  # as in chat(): off the event loop
         for p in prompts:
             if not p:
                 raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")

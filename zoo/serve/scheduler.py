@@ -105,6 +105,7 @@ class Event:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     prompt: Optional[list[Optional[tuple[float, list[tuple[int, float]]]]]] = None
+    code: Optional[str] = None  # with "error": "invalid_grammar" when the request's own grammar failed
 
 
 @dataclass
@@ -423,7 +424,7 @@ class Scheduler:
             self.metrics.speculative(before, self.spec.stats)
         for r, res in zip(rows, results):
             if res.error is not None:  # the grammar reached a dead end: only this row fails
-                self._finish(r, "error", error=res.error)
+                self._finish(r, "error", error=res.error, code="invalid_grammar")
                 continue
             for tok, logits in zip(res.tokens, res.logits):
                 if not self._emit(r, tok, logits):
@@ -504,8 +505,8 @@ class Scheduler:
         c = s.constraint
         try:
             allowed = logits if c is None else c.apply(logits)
-        except ValueError as err:  # the grammar reached a dead end: only this row fails
-            self._finish(row, "error", error=str(err))
+        except ValueError as err:  # the grammar reached a dead end or a limit: only this row fails
+            self._finish(row, "error", error=str(err), code="invalid_grammar")
             return
         tok = int(sample(allowed[None], p.temperature, p.top_k, p.top_p, s.generator)[0])
         self._emit(row, tok, logits)
@@ -529,7 +530,7 @@ class Scheduler:
         # under a grammar an end token is only sampled where the grammar may end: it always ends
         end = tok in self.eos and (not p.ignore_eos or c is not None)
         if c is not None and not end and not c.accept(tok):
-            self._finish(row, "error", error=f"the grammar rejected token {tok}: {c.error}")
+            self._finish(row, "error", error=f"the grammar rejected token {tok}: {c.error}", code="invalid_grammar")
             return False
         text, stopped = ("", False) if end else s.text.feed(tok)
         s.sink(Event("token", text=text, token=tok, logprob=lp, top=top))
@@ -544,7 +545,7 @@ class Scheduler:
             return True
         return False
 
-    def _finish(self, row: int, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, row: int, reason: str, error: Optional[str] = None, code: Optional[str] = None) -> None:
         s = self._rows.pop(row)
         if self.prefix is not None and reason in ("stop", "length") and self._held_matches(row, s):
             held = self.engine.row_len[row]  # the conversation, for its next turn
@@ -560,7 +561,7 @@ class Scheduler:
         rest = s.text.finish() if reason in ("stop", "length") else ""
         if self.metrics is not None:
             self.metrics.finished(reason)
-        s.sink(Event("done", text=rest, finish_reason=reason, error=error))
+        s.sink(Event("done", text=rest, finish_reason=reason, error=error, code=code))
 
     def _held_matches(self, row: int, s: Sequence) -> bool:
         """Whether the row holds only the sequence's tokens: a speculative step that ran past the
