@@ -17,6 +17,7 @@ that loads as another model: what the readers must never let through).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import pickle
@@ -245,9 +246,17 @@ def gguf_makers(data: bytes, block_sizes: dict) -> list[Callable[..., Patch]]:
         (to,) = struct.unpack_from("<Q", data, offsets[b].at)
         return set_field(offsets[a], to, f" (the offset of {offsets[b].label.split(':')[0]})")
 
+    starts = [f.at for f in fields]
+
     def flip(rng) -> Patch:
+        """A flipped byte: inside a numeric field, a mutation of that field's role; inside a key,
+        a string value or a tensor name, a file stating another name or text ("value")."""
         at = rng.randrange(end)
-        return Patch(f"byte {at} flipped", "structure", at, bytes([data[at] ^ 0xFF]))
+        i = bisect.bisect_right(starts, at) - 1
+        inside = i >= 0 and at < fields[i].at + struct.calcsize(fields[i].fmt)
+        kind = ("value" if fields[i].role == "value" else "structure") if inside else "value"
+        return Patch(f"byte {at} flipped" + (f" (in {fields[i].label})" if inside else " (in a string)"), kind, at,
+                     bytes([data[at] ^ 0xFF]))
 
     makers = [pick_field(role) for role in by_role]
     makers.append(lambda rng: (lambda at: Patch(f"truncated at byte {at}", "structure", cut=at))(rng.choice(cuts)))

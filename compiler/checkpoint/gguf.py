@@ -57,7 +57,7 @@ class GGUFSource(Source):
         self._made: dict[str, torch.Tensor] | None = None  # metadata_tensors, made on first use
         # every error from here on names the file and its architecture
         self.description = f"{self.path} (GGUF, general.architecture={self.metadata('general.architecture')!r})"
-        check_sizes(self._index.fields, self._index.tensors, self.description)
+        check_sizes(self._index.fields, self._index.tensors, self.description, self._index.types)
 
     # -- Source protocol ------------------------------------------------------------------------
 
@@ -218,6 +218,10 @@ class GGUFSource(Source):
         # config.json gets it only where the map has the field (some import maps have no head_dim;
         # GPT-2's config.json has other names for the sizes and no rotary)
         if "head_dim" in mapping.get("fields", {}) or "rotary_dim" in reject:
+            if "head_dim" not in cfg and not cfg.get("num_attention_heads"):  # (Mamba's files write 0: no head_dim)
+                raise CheckpointFormatError(f"{self.description}: {arch}.attention.head_count = "
+                                            f"{cfg.get('num_attention_heads')!r}: expected at least one head (the head "
+                                            f"width is embedding_length / head_count)")
             head_dim = cfg["head_dim"] if "head_dim" in cfg else cfg["hidden_size"] // cfg["num_attention_heads"]
         if "head_dim" in mapping.get("fields", {}):
             cfg["head_dim"] = head_dim
@@ -453,12 +457,26 @@ class _Tensor:
 _COUNTS = ("block_count", "context_length", "embedding_length", "attention.key_length", "attention.value_length",
            "expert_count", "expert_used_count", "vocab_size")
 _PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
+# llama.cpp's generic keys of other numbers: each read with the type llama.cpp's loader demands
+# (llama-model-loader: "key has wrong type"): a float stored as an integer of the same width
+# would otherwise be read as another number
+_INTEGERS = ("rope.dimension_count", "rope.scaling.original_context_length", "attention.sliding_window",
+             "expert_shared_count", "leading_dense_block_count", "expert_feed_forward_length", "expert_group_count",
+             "expert_group_used_count", "nextn_predict_layers", "attention.kv_lora_rank", "attention.q_lora_rank",
+             "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count")
+_FLOATS = ("attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon", "attention.group_norm_epsilon",
+           "attention.clamp_kqv", "attention.max_alibi_bias", "attention.scale", "rope.freq_base", "rope.freq_base_swa",
+           "rope.scale_linear", "rope.scaling.factor", "rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier",
+           "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
+           "rope.scaling.yarn_beta_slow", "logit_scale", "embedding_scale", "residual_scale", "expert_weights_scale",
+           "final_logit_softcapping", "attn_logit_softcapping", "router_logit_softcapping")
+_INT_TYPES, _FLOAT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}, {6, 12}
 _LAYER = re.compile(r"blk\.(\d+)\.")
 _KV_PROJ = re.compile(r"blk\.(\d+)\.attn_(k|v)\.weight")
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight")
 
 
-def check_sizes(fields: dict, tensors: dict, desc: str) -> None:
+def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = None) -> None:
     """Refuse metadata that contradicts the file's own tensors, from the header alone, before a map
     reads it into a config (docs/security.md): the counts above of the right type;
     {arch}.block_count, less its nextn_predict_layers (which a file may leave out), against the
@@ -468,11 +486,20 @@ def check_sizes(fields: dict, tensors: dict, desc: str) -> None:
     rows; expert_count against the expert stacks and routers; the kv head count and head width
     against the k / v projections. Shapes are GGUF order: token_embd [n_embd, n_vocab],
     ffn_*_exps [in, out, n_expert], ffn_gate_inp [n_embd, n_expert], attn_k / attn_v
-    [n_embd, n_kv x head width]."""
+    [n_embd, n_kv x head width]. types: each key's GGUF value type (GGUFIndex.types): llama.cpp's
+    integer and float keys must have one of those types (or be arrays of them, per layer)."""
     arch = fields.get("general.architecture")
     if arch is not None and not isinstance(arch, str):
         raise CheckpointFormatError(f"{desc}: general.architecture = {arch!r}: expected a string")
     layers = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
+    for names, allowed, what in ((_COUNTS + _PER_LAYER + _INTEGERS, _INT_TYPES, "an integer"),
+                                 (_FLOATS, _FLOAT_TYPES, "a float")):
+        for k in names:
+            vtype = (types or {}).get(f"{arch}.{k}")
+            element = vtype[1] if isinstance(vtype, tuple) else vtype
+            if vtype is not None and element not in allowed:
+                raise CheckpointFormatError(f"{desc}: {arch}.{k} is stored as GGUF type {vtype}: expected {what} "
+                                            f"(type ids {sorted(allowed)}, or an array of them)")
 
     def count(key: str, per_layer: bool = False):
         value = fields.get(key)

@@ -12,7 +12,7 @@ tensor data lazily, as the same numpy arrays GGUFReader hands out (typed for F32
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,8 @@ class GGUFIndex:
     tensors: dict[str, GGUFTensor]
     data_offset: int
     memmap: np.memmap  # tensor data views share this one mapping
+    # each key's GGUF value type: a type id, or (9, element type id) for an array
+    types: dict[str, Any] = field(default_factory=dict)
 
 
 # llama.cpp's limits after CVE-2025-53630 / CVE-2026-27940 (ggml/src/gguf.cpp), checked before any
@@ -156,11 +158,18 @@ def read_index(path: str, block_sizes: dict[int, tuple[int, int]]) -> GGUFIndex:
         raise GGUFFormatError(f"the header declares {n_tensors} tensors and {n_fields} metadata keys, more than "
                               f"the {cur.left()} bytes after the counts can hold (truncated or corrupt file)")
     fields: dict[str, Any] = {}
+    types: dict[str, Any] = {}
     for i in range(n_fields):
         key = cur.string(f"metadata key {i}")
         if key in fields:
             raise GGUFFormatError(f"duplicate metadata key {key!r}")
-        fields[key] = cur.value(cur.take("I", f"value type of {key!r}"), key)
+        vtype = cur.take("I", f"value type of {key!r}")
+        if vtype == _ARRAY:  # the element type, read again by value()
+            types[key] = (vtype, cur.take("I", f"array type of {key!r}"))
+            cur.pos -= 4
+        else:
+            types[key] = vtype
+        fields[key] = cur.value(vtype, key)
     infos = []
     for i in range(n_tensors):
         name = cur.string(f"tensor name {i}")
@@ -171,6 +180,9 @@ def read_index(path: str, block_sizes: dict[int, tuple[int, int]]) -> GGUFIndex:
         ggml_type, offset = cur.take("IQ", f"type and offset of tensor {name!r}")
         infos.append((name, ggml_type, shape, offset))
     align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if "general.alignment" in types and types["general.alignment"] != 4:
+        raise GGUFFormatError(f"general.alignment is stored as GGUF type {types['general.alignment']}: expected "
+                              f"4 (UINT32)")
     if type(align) is not int or align <= 0 or align & (align - 1):
         raise GGUFFormatError(f"general.alignment={align!r}: expected a power of two")
     start = -(-cur.pos // align) * align
@@ -202,7 +214,13 @@ def read_index(path: str, block_sizes: dict[int, tuple[int, int]]) -> GGUFIndex:
                                   f"end of the file ({len(buf)} bytes)")
         expected = offset + -(-n_bytes // align) * align
         tensors[name] = GGUFTensor(name, ggml_type, shape, start + offset, n_bytes)
-    return GGUFIndex(version, order, fields, tensors, start, data)
+        last_end = start + offset + n_bytes
+    if tensors and len(buf) not in (last_end, start + expected):
+        # the file ends with its last tensor (padded or not): bytes beyond it are a type or shape
+        # that does not match what was written (an F32 norm read as Q8_0 would fit otherwise)
+        raise GGUFFormatError(f"the file has {len(buf)} bytes, but its tensors end at byte {last_end} (padded: "
+                              f"{start + expected}): {len(buf) - last_end} trailing bytes no tensor holds")
+    return GGUFIndex(version, order, fields, tensors, start, data, types)
 
 
 def _type_name(ggml_type: int) -> str:
