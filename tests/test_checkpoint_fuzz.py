@@ -154,3 +154,33 @@ def test_gguf_tensors_sharing_bytes_are_refused(tiny_gguf, tmp_path):
     with pytest.raises(CheckpointFormatError, match=rf"{bad}: not a readable GGUF file \(tensor '.*': data offset "
                                                     rf"{first} overlaps the tensor before it; expected \d+"):
         GGUFSource(bad)
+
+
+def test_gguf_metadata_the_fuzz_run_found(tmp_path):
+    """What scripts/fuzz_checkpoints.py got past the readers before they checked it: a special
+    token id outside the vocabulary (a raw IndexError), a float key stored as an integer of the
+    same width (read as another number), a trailing tensor retyped to one that still fits."""
+    from gguf import GGMLQuantizationType as Q, GGUFValueType as V
+    import numpy as np
+
+    from zoo.compiler.checkpoint.gguf import GGUFSource
+    from zoo.compiler.errors import CheckpointFormatError
+    from tests.test_gguf_source import LLAMA_KV, write_gguf
+
+    bos = dict(LLAMA_KV, **{"tokenizer.ggml.bos_token_id": (3, V.UINT32)})  # 3 tokens: ids 0-2
+    with pytest.raises(CheckpointFormatError, match=r"b.gguf.*tokenizer.ggml.bos_token_id = 3: expected a token id "
+                                                    r"in \[0, 3\)"):
+        GGUFSource(write_gguf(tmp_path / "b.gguf", kv=bos))
+    retyped = dict(LLAMA_KV, **{"llama.rope.freq_base": (10000, V.UINT32)})
+    with pytest.raises(CheckpointFormatError, match=r"llama.rope.freq_base is stored as GGUF type 4: expected a float"):
+        GGUFSource(write_gguf(tmp_path / "f.gguf", kv=retyped))
+    path = write_gguf(tmp_path / "t.gguf", kv=LLAMA_KV, tensors={"blk.0.w": np.ones((2, 64), np.float32)})
+    data = bytearray(path.read_bytes())
+    from tests.checkpoint_fuzz import gguf_fields
+
+    (kind,) = [f for f in gguf_fields(bytes(data))[0] if f.role == "ggml_type"]
+    struct.pack_into("<I", data, kind.at, Q.Q8_0)  # 512 bytes of F32 read as 136 of Q8_0 blocks
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=r"t.gguf.*its tensors end at byte \d+ \(padded: \d+\): \d+ "
+                                                    r"trailing bytes no tensor holds"):
+        GGUFSource(path)

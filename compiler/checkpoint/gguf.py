@@ -472,6 +472,7 @@ _FLOATS = ("attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon", "
            "final_logit_softcapping", "attn_logit_softcapping", "router_logit_softcapping")
 _INT_TYPES, _FLOAT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}, {6, 12}
 _LAYER = re.compile(r"blk\.(\d+)\.")
+_SPECIAL_ID = re.compile(r"tokenizer\.ggml\.\w+_token_ids?")
 _KV_PROJ = re.compile(r"blk\.(\d+)\.attn_(k|v)\.weight")
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight")
 
@@ -483,7 +484,7 @@ def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = Non
     blk.N tensors present (a file declaring a million layers for its 30 would otherwise be built
     before the plan finds them unfilled); embedding_length against token_embd's width; the
     vocabulary ({arch}.vocab_size, tokenizer.ggml.tokens and its per-token arrays) against its
-    rows; expert_count against the expert stacks and routers; the kv head count and head width
+    rows, the special token ids (tokenizer.ggml.*_token_id) against the tokens; expert_count against the expert stacks and routers; the kv head count and head width
     against the k / v projections. Shapes are GGUF order: token_embd [n_embd, n_vocab],
     ffn_*_exps [in, out, n_expert], ffn_gate_inp [n_embd, n_expert], attn_k / attn_v
     [n_embd, n_kv x head width]. types: each key's GGUF value type (GGUFIndex.types): llama.cpp's
@@ -492,13 +493,15 @@ def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = Non
     if arch is not None and not isinstance(arch, str):
         raise CheckpointFormatError(f"{desc}: general.architecture = {arch!r}: expected a string")
     layers = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
-    for names, allowed, what in ((_COUNTS + _PER_LAYER + _INTEGERS, _INT_TYPES, "an integer"),
-                                 (_FLOATS, _FLOAT_TYPES, "a float")):
+    for names, allowed, what in (([f"{arch}.{k}" for k in _COUNTS + _PER_LAYER + _INTEGERS]
+                                  + ["tokenizer.ggml.token_type"], _INT_TYPES, "an integer"),
+                                 ([f"{arch}.{k}" for k in _FLOATS] + ["tokenizer.ggml.scores"], _FLOAT_TYPES, "a float"),
+                                 (["tokenizer.ggml.tokens", "tokenizer.ggml.merges"], {8}, "a string")):
         for k in names:
-            vtype = (types or {}).get(f"{arch}.{k}")
+            vtype = (types or {}).get(k)
             element = vtype[1] if isinstance(vtype, tuple) else vtype
             if vtype is not None and element not in allowed:
-                raise CheckpointFormatError(f"{desc}: {arch}.{k} is stored as GGUF type {vtype}: expected {what} "
+                raise CheckpointFormatError(f"{desc}: {k} is stored as GGUF type {vtype}: expected {what} "
                                             f"(type ids {sorted(allowed)}, or an array of them)")
 
     def count(key: str, per_layer: bool = False):
@@ -549,6 +552,11 @@ def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = Non
     if tokens is not None:
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise CheckpointFormatError(f"{desc}: tokenizer.ggml.tokens = {_short(tokens)}: expected a list of strings")
+        for key in [k for k in fields if _SPECIAL_ID.fullmatch(k)]:  # bos, eos, padding, ... ids: rows of the table
+            ids = fields[key] if isinstance(fields[key], list) else [fields[key]]
+            if not all(type(i) is int and 0 <= i < len(tokens) for i in ids):
+                raise CheckpointFormatError(f"{desc}: {key} = {_short(fields[key])}: expected a token id in "
+                                            f"[0, {len(tokens)}) (tokenizer.ggml.tokens)")
         for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
             value = fields.get(key)
             if value is not None and (not isinstance(value, list) or len(value) != len(tokens)):

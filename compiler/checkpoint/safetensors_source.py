@@ -64,8 +64,8 @@ def read_header(path: Path, problems: list[str] | None = None) -> dict[str, Tens
     for name, entry in header.items():
         dtype, shape, (start, end) = _entry(path, name, entry)
         width = _DTYPE_BYTES[dtype]
-        numel = 1
-        for s in shape:  # checked multiplication: stops as soon as it passes the declared bytes
+        numel = 0 if 0 in shape else 1
+        for s in shape if numel else ():  # checked multiplication: stops once past the declared bytes
             numel *= s
             if numel * width > end - start:
                 break
