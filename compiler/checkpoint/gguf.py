@@ -578,7 +578,9 @@ def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = Non
                                         f"{kv} kv heads x {width} = {kv * width} outputs ({arch}.attention.head_count"
                                         f"{'_kv' if kv_heads is not None else ''}, key/value_length or "
                                         f"embedding_length / head_count)")
-    if (experts := sizes["expert_count"]) is not None:
+    # expert_count 0 says "dense" (Granite-4.0-H): what the import maps decide about, and stacks
+    # then are tensors the plan finds no parameter for
+    if experts := sizes["expert_count"]:
         for name, t in tensors.items():
             lead = t.shape[2] if _EXPERTS.fullmatch(name) and len(t.shape) == 3 else (
                 t.shape[1] if name.endswith(".ffn_gate_inp.weight") and len(t.shape) == 2 else None)
