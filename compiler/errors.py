@@ -13,6 +13,13 @@ class CheckpointError(ZooError):
     """A checkpoint that does not fit the config: unmapped tensor, unfilled parameter, bad shape."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint file that is not well-formed (docs/security.md): a header, length, offset, size or
+    type that the format does not allow, or metadata that contradicts the file's own tensors. Raised
+    from the header alone, before anything is allocated; the message names the file, the field and
+    what was expected."""
+
+
 class InputError(ZooError):
     """Runtime input that the built model cannot take: prompt too long, batch too large, bad id."""
 

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..config import conf_files
 from ..contracts import Source, TensorInfo
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointFormatError
 from ..quant.gguf_blocks import LAYOUTS, dequantize, mixed_format, to_mixed
 from .gguf_index import GGUFFormatError, read_index, tensor_data
 
@@ -51,12 +51,15 @@ class GGUFSource(Source):
             # the header in one struct pass (gguf_index.py: gguf-py's GGUFReader takes ~1.5 s
             # over a 49k-token vocabulary)
             self._index = read_index(self.path, GGML_QUANT_SIZES)
-        except (OSError, GGUFFormatError, UnicodeDecodeError) as e:
+        except GGUFFormatError as e:
+            raise CheckpointFormatError(f"{self.path}: not a readable GGUF file ({e})") from None
+        except OSError as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self._tensors = {name: _Tensor(self._index, t) for name, t in self._index.tensors.items()}
         self._made: dict[str, torch.Tensor] | None = None  # metadata_tensors, made on first use
         # every error from here on names the file and its architecture
         self.description = f"{self.path} (GGUF, general.architecture={self.metadata('general.architecture')!r})"
+        check_sizes(self._index.fields, self._index.tensors, self.description, self._index.types)
 
     # -- Source protocol ------------------------------------------------------------------------
 
@@ -222,6 +225,10 @@ class GGUFSource(Source):
         # config.json gets it only where the map has the field (some import maps have no head_dim;
         # GPT-2's config.json has other names for the sizes and no rotary)
         if "head_dim" in mapping.get("fields", {}) or "rotary_dim" in reject:
+            if "head_dim" not in cfg and not cfg.get("num_attention_heads"):  # (Mamba's files write 0: no head_dim)
+                raise CheckpointFormatError(f"{self.description}: {arch}.attention.head_count = "
+                                            f"{cfg.get('num_attention_heads')!r}: expected at least one head (the head "
+                                            f"width is embedding_length / head_count)")
             head_dim = cfg["head_dim"] if "head_dim" in cfg else cfg["hidden_size"] // cfg["num_attention_heads"]
         if "head_dim" in mapping.get("fields", {}):
             cfg["head_dim"] = head_dim
@@ -466,6 +473,157 @@ class _Tensor:
     @property
     def data(self) -> np.ndarray:
         return tensor_data(self._index, self._t, GGML_QUANT_SIZES)
+
+
+# llama.cpp's generic keys that size a model ({arch}.*): a count each, or one per layer where a map
+# may read a per-layer array
+_COUNTS = ("block_count", "context_length", "embedding_length", "attention.key_length", "attention.value_length",
+           "expert_count", "expert_used_count", "vocab_size")
+_PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
+# llama.cpp's generic keys of other numbers: each read with the type llama.cpp's loader demands
+# (llama-model-loader: "key has wrong type"): a float stored as an integer of the same width
+# would otherwise be read as another number
+_INTEGERS = ("rope.dimension_count", "rope.scaling.original_context_length", "attention.sliding_window",
+             "expert_shared_count", "leading_dense_block_count", "expert_feed_forward_length", "expert_group_count",
+             "expert_group_used_count", "nextn_predict_layers", "attention.kv_lora_rank", "attention.q_lora_rank",
+             "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count")
+_FLOATS = ("attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon", "attention.group_norm_epsilon",
+           "attention.clamp_kqv", "attention.max_alibi_bias", "attention.scale", "rope.freq_base", "rope.freq_base_swa",
+           "rope.scale_linear", "rope.scaling.factor", "rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier",
+           "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
+           "rope.scaling.yarn_beta_slow", "logit_scale", "embedding_scale", "residual_scale", "expert_weights_scale",
+           "final_logit_softcapping", "attn_logit_softcapping", "router_logit_softcapping")
+_INT_TYPES, _FLOAT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}, {6, 12}
+_LAYER = re.compile(r"blk\.(\d+)\.")
+_SPECIAL_ID = re.compile(r"tokenizer\.ggml\.\w+_token_ids?")
+_KV_PROJ = re.compile(r"blk\.(\d+)\.attn_(k|v)\.weight")
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight")
+
+
+def check_sizes(fields: dict, tensors: dict, desc: str, types: dict | None = None) -> None:
+    """Refuse metadata that contradicts the file's own tensors, from the header alone, before a map
+    reads it into a config (docs/security.md): the counts above of the right type;
+    {arch}.block_count, less its nextn_predict_layers (which a file may leave out), against the
+    blk.N tensors present (a file declaring a million layers for its 30 would otherwise be built
+    before the plan finds them unfilled); embedding_length against token_embd's width; the
+    vocabulary ({arch}.vocab_size, tokenizer.ggml.tokens and its per-token arrays) against its
+    rows, the special token ids (tokenizer.ggml.*_token_id) against the tokens; expert_count against the expert stacks and routers; the kv head count and head width
+    against the k / v projections. Shapes are GGUF order: token_embd [n_embd, n_vocab],
+    ffn_*_exps [in, out, n_expert], ffn_gate_inp [n_embd, n_expert], attn_k / attn_v
+    [n_embd, n_kv x head width]. types: each key's GGUF value type (GGUFIndex.types): llama.cpp's
+    integer and float keys must have one of those types (or be arrays of them, per layer)."""
+    arch = fields.get("general.architecture")
+    if arch is not None and not isinstance(arch, str):
+        raise CheckpointFormatError(f"{desc}: general.architecture = {arch!r}: expected a string")
+    layers = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
+    for names, allowed, what in (([f"{arch}.{k}" for k in _COUNTS + _PER_LAYER + _INTEGERS]
+                                  + ["tokenizer.ggml.token_type"], _INT_TYPES, "an integer"),
+                                 ([f"{arch}.{k}" for k in _FLOATS] + ["tokenizer.ggml.scores"], _FLOAT_TYPES, "a float"),
+                                 (["tokenizer.ggml.tokens", "tokenizer.ggml.merges"], {8}, "a string")):
+        for k in names:
+            vtype = (types or {}).get(k)
+            element = vtype[1] if isinstance(vtype, tuple) else vtype
+            if vtype is not None and element not in allowed:
+                raise CheckpointFormatError(f"{desc}: {k} is stored as GGUF type {vtype}: expected {what} "
+                                            f"(type ids {sorted(allowed)}, or an array of them)")
+
+    def count(key: str, per_layer: bool = False):
+        value = fields.get(key)
+        if value is None:
+            return None
+        if type(value) is int and value >= 0:
+            return value
+        if per_layer and isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
+            return value
+        raise CheckpointFormatError(f"{desc}: {key} = {_short(value)}: expected a non-negative integer"
+                                    + (" or a list of them, one per layer" if per_layer else ""))
+
+    sizes = {k: count(f"{arch}.{k}") for k in _COUNTS} | {k: count(f"{arch}.{k}", True) for k in _PER_LAYER}
+    if (n := sizes["block_count"]) is not None:
+        key = f"{arch}.block_count"
+        # the MTP layers a converter counts in block_count may be left out of the file (llama.cpp
+        # skips them): the main ones each hold some tensor
+        nextn = count(f"{arch}.nextn_predict_layers") or 0
+        main = n - nextn
+        if main < 0 or nextn > main:
+            raise CheckpointFormatError(f"{desc}: {arch}.nextn_predict_layers = {nextn} with {key} = {n}: expected "
+                                        f"at most half the layers to be MTP layers")
+        if main > len(layers):  # more layers than hold tensors is a lie, refused before looping over them
+            raise CheckpointFormatError(f"{desc}: {key} = {n}, but the file's tensors hold {len(layers)} layers "
+                                        f"(blk.N.*): expected at most {len(layers) + nextn}")
+        if missing := [i for i in range(main) if i not in layers]:
+            raise CheckpointFormatError(f"{desc}: {key} = {n}, but layers {missing[:8]} have no tensors (blk.N.*)")
+        for k in _PER_LAYER:
+            if isinstance(sizes[k], list) and len(sizes[k]) != n:
+                raise CheckpointFormatError(f"{desc}: {arch}.{k} has {len(sizes[k])} elements, expected one per "
+                                            f"layer ({key} = {n})")
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and len(embd.shape) == 2:
+        width, rows = embd.shape
+        if sizes["embedding_length"] is not None and sizes["embedding_length"] != width:
+            raise CheckpointFormatError(f"{desc}: {arch}.embedding_length = {sizes['embedding_length']}, but "
+                                        f"token_embd.weight is {width} wide (GGUF shape {list(embd.shape)})")
+        if sizes["vocab_size"] is not None and sizes["vocab_size"] != rows:
+            raise CheckpointFormatError(f"{desc}: {arch}.vocab_size = {sizes['vocab_size']}, but token_embd.weight "
+                                        f"has {rows} rows (GGUF shape {list(embd.shape)})")
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and (not isinstance(tokens, list) or len(tokens) != rows):
+            got = f"{len(tokens)} tokens" if isinstance(tokens, list) else _short(tokens)
+            raise CheckpointFormatError(f"{desc}: tokenizer.ggml.tokens has {got}, but token_embd.weight has "
+                                        f"{rows} rows: expected one token per row (llama.cpp's rule)")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise CheckpointFormatError(f"{desc}: tokenizer.ggml.tokens = {_short(tokens)}: expected a list of strings")
+        for key in [k for k in fields if _SPECIAL_ID.fullmatch(k)]:  # bos, eos, padding, ... ids: rows of the table
+            ids = fields[key] if isinstance(fields[key], list) else [fields[key]]
+            if not all(type(i) is int and 0 <= i < len(tokens) for i in ids):
+                raise CheckpointFormatError(f"{desc}: {key} = {_short(fields[key])}: expected a token id in "
+                                            f"[0, {len(tokens)}) (tokenizer.ggml.tokens)")
+        for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            value = fields.get(key)
+            if value is not None and (not isinstance(value, list) or len(value) != len(tokens)):
+                got = len(value) if isinstance(value, list) else _short(value)
+                raise CheckpointFormatError(f"{desc}: expected {key}, one per token ({got} for {len(tokens)} tokens)")
+    heads, kv_heads = sizes["attention.head_count"], sizes["attention.head_count_kv"]
+    for name, t in tensors.items():  # k / v projections [n_embd, kv heads x head width] (q may be gated or low-rank)
+        if (m := _KV_PROJ.fullmatch(name)) is None or len(t.shape) != 2 or heads is None:
+            continue
+        layer = int(m.group(1))
+        h, kv = _at(heads, layer), _at(kv_heads if kv_heads is not None else heads, layer)
+        width = sizes["attention.key_length" if m.group(2) == "k" else "attention.value_length"]
+        if width is None and m.group(2) == "v":
+            width = sizes["attention.key_length"]
+        if width is None and h and sizes["embedding_length"] is not None:
+            width = sizes["embedding_length"] // h  # llama.cpp's default head width
+        if kv and width and t.shape[1] != kv * width:  # kv 0: a layer of another kind (LFM2's conv, KDA)
+            raise CheckpointFormatError(f"{desc}: {name} is GGUF shape {list(t.shape)}, but the metadata gives "
+                                        f"{kv} kv heads x {width} = {kv * width} outputs ({arch}.attention.head_count"
+                                        f"{'_kv' if kv_heads is not None else ''}, key/value_length or "
+                                        f"embedding_length / head_count)")
+    # expert_count 0 says "dense" (Granite-4.0-H): what the import maps decide about, and stacks
+    # then are tensors the plan finds no parameter for
+    if experts := sizes["expert_count"]:
+        for name, t in tensors.items():
+            lead = t.shape[2] if _EXPERTS.fullmatch(name) and len(t.shape) == 3 else (
+                t.shape[1] if name.endswith(".ffn_gate_inp.weight") and len(t.shape) == 2 else None)
+            if lead is not None and lead != experts:
+                raise CheckpointFormatError(f"{desc}: {arch}.expert_count = {experts}, but {name} holds {lead} "
+                                            f"experts (GGUF shape {list(t.shape)})")
+
+
+def _at(value: Any, layer: int) -> Any:
+    """A per-layer count at `layer`: a list's element (None past its end), a scalar as it is."""
+    if isinstance(value, list):
+        return value[layer] if layer < len(value) else None
+    return value
+
+
+def _short(value: Any) -> str:
+    """A metadata value for a message: a long list or string by its start and length."""
+    if isinstance(value, (list, str)) and len(value) > 8:
+        return f"{value[:8]!r}... ({len(value)} {'elements' if isinstance(value, list) else 'characters'})"
+    return repr(value)
 
 
 def _torch_shape(gguf_shape) -> tuple[int, ...]:

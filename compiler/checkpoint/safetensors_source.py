@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..contracts import Source, TensorInfo
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointFormatError
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -29,57 +29,113 @@ _DTYPE_BYTES = {name: dt.itemsize for name, dt in _DTYPES.items()}
 
 
 def read_header(path: Path, problems: list[str] | None = None) -> dict[str, TensorInfo]:
-    """Tensor infos of one .safetensors file, from its header; checks the data section's size.
+    """Tensor infos of one .safetensors file, from its header, checked as the format's own
+    reader checks it (docs/security.md) before any tensor is read or allocated: a header of at
+    most 100 MB inside the file, UTF-8 JSON, an object without duplicate keys; each tensor a known
+    dtype, a shape of non-negative ints and data_offsets [begin, end] holding exactly its bytes;
+    the tensors tiling the data section with no gap or overlap (two tensors sharing bytes would
+    load as another model), the last ending where the file does; `__metadata__` a str -> str map.
 
-    A data section too short for the header is an error, or, when `problems` is given, a line
-    appended to it (`zoo check` reports it and goes on: it never reads tensor data).
+    A data section whose size is not the one the header declares is an error, or, when
+    `problems` is given, a line appended to it (`zoo check` reports it and goes on: it never
+    reads tensor data). Every other fault raises CheckpointFormatError naming the file and field.
     """
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+                raise CheckpointFormatError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", raw)
             if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header (declares {n} header bytes, "
-                                      f"file has {size})")
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+                raise CheckpointFormatError(f"{path}: corrupt safetensors header (declares {n} header bytes, "
+                                            f"expected at most {min(_MAX_HEADER, size - 8)}: the file has {size})")
+            text = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
+    header = _parse(path, text)
     data_size = size - 8 - n
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointFormatError(f"{path}: corrupt safetensors header: __metadata__ = {str(meta)[:200]}: "
+                                    f"expected a map of strings to strings")
     out: dict[str, TensorInfo] = {}
-    short: list[str] = []  # tensors whose bytes lie beyond the data section
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {meta!r}") from None
-        numel = 1
-        for s in shape:
+    spans = []
+    for name, entry in header.items():
+        dtype, shape, (start, end) = _entry(path, name, entry)
+        width = _DTYPE_BYTES[dtype]
+        numel = 0 if 0 in shape else 1
+        for s in shape if numel else ():  # checked multiplication: stops once past the declared bytes
             numel *= s
-        width = _DTYPE_BYTES.get(dtype)
-        if width is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        if end - start != numel * width:
-            raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} declares {end - start} bytes, "
-                                  f"expected {numel * width} (corrupt header)")
-        if end > data_size:
-            if problems is None:
-                raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs bytes [{start}, {end}) "
-                                      f"but the data section has {data_size} bytes (truncated or corrupt file)")
-            short.append(name)
+            if numel * width > end - start:
+                break
+        if numel * width != end - start:
+            expected = "more than that" if numel * width > end - start else numel * width
+            raise CheckpointFormatError(f"{path}: tensor {name!r} {dtype}{list(shape)} declares {end - start} "
+                                        f"bytes (data_offsets [{start}, {end}]), expected {expected} "
+                                        f"(corrupt header)")
+        spans.append((start, end, name))
         out[name] = TensorInfo(shape=shape, dtype=dtype, file=str(path), nbytes=end - start, offset=8 + n + start)
-    if short:  # one line per file, however many tensors it cuts off
-        needed = max(info.nbytes + int(header[k]["data_offsets"][0]) for k, info in out.items())
-        problems.append(f"{path}: the header declares {needed} bytes of data but the data section has "
-                        f"{data_size} bytes (truncated or corrupt file): {len(short)} of {len(out)} tensors "
-                        f"cut off, e.g. {short[0]!r}")
+    at, before = 0, None
+    for start, end, name in sorted(spans):  # the tensors tile [0, declared end) in offset order
+        if start != at:
+            what = f"overlaps {before!r}" if start < at else f"leaves bytes [{at}, {start}) unused"
+            raise CheckpointFormatError(f"{path}: tensor {name!r} data_offsets [{start}, {end}] {what}; expected "
+                                        f"it to start at {at} (tensors stored back to back, no gaps or overlaps)")
+        at, before = end, name
+    if at != data_size:
+        cut = at > data_size
+        line = (f"{path}: the header declares {at} bytes of data but the data section has {data_size} bytes "
+                f"({'truncated or corrupt file' if cut else 'trailing bytes no tensor holds: corrupt file'})")
+        if problems is None or not cut:
+            raise CheckpointFormatError(line)
+        short = [name for start, end, name in spans if end > data_size]
+        problems.append(f"{line}: {len(short)} of {len(out)} tensors cut off, e.g. {short[0]!r}")
     return out
+
+
+def _parse(path: Path, text: bytes) -> dict:
+    """The header's JSON object; duplicate keys, non-UTF-8 bytes, NaN literals and anything but
+    an object are refused (json would keep the last duplicate silently)."""
+    def pairs(items):
+        seen = {}
+        for key, value in items:
+            if key in seen:
+                raise CheckpointFormatError(f"{path}: corrupt safetensors header: key {key!r} appears twice")
+            seen[key] = value
+        return seen
+
+    def constant(name):
+        raise CheckpointFormatError(f"{path}: corrupt safetensors header: {name} is not JSON")
+
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path}: corrupt safetensors header ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, expected "
+                                    f"an object {{tensor name: {{dtype, shape, data_offsets}}}}")
+    return header
+
+
+def _entry(path: Path, name: str, entry) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one header entry, each of the type the format states."""
+    def bad(what: str):
+        return CheckpointFormatError(f"{path}: corrupt header entry for tensor {name!r}: {what} "
+                                     f"(entry {str(entry)[:200]})")
+
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise bad("expected an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in _DTYPE_BYTES:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has unsupported dtype {str(dtype)[:50]} "
+                                    f"(supported: {', '.join(_DTYPE_BYTES)})")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise bad(f"shape {str(shape)[:100]}: expected a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {str(offsets)[:100]}: expected [begin, end], integers with 0 <= begin <= end")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
 def refuse_pickles(directory: Path) -> None:
@@ -89,6 +145,24 @@ def refuse_pickles(directory: Path) -> None:
         raise CheckpointError(
             f"{directory}: only pickle checkpoint files found ({', '.join(pickles[:5])}); zoo never "
             f"loads pickles (they can execute code). Convert them to safetensors first.")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's {tensor: shard file}; a shard must be a file name in the index's directory
+    (never a path that leaves it: `../` or absolute)."""
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: not a valid safetensors index: expected an object whose weight_map maps "
+                              f"tensor names to shard file names")
+    for name, shard in weight_map.items():
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{index}: tensor {name!r} is listed in shard {shard!r}: expected a file name in "
+                                  f"{index.parent} (no directories)")
+    return weight_map
 
 
 class SafetensorsSource(Source):
@@ -103,10 +177,7 @@ class SafetensorsSource(Source):
             raise CheckpointError(f"{self.directory}: not a directory")
         index = self.directory / INDEX
         if index.exists():
-            try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map: dict[str, str] = _weight_map(index)
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.directory / f).exists()]
             if missing:
@@ -221,9 +292,12 @@ class SafetensorsSource(Source):
         if not path.exists():
             raise CheckpointError(f"{self.directory}: no config.json")
         try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            config = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{path}: a JSON {type(config).__name__}, expected an object of config keys")
+        return config
 
     def format_stages(self) -> list[str]:
         return []  # safetensors checkpoints carry the Hub names
