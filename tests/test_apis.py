@@ -345,3 +345,38 @@ def test_a_client_that_leaves_a_stream_frees_its_row(server, path, body):
         assert time.monotonic() < deadline, "the row was not freed"
         time.sleep(0.1)
     assert _cancelled(server) == before + 1
+
+
+# ------------------------------------------------------------------ the rest of the bad-input matrix
+
+@pytest.mark.parametrize("path, body, status, kind, says", [
+    ("/v1/messages", {"max_tokens": "ten"}, 400, "invalid_request_error", "'max_tokens' must be int"),
+    ("/v1/messages", {"messages": "hi"}, 400, "invalid_request_error", "'messages' must be list"),
+    ("/v1/messages", {"stream": "yes"}, 400, "invalid_request_error", "'stream' must be bool"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi " * 1100}]}, 400, "invalid_request_error",
+     "maximum context length is 1024"),
+    ("/v1/messages", b"[1, 2]", 400, "invalid_request_error", "must be a JSON object"),
+    ("/v1/responses", {"model": "other"}, 404, "invalid_request_error", "does not exist"),
+    ("/v1/responses", {"max_output_tokens": "ten"}, 400, "invalid_request_error", "'max_output_tokens' must be int"),
+    ("/v1/responses", {"stream": "yes"}, 400, "invalid_request_error", "'stream' must be bool"),
+    ("/v1/responses", {"max_output_tokens": 5000}, 400, "invalid_request_error", "maximum context length is 1024"),
+    ("/v1/responses", b"{oops", 400, "invalid_request_error", "not valid JSON"),
+    ("/v1/responses", {"key": "wrong"}, 401, "authentication_error", "API key"),
+])
+def test_bad_requests_get_each_apis_error_shape(server, oai, path, body, status, kind, says):
+    anthropic_api = path == "/v1/messages"
+    base = {"model": NAME, "max_tokens": 4, "messages": ASK} if anthropic_api else \
+        {"model": NAME, "max_output_tokens": 4, "input": "hi"}
+    req = body if isinstance(body, bytes) else {**base, **body}
+    key = KEY if isinstance(req, bytes) else req.pop("key", KEY)
+    headers = {"x-api-key": key} if anthropic_api else {"Authorization": f"Bearer {key}"}
+    r = httpx.post(server + path, content=req if isinstance(req, bytes) else json.dumps(req),
+                   headers={**headers, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    if anthropic_api:
+        assert r.json()["type"] == "error" and set(err) == {"type", "message"}, r.text
+    else:
+        assert {"message", "type", "param", "code"} <= set(err), r.text
+    assert err["type"] == kind and says in err["message"], r.text
+    assert oai.responses.create(model=NAME, input="hi", max_output_tokens=2).usage.output_tokens >= 1
