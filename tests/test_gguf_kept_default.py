@@ -116,10 +116,11 @@ def test_kquant_mix_kept_by_default(tmp_path, kquant_llama, mix):
     """llama.cpp's Q4_K_M mix and one of Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K / Q3_K / Q8_0 /
     Q4_0 / Q4_1 (test_gguf_quants.MIXES), no quant=: each linear in the layout of its type, the
     head too, the untied embedding reading its own blocks; logits as transformers' (prefill of
-    24 rows: the float32 GEMM path, tight; decode steps: int8-rounded activations)."""
+    24 rows under runtime.quant_prefill=float: the float32 GEMM path, tight; decode steps:
+    int8-rounded activations)."""
     path = write_mix(tmp_path / f"{mix}.gguf", kquant_llama, mix)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, max_batch=2)
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=32, max_batch=2, quant_prefill="float")
     types, body = MIXES[mix], m.module
     for part, module in (("attn_output", body.layers[0].mixer.wo), ("ffn_down", body.layers[0].ffn.w2),
                          ("output", body.head), ("token_embd", body.embed.stored)):
