@@ -40,7 +40,7 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, STEPS, BATCH, MAX_SEQ = 9, 3, 2, 32
-QUANT_RTOL = 1e-2  # int4 under tp (see RTOL below); the kernel weights agree bit for bit
+QUANT_RTOL = 2e-2  # int4 under tp (see RTOL below); the kernel weights agree bit for bit
 RANK_TIMEOUT = 1800  # seconds for one torchrun launch (all its cases); 2 shared cores are slow
 
 
@@ -116,9 +116,10 @@ MODELS = {"llama": (_llama, []), "deepseek_v3": (_deepseek_v3, []),
           "kimi_linear": (_kimi_linear, ["mixers.linear.chunk_size=4"]),
           "deepseek_v4": (_deepseek_v4, ["checkpoint.mtp=false"]), "llama4": (_llama4, [])}
 QUANT = {"llama_int8": "int8", "llama_int4": "int4"}  # runtime.quant
-# measured on the CPU kernels (float32): int8 equals one process to 1e-6 at every step, int4
-# prefill too; int4 decode steps differ by up to 3.5e-3 (the decode path rounds activations to
-# int8 per 32 inputs, where a last-bit difference in a rank's input can flip a code)
+# measured on the CPU kernels (float32): int8 equals one process to 1e-6 at every step; int4
+# prefill and decode steps differ by up to ~1e-2 of the largest logit (the kernels round
+# activations to int8 per 32 inputs at every row count, where a last-bit difference in a rank's
+# input can flip a code: 0.009 against a largest |logit| of ~0.85 seen on the 2026-12-07 suite)
 RTOL = {"llama_int8": 1e-5, "llama_int4": QUANT_RTOL}
 # per world size: the parallel overrides of each model (experts split over ep, tp splitting heads)
 LAYOUTS = {
