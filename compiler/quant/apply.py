@@ -121,16 +121,7 @@ def quantize_linears(model: nn.Module, mode: str, group: int, compute_dtype: tor
         replaced.add(id(q))
         report.quantized[full] = q._what() + (" (a copy of the tied embed.weight)" if tied_to else "")
         report.quantized_params += q.in_features * q.out_features
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        report.float_params += p.numel()
-        owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if name not in report.kept_float and not _is_quant_bias(model, owner):
-            report.kept_float.setdefault(name, _kind_of(model, name))
-    return report
+    return _count_float(model, report)
 
 
 def keep_stored_blocks(model: nn.Module, formats: dict[str, list], prefill: str = "int8") -> QuantReport:
@@ -215,6 +206,13 @@ def keep_stored_blocks(model: nn.Module, formats: dict[str, list], prefill: str 
         setattr(table, ROWS, q)  # owned by the table, which reads its rows there (contracts.RowTable)
         report.quantized[f"{path}.{ROWS}"] = kept(kinds) + f" (the lookups of {path}.weight read them)"
         served.add(f"{path}.weight")
+    return _count_float(model, report, served)
+
+
+
+def _count_float(model: nn.Module, report: QuantReport, served: set[str] = frozenset()) -> QuantReport:
+    """The parameters left float after a quant pass: their count, and each one's reason in
+    kept_float (shared parameters once; `served`: tables whose rows a kept sink serves)."""
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen or name in served:
@@ -225,7 +223,6 @@ def keep_stored_blocks(model: nn.Module, formats: dict[str, list], prefill: str 
         if name not in report.kept_float and not _is_quant_bias(model, owner):
             report.kept_float.setdefault(name, _kind_of(model, name))
     return report
-
 
 def _linears(model: nn.Module):
     """Every plain nn.Linear (a subclass may compute something else: it is not replaced), and
