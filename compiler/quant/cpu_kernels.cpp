@@ -890,6 +890,203 @@ at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_, int64_t f
   return y;
 }
 
+// ----------------------------------------------------------------------------- expert stacks
+//
+// One call for a whole MoE stack (compiler/quant/experts.py): x's rows sorted by expert, offs [E]
+// the cumulative end row of each expert's segment, one weight per expert in the linears' layouts.
+// The rows' activations are rounded to int8 once (not once per expert), and one parallel region
+// covers every (active expert, tile of kOutTile outputs): at decode, 8 experts of one row each still
+// give both threads whole tiles, and a tile's weight rows are read once for all the rows that chose
+// its expert (the row tiles above, kTile rows at a time while the tile's rows stay in cache). The
+// tasks are split between the threads by their rows (a tile's cost: its rows and its weight read),
+// so one busy expert of a prefill does not leave the other thread idle. Each (row, output) is the
+// tile functions' own sum, in their one order: a row's output is the bits int4_linear & co give
+// it alone (batch invariance, whatever other rows chose its expert).
+// Gated (act = 1, O = 2F: the gate rows, then the up rows): each task computes an output's gate and
+// up values for its rows and writes act(gate) * (up + up_offset), act(g) = g * sigmoid(alpha g)
+// after the clamps g <= limit, |up| <= limit (limit > 0), so the [N, 2F] pre-activations are never
+// written out as floats (SwiGLU experts: alpha 1; gpt-oss: its alpha, limit and offset 1).
+enum ExpertKind : int64_t { kInt4 = 0, kInt5 = 1, kInt8g = 2, kQ6k = 3 };
+
+struct GatedAct {
+  float limit, alpha, up_offset;
+  float operator()(float g, float u) const {
+    if (limit > 0.f) {
+      g = std::min(g, limit);
+      u = std::min(std::max(u, -limit), limit);
+    }
+    return g / (1.f + std::exp(-alpha * g)) * (u + up_offset);
+  }
+};
+
+template <typename S, int64_t K>
+at::Tensor expert_impl(const at::Tensor& x, const int64_t* offs, int64_t E, const uint8_t* q, const uint8_t* qh,
+                       const S* sm, int64_t ns, int64_t O, int64_t I, int64_t group, bool gated, GatedAct act,
+                       int64_t float_rows) {
+  const int64_t N = x.size(0), nb = I / kBlock, ng = I / group, Oy = gated ? O / 2 : O;
+  const int64_t qrow = K == kQ6k ? I / kQ6Block * kQ6Bytes : K == kInt8g ? I : I / 2;  // bytes per weight row
+  const int sums = K == kInt4 ? 1 : K == kInt5 ? 2 : (K == kInt8g && ns == 2) ? 1 : 0;
+  at::Tensor y = at::empty({N, Oy}, x.options());
+  float* yp = y.data_ptr<float>();
+  // the segments: tiled experts (int8 activations) and, with float_rows, the float GEMM's
+  std::vector<int64_t> tiled, big, first(E);
+  for (int64_t e = 0, s = 0; e < E; s = offs[e], ++e) {
+    first[e] = s;
+    const int64_t n = offs[e] - s;
+    if (n > 0) (float_rows > 0 && n > float_rows ? big : tiled).push_back(e);
+  }
+  auto count = [&](int64_t e) { return offs[e] - first[e]; };
+  if (!tiled.empty()) {
+    const Activations a(x.data_ptr<float>(), N, I, K == kQ6k ? kBlock : group, sums);
+    std::vector<float> dx2;
+    std::vector<int32_t> off;
+    if constexpr (K == kQ6k) {
+      dx2.resize(N * I / 16);
+      off.resize(N * I / 4);
+      q6_activations(a.xq.data(), a.dx.data(), N * I, off.data(), dx2.data());
+    }
+    // rows r .. r + R of x against output o of expert e: out[i * ldo] (db: nb * 2 floats of scratch)
+    auto row = [&](int64_t e, int64_t o, int64_t r, int64_t R, float* out, int64_t ldo, float* db) {
+      const uint8_t* wq = q + (e * O + o) * qrow;
+      if constexpr (K == kQ6k) {
+        q6k_rows(wq, I / kQ6Block, a.xq.data() + r * I, off.data() + r * I / 4, dx2.data() + r * I / 16, R, I, out, ldo);
+      } else if constexpr (K == kInt8g) {
+        const S* so = sm + (e * O + o) * ns * ng;
+        const S* mo = ns == 2 ? so + ng : nullptr;
+        const int8_t* w8 = reinterpret_cast<const int8_t*>(wq);
+        const float* xs = mo ? a.xs.data() + r * ng : nullptr;
+        if (group == 16) {
+          block_d(so, 0, nb, db);
+          i8_tile<S, true>(w8, db, mo, ng, nb, 1.f, a.xq.data() + r * I, a.dx.data() + r * nb, xs, R, I, out, ldo);
+        } else {
+          block_d(so, group / kBlock, nb, db);
+          i8_tile<S, false>(w8, db, mo, ng, nb, 1.f, a.xq.data() + r * I, a.dx.data() + r * nb, xs, R, I, out, ldo);
+        }
+      } else {
+        const S* so = sm + (e * O + o) * 2 * ng;
+        block_d(so, group / kBlock, nb, db);
+        q4_tile<S, K == kInt5>(wq, K == kInt5 ? qh + (e * O + o) * (I / 8) : nullptr, db, so + ng, ng, nb,
+                               a.xq.data() + r * I, a.dx.data() + r * nb, a.xs.data() + r * ng, R, I, out, ldo);
+      }
+    };
+    // tasks (expert, output tile) in expert order, split between the threads at equal shares of
+    // their cost (rows + kTile: the weight read counted as a tile of rows)
+    const int64_t tiles = (Oy + kOutTile - 1) / kOutTile, T = int64_t(tiled.size()) * tiles;
+    std::vector<int64_t> cost(T + 1, 0);
+    for (int64_t t = 0; t < T; ++t) cost[t + 1] = cost[t] + count(tiled[t / tiles]) + kTile;
+    const int64_t W = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T));
+    at::parallel_for(0, W, 1, [&](int64_t wa, int64_t wb) {
+      std::vector<float> scratch(2 * nb + 2 * kTile);
+      float *gate = scratch.data() + 2 * nb, *up = gate + kTile;
+      for (int64_t w = wa; w < wb; ++w) {
+        // worker w: the tasks whose cost starts in [w, w + 1) * total / W
+        const int64_t lo = cost[T] * w / W, hi = cost[T] * (w + 1) / W;
+        const int64_t t0 = std::lower_bound(cost.begin(), cost.end() - 1, lo) - cost.begin();
+        const int64_t t1 = w + 1 == W ? T : std::lower_bound(cost.begin(), cost.end() - 1, hi) - cost.begin();
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t e = tiled[t / tiles], o0 = (t % tiles) * kOutTile, o1 = std::min(Oy, o0 + kOutTile);
+          const int64_t s = first[e], n = count(e);
+          for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+            const int64_t R = std::min(kTile, n - r0);
+            for (int64_t o = o0; o < o1; ++o) {
+              if (!gated) {
+                row(e, o, s + r0, R, yp + (s + r0) * Oy + o, Oy, scratch.data());
+                continue;
+              }
+              row(e, o, s + r0, R, gate, 1, scratch.data());
+              row(e, o + Oy, s + r0, R, up, 1, scratch.data());
+              for (int64_t i = 0; i < R; ++i) yp[(s + r0 + i) * Oy + o] = act(gate[i], up[i]);
+            }
+          }
+        }
+      }
+    });
+  }
+  // runtime.quant_prefill=float: the segments of more rows, each through the float GEMM of its
+  // dequantized weight (as the linears' calls of more rows)
+  for (const int64_t e : big) {
+    const at::Tensor xe = x.narrow(0, first[e], count(e));
+    const at::Tensor h = chunked_gemm(xe, O, I, [&](int64_t r0, int64_t r1, float* out) {
+      const uint8_t* qe = q + e * O * qrow;
+      if constexpr (K == kQ6k)
+        q6k_dequantize(qe, I, r0, r1, out);
+      else if constexpr (K == kInt8g)
+        i8g_dequantize(reinterpret_cast<const int8_t*>(qe), sm + e * O * ns * ng, ns, I, group, r0, r1, out);
+      else
+        q4_dequantize<S, K == kInt5>(qe, K == kInt5 ? qh + e * O * (I / 8) : nullptr, sm + e * O * 2 * ng, I, group,
+                                     r0, r1, out);
+    });
+    const float* hp = h.data_ptr<float>();
+    float* ye = yp + first[e] * Oy;
+    for (int64_t i = 0; i < count(e); ++i)
+      for (int64_t o = 0; o < Oy; ++o) ye[i * Oy + o] = gated ? act(hp[i * O + o], hp[i * O + o + Oy]) : hp[i * O + o];
+  }
+  return y;
+}
+
+at::Tensor expert_linear(const at::Tensor& x_, const at::Tensor& offs_, int64_t kind, const at::Tensor& qw_,
+                         const std::optional<at::Tensor>& qh_, const std::optional<at::Tensor>& sm_, int64_t group,
+                         int64_t act, double limit, double alpha, double up_offset, int64_t float_rows) {
+  TORCH_CHECK(kind >= kInt4 && kind <= kQ6k, "expert_linear: kind ", kind, " must be 0 (int4), 1 (int5), 2 (int8g) or 3 (q6k)");
+  TORCH_CHECK(act == 0 || act == 1, "expert_linear: act ", act, " must be 0 (none) or 1 (gated: act(gate) * up)");
+  TORCH_CHECK(qw_.dim() == 3, "expert_linear: expected a stack qw [E, O, bytes], got ", qw_.sizes());
+  const int64_t E = qw_.size(0), O = qw_.size(1);
+  const int64_t I = kind == kQ6k ? qw_.size(2) / kQ6Bytes * kQ6Block : kind == kInt8g ? qw_.size(2) : 2 * qw_.size(2);
+  check_x(x_, I, "expert_linear", float_rows);
+  TORCH_CHECK(offs_.device().is_cpu() && offs_.scalar_type() == at::kLong && offs_.dim() == 1 && offs_.size(0) == E,
+              "expert_linear: offs must be [E] = [", E, "] int64 on the CPU, got ", offs_.sizes(), " ", offs_.scalar_type());
+  TORCH_CHECK(act == 0 || O % 2 == 0, "expert_linear: a gated stack needs an even O (gate rows, then up rows), got ", O);
+  const at::Tensor x = x_.contiguous(), offs = offs_.contiguous(), qw = qw_.contiguous();
+  const int64_t* op = offs.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(op[e] >= (e ? op[e - 1] : 0) && op[e] <= x.size(0), "expert_linear: offs must be non-decreasing ends of ",
+                "row segments within the ", x.size(0), " rows, got ", offs_);
+  const GatedAct f{float(limit), float(alpha), float(up_offset)};
+  const bool gated = act == 1;
+  if (kind == kQ6k) {
+    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.size(2) % kQ6Bytes == 0,
+                "expert_linear: q6k expects qw [E, O, I/256 * 210] uint8, got ", qw.sizes(), " ", qw.scalar_type());
+    return expert_impl<float, kQ6k>(x, op, E, qw.data_ptr<uint8_t>(), nullptr, nullptr, 0, O, I, kBlock, gated, f,
+                                    float_rows);
+  }
+  TORCH_CHECK(sm_.has_value(), "expert_linear: kind ", kind, " needs its scales sm");
+  const at::Tensor sm = sm_->contiguous();
+  const int64_t ns = sm.dim() == 4 ? sm.size(2) : 0;
+  TORCH_CHECK((sm.scalar_type() == at::kHalf || sm.scalar_type() == at::kFloat) && sm.dim() == 4 && sm.size(0) == E &&
+                  sm.size(1) == O && (ns == 2 || (kind == kInt8g && ns == 1)) && group > 0 && I % group == 0 &&
+                  sm.size(3) == I / group,
+              "expert_linear: expected sm [E, O, 2, I/g] (int8g: or [E, O, 1, I/g]) float16 or float32 for qw ",
+              qw.sizes(), " and group ", group, ", got ", sm.sizes(), " ", sm.scalar_type());
+  if (kind == kInt8g) {
+    TORCH_CHECK(qw.scalar_type() == at::kChar && (group == 16 || group % kBlock == 0),
+                "expert_linear: int8g expects qw [E, O, I] int8 and a group of 16 or a multiple of 32, got ",
+                qw.scalar_type(), " and ", group);
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(qw.data_ptr<int8_t>());
+    return sm.scalar_type() == at::kHalf
+               ? expert_impl<at::Half, kInt8g>(x, op, E, q, nullptr, sm.data_ptr<at::Half>(), ns, O, I, group, gated, f, float_rows)
+               : expert_impl<float, kInt8g>(x, op, E, q, nullptr, sm.data_ptr<float>(), ns, O, I, group, gated, f, float_rows);
+  }
+  TORCH_CHECK(qw.scalar_type() == at::kByte && group % kBlock == 0 && ((group / kBlock) & (group / kBlock - 1)) == 0,
+              "expert_linear: int4 / int5 expect qw [E, O, I/2] uint8 and a group of 32 times a power of two, got ",
+              qw.scalar_type(), " and ", group);
+  at::Tensor qh;
+  if (kind == kInt5) {
+    TORCH_CHECK(qh_.has_value() && qh_->scalar_type() == at::kByte && qh_->dim() == 3 && qh_->size(0) == E &&
+                    qh_->size(1) == O && qh_->size(2) == I / 8,
+                "expert_linear: int5 expects qh [E, O, I/8] uint8 beside qw ", qw.sizes());
+    qh = qh_->contiguous();
+  }
+  const uint8_t* q = qw.data_ptr<uint8_t>();
+  const uint8_t* h = kind == kInt5 ? qh.data_ptr<uint8_t>() : nullptr;
+  if (kind == kInt5)
+    return sm.scalar_type() == at::kHalf
+               ? expert_impl<at::Half, kInt5>(x, op, E, q, h, sm.data_ptr<at::Half>(), 2, O, I, group, gated, f, float_rows)
+               : expert_impl<float, kInt5>(x, op, E, q, h, sm.data_ptr<float>(), 2, O, I, group, gated, f, float_rows);
+  return sm.scalar_type() == at::kHalf
+             ? expert_impl<at::Half, kInt4>(x, op, E, q, nullptr, sm.data_ptr<at::Half>(), 2, O, I, group, gated, f, float_rows)
+             : expert_impl<float, kInt4>(x, op, E, q, nullptr, sm.data_ptr<float>(), 2, O, I, group, gated, f, float_rows);
+}
+
 int64_t simd_level() {
 #ifdef ZOO_VNNI
   return 4;
@@ -912,6 +1109,10 @@ TORCH_LIBRARY(zoo_quant, m) {
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale, int float_rows=0) -> Tensor");
   m.def("int8g_linear(Tensor x, Tensor qw, Tensor sm, int group, int float_rows=0) -> Tensor");
   m.def("q6k_linear(Tensor x, Tensor blocks, int float_rows=0) -> Tensor");
+  // a stack of experts [E, O, ...] over rows sorted by expert (offs: their segments' ends); kind 0
+  // int4, 1 int5, 2 int8g, 3 q6k; act 1: gated, act(gate) * (up + up_offset) -> [N, O/2]
+  m.def("expert_linear(Tensor x, Tensor offs, int kind, Tensor qw, Tensor? qh, Tensor? sm, int group, int act=0, "
+        "float limit=0., float alpha=1., float up_offset=0., int float_rows=0) -> Tensor");
   m.def("simd_level() -> int");
 }
 
@@ -921,6 +1122,7 @@ TORCH_LIBRARY_IMPL(zoo_quant, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8g_linear", &int8g_linear);
   m.impl("q6k_linear", &q6k_linear);
+  m.impl("expert_linear", &expert_linear);
 }
 
 TORCH_LIBRARY_IMPL(zoo_quant, CompositeExplicitAutograd, m) { m.impl("simd_level", &simd_level); }

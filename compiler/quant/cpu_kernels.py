@@ -17,6 +17,15 @@
     q6k_linear(x [M, I] f32, blocks [O, I/256 * 210] u8) -> [M, O] f32
         GGUF Q6_K at its stored width (6.5625 bits a weight), the file's blocks as they are:
         W = d * sc * (q - 32) per group of 16 (gguf_blocks.py), computed as int8g's d-only case
+    expert_linear(x [N, I] f32, offs [E] i64, kind, qw [E, O, ...], qh, sm [E, O, ns, I/g], g,
+                  act, limit, alpha, up_offset) -> [N, O] f32 (act 1: [N, O/2])
+        a stack of experts in one of the layouts above (EXPERT_KINDS: int4, int5, int8g, q6k),
+        x's rows sorted by expert and offs the cumulative end of each expert's segment: row n
+        times its expert's weight, each (row, output) the sum the linear kernel gives it (so the
+        same bits whatever other rows chose the expert); the activations rounded once for all
+        rows, one parallel region over (expert, output tile). act 1 (gate rows, then up rows):
+        act(gate) * (up + up_offset) with act(g) = g * sigmoid(alpha g) after the clamps
+        gate <= limit, |up| <= limit (limit > 0): SwiGLU experts without their [N, O] floats
 
 Why our own kernels: torch's weight-only CPU ops (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) stream a fraction of what a plain read does at one row (their float32
@@ -138,6 +147,40 @@ def q6k_reference(x: torch.Tensor, blocks: torch.Tensor, float_rows: int = 0) ->
     return int8g_reference(x, qw, sm, Q6K_GROUP, float_rows)
 
 
+EXPERT_KINDS = {"int4": 0, "int5": 1, "int8g": 2, "q6k": 3}  # expert_linear's kind codes
+
+
+def gated_act(h: torch.Tensor, limit: float = 0.0, alpha: float = 1.0, up_offset: float = 0.0) -> torch.Tensor:
+    """h [N, 2F] (gate | up) -> [N, F]: expert_linear's act 1 in torch ops (dense.swiglu with
+    limit 0 for none: silu is alpha 1)."""
+    from ..ffn.dense import swiglu
+
+    gate, up = h.chunk(2, dim=-1)
+    return swiglu(gate, up, limit if limit > 0 else None, alpha=None if alpha == 1.0 else alpha, up_offset=up_offset)
+
+
+def expert_reference(x: torch.Tensor, offs: torch.Tensor, kind: str, qw: torch.Tensor, qh: torch.Tensor | None,
+                     sm: torch.Tensor | None, group: int, act: int = 0, limit: float = 0.0, alpha: float = 1.0,
+                     up_offset: float = 0.0, float_rows: int = 0) -> torch.Tensor:
+    """What expert_linear computes: each expert's segment through its layout's reference (float_rows
+    per segment, as the kernel), act 1 through gated_act; rows past offs[-1] are zeros."""
+    O = qw.shape[1]
+    out = x.new_zeros(x.shape[0], O // 2 if act else O)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            xs = x[start:end]
+            if kind == "q6k":
+                h = q6k_reference(xs, qw[e], float_rows)
+            elif kind == "int8g":
+                h = int8g_reference(xs, qw[e], sm[e], group, float_rows)
+            else:
+                h = int4_reference(xs, qw[e], sm[e], group, qh[e] if kind == "int5" else None, float_rows)
+            out[start:end] = gated_act(h, limit, alpha, up_offset) if act else h
+        start = end
+    return out
+
+
 def int8_reference(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor, float_rows: int = 0) -> torch.Tensor:
     """What int8_linear computes (x rounded to int8 per 32 inputs; float_rows as int4_reference's)."""
     return F.linear(x if _float_gemm(x, float_rows) else round_activations(x), qw.float() * scale[:, None])
@@ -179,6 +222,9 @@ def _load() -> str | None:
             lambda x, qw, sm, group, float_rows=0: x.new_empty(x.shape[0], qw.shape[0]))
         torch.library.register_fake("zoo_quant::q6k_linear")(
             lambda x, blocks, float_rows=0: x.new_empty(x.shape[0], blocks.shape[0]))
+        torch.library.register_fake("zoo_quant::expert_linear")(
+            lambda x, offs, kind, qw, qh, sm, group, act=0, limit=0.0, alpha=1.0, up_offset=0.0, float_rows=0:
+            x.new_empty(x.shape[0], qw.shape[1] // (2 if act else 1)))
     return why
 
 
