@@ -162,7 +162,8 @@ def test_gguf_blocks_fill_one_expert(qtype, mode):
     w = (rng.standard_normal((2, 48, 64)) * 0.05).astype(np.float32)
     q = QuantExperts(2, 48, 64, mode, 32, torch.bfloat16)
     q.prepare_blocks(qtype)
-    kept = "int4 g32 (float16 scales)" if qtype in ("Q4_0", "Q4_1") else "int8 g32 (float32 scales)"
+    kept = {"Q4_0": "int4 g32 (float16 scales)", "Q4_1": "int4 g32 (float16 scales)",
+            "Q5_1": "int5 g32 (float16 scales)"}.get(qtype, "int8 g32 (float32 scales)")
     for e in range(2):
         data = gguf.quants.quantize(w[e], Q)
         ref = torch.from_numpy(gguf.quants.dequantize(data, Q).reshape(48, 64))

@@ -56,6 +56,8 @@ the graph:
 Under runtime.quant the stacks named in `quant_stacks` may be replaced by quantized ones
 (compiler/quant/experts.py) with the same `grouped_mm` contract; they have no float rows to
 gather, so decode runs the grouped path too (static shapes; the op reads only the chosen experts).
+A quantized w13 without biases also takes the activation (`grouped_act`: _act's SwiGLU, clamp,
+alpha and offset included), in one kernel call on zoo's CPU kernels.
 """
 from __future__ import annotations
 
@@ -435,11 +437,16 @@ class MoE(FFN, QuantStacks):
         offs = counts[:E].cumsum(0)
         w_in, weights = self._split_weights(weights, own)
         rows = xt[token] if w_in is None else xt[token] * w_in.reshape(-1)[order, None].to(xt.dtype)
-        h = _grouped(rows, self.w13, offs)  # [T*K, 2F]
         expert = flat[order].clamp(max=E - 1)  # expert of each sorted pair (others: discarded)
-        if self.w13_bias is not None:
-            h = h + self.w13_bias[expert]
-        y = _grouped(self._act(h), self.w2, offs)  # [T*K, D]
+        if isinstance(self.w13, torch.Tensor) or self.w13_bias is not None:
+            h = _grouped(rows, self.w13, offs)  # [T*K, 2F]
+            if self.w13_bias is not None:
+                h = h + self.w13_bias[expert]
+            a = self._act(h)
+        else:  # a quantized stack: the activation inside its matmul (no [T*K, 2F] floats; experts.py)
+            s = self.spec
+            a = self.w13.grouped_act(rows, offs, s.swiglu_limit, alpha=s.swiglu_alpha, up_offset=s.swiglu_up_offset)
+        y = _grouped(a, self.w2, offs)  # [T*K, D]
         if self.w2_bias is not None:
             y = y + self.w2_bias[expert]
         # back to (token, k) order by a gather, then a sum over k: a scatter-add into tokens

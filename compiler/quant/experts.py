@@ -10,16 +10,31 @@
 
 GGUF blocks (a file's Q4_0 / Q4_K ... expert stacks) are kept exactly instead, on zoo's float32
 CPU kernels (cpu_kernels.py; x cast to float32 and back), in the layout `block_layout` names (the
-buffers are re-made for it on the meta model, prepare_blocks):
+buffers are re-made for it on the meta model, prepare_blocks), the linears' layouts (linear.py)
+with an expert dimension in front:
       q4     Q4_0 / Q4_1 / Q4_K: qweight [E, O, I/2] uint8 in llama.cpp's Q4 byte order, scales
              [E, O, 2, I/32] (d, m) float16 as Q4_0 / Q4_1 store them, float32 for Q4_K (d * sc):
-             W[e] = q * d + m, zoo_quant.int4_linear per expert
-      int8g  every other block type, and parts of different types (gguf_blocks' ZQ8): qweight
-             [E, O, I] int8 codes, scales [E, O, ns, I/g] float32 (d, m; ns 1: d only) per group of
-             g = 16 or 32: W[e] = q * d (+ m), zoo_quant.int8g_linear per expert
-Both dequantize to gguf.quants.dequantize's values (`dequantize`; signed zeros aside). A float
-expert in a stack of block experts (per-expert tensors of different types) is quantized into
-their layout (int4_quantize's codes, or int8 per channel as int8g).
+             W[e] = q * d + m (int4_linear's numerics)
+      int5   Q5_0 / Q5_1 / Q5_K at their stored width: q4's qweight and scales (float32 with a
+             Q5_K) plus qhigh [E, O, I/8] uint8, the codes' fifth bits (gguf_blocks.int5_parts)
+      q6k    Q6_K: qweight [E, O, I/256 * 210] uint8, the blocks' bytes as stored (no scales)
+      int8g  every other block type, and types mixed in one stack (per-expert tensors of
+             different types, or gate and up parts of different types: gguf_blocks' ZQ8):
+             qweight [E, O, I] int8 codes, scales [E, O, ns, I/g] float32 (d, m; ns 1: d only) per
+             group of g = 16 or 32: W[e] = q * d (+ m)
+(A GGUF expert stack is one tensor per projection, so one type per stack: a mix comes only from
+per-expert tensors or from w13's two parts.) All dequantize to gguf.quants.dequantize's values
+(`dequantize`; signed zeros aside). A float expert in a stack of block experts is quantized into
+their layout (int4_quantize's codes for q4 / int5, int8 per channel as int8g; q6k has no quantizer:
+refused).
+
+The product is one native call per stack, `zoo::block_expert_mm` -> zoo_quant.expert_linear
+(cpu_kernels.py): the rows' activations rounded to int8 once, one parallel region over the (active
+expert, output tile) pairs, each expert's weights read once for all the rows that chose it; only
+the chosen experts' bytes are read. w13 (gate rows, then up rows) can take the activation in the
+same call (`grouped_act`: act(gate) * up, SwiGLU and gpt-oss's clamped variant), so the [N, 2F]
+pre-activations are not written out as floats. Each (row, output) is the linear kernels' own sum:
+a row's output is the same bits whatever other rows chose its expert (batch invariance).
 
 Float experts quantized on the CPU (runtime.quant with zoo's float32 kernels, the default) take
 the same layouts: int4 as q4 (its group, float16 d and m), int8 per channel as int8g g32 (the row's
@@ -51,7 +66,9 @@ from torch import nn
 from ..contracts import QuantStacks, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ContractError
 from . import cpu_kernels
-from .gguf_blocks import INT4_TYPES, LAYOUTS, MIXED_LAYOUTS, block_codes, has_offset, int4_parts, layout
+from ..ffn.dense import swiglu
+from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, Q6K_TYPES, block_bytes, block_codes,
+                          has_offset, int4_parts, int5_parts, layout)
 from .linear import chunk_rows, int4_quantize, int8_quantize
 
 INT4_OUT = 16  # torch's int4 kernel needs O to be a multiple of this
@@ -79,35 +96,32 @@ def _quant_expert_mm_fake(x, qweight, scales, offs, group):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
-BLOCK_KINDS = ("q4", "int8g")  # the layouts that hold GGUF blocks exactly (module docstring)
+BLOCK_KINDS = ("q4", "int5", "q6k", "int8g")  # the layouts that hold GGUF blocks exactly (module docstring)
+KERNEL_KIND = {"q4": "int4", "int5": "int5", "q6k": "q6k", "int8g": "int8g"}  # -> cpu_kernels.EXPERT_KINDS
 
 
 @torch.library.custom_op("zoo::block_expert_mm", mutates_args=())
-def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor,
-                    kind: str, group: int, float_rows: int = 0) -> torch.Tensor:
-    """x [N, I] float32 rows sorted by expert, offs [E] int64 (as quant_expert_mm), kind q4 | int8g
-    (the module docstring's layouts) -> [N, O] float32 through zoo's CPU kernels (their torch
-    reference where the kernels did not build: the same numbers). float_rows: the kernels' (0: a
-    row's output is the same bits however many rows chose its expert: batch invariance)."""
-    compiled = cpu_kernels.available()
-    out = x.new_empty(x.shape[0], qweight.shape[1])
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            xs, qw, sm = x[start:end], qweight[e], scales[e]
-            if kind == "q4":
-                out[start:end] = (torch.ops.zoo_quant.int4_linear(xs, qw, sm, group, float_rows) if compiled
-                                  else cpu_kernels.int4_reference(xs, qw, sm, group, float_rows=float_rows))
-            else:
-                out[start:end] = (torch.ops.zoo_quant.int8g_linear(xs, qw, sm, group, float_rows) if compiled
-                                  else cpu_kernels.int8g_reference(xs, qw, sm, group, float_rows))
-        start = end
-    return out
+def block_expert_mm(x: torch.Tensor, qweight: torch.Tensor, qhigh: Optional[torch.Tensor],
+                    scales: Optional[torch.Tensor], offs: torch.Tensor, kind: str, group: int, float_rows: int = 0,
+                    act: int = 0, limit: float = 0.0, alpha: float = 1.0, up_offset: float = 0.0) -> torch.Tensor:
+    """x [N, I] float32 rows sorted by expert, offs [E] int64 (as quant_expert_mm), kind one of
+    BLOCK_KINDS (the module docstring's layouts; qhigh int5's, scales none for q6k) -> [N, O]
+    float32, or with act 1 (gated) [N, O/2] = act(gate) * (up + up_offset) (cpu_kernels.py's
+    expert_linear: limit 0 no clamp, alpha 1 silu). zoo's CPU kernel, or its torch reference where
+    it did not build (the same numbers). float_rows: the kernels' (0: a row's output is the same
+    bits however many rows chose its expert: batch invariance). Rows past offs[-1] are unwritten."""
+    k = KERNEL_KIND[kind]
+    if cpu_kernels.available():
+        return torch.ops.zoo_quant.expert_linear(x, offs, cpu_kernels.EXPERT_KINDS[k], qweight, qhigh, scales, group,
+                                                 act, limit, alpha, up_offset, float_rows)
+    return cpu_kernels.expert_reference(x, offs, k, qweight, qhigh, scales, group, act, limit, alpha, up_offset,
+                                        float_rows)
 
 
 @block_expert_mm.register_fake
-def _block_expert_mm_fake(x, qweight, scales, offs, kind, group, float_rows=0):
-    return x.new_empty(x.shape[0], qweight.shape[1])
+def _block_expert_mm_fake(x, qweight, qhigh, scales, offs, kind, group, float_rows=0, act=0, limit=0.0, alpha=1.0,
+                          up_offset=0.0):
+    return x.new_empty(x.shape[0], qweight.shape[1] // (2 if act else 1))
 
 
 def int4_fits(out_features: int, in_features: int, group: int) -> bool:
@@ -173,8 +187,10 @@ class QuantExperts(nn.Module, WeightSink):
         return torch.float32 if self.layout in BLOCK_KINDS else self.scales.dtype
 
     def what(self) -> str:
-        if self.layout in BLOCK_KINDS and self.block_types:  # GGUF blocks (float experts: as quantized)
-            bits = "int4" if self.layout == "q4" else "int8"
+        if self.layout == "q6k":
+            held = "Q6_K blocks as stored (6.5625 bits a weight)"
+        elif self.layout in BLOCK_KINDS and self.block_types:  # GGUF blocks (float experts: as quantized)
+            bits = {"q4": "int4", "int5": "int5"}.get(self.layout, "int8")
             held = f"{bits} g{self.group} ({str(self.scales.dtype).removeprefix('torch.')} scales)"
         else:
             held = "int8 per channel" if self.mode == "int8" else f"int4 g{self.group}"
@@ -187,10 +203,10 @@ class QuantExperts(nn.Module, WeightSink):
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
 
     def _apply(self, fn, recurse=True):
-        # `model.to(dtype)` casts floating buffers; the scales keep the kernel's compute dtype
-        dtype = self.scales.dtype
+        # `model.to(dtype)` casts floating buffers; the scales keep the kernel's compute dtype (q6k: none)
+        dtype = self.scales.dtype if "scales" in self._buffers else None
         super()._apply(fn, recurse)
-        if self.scales.dtype != dtype:
+        if dtype is not None and self.scales.dtype != dtype:
             self.scales = self.scales.to(dtype)
         return self
 
@@ -199,17 +215,35 @@ class QuantExperts(nn.Module, WeightSink):
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, I] rows sorted by expert, offs [E] -> [N, O] in x's dtype (see expert_mm)."""
         if self.layout in BLOCK_KINDS:
-            y = block_expert_mm(x.float(), self.qweight, self.scales, offs, self.layout, self.group, self.float_rows)
+            y = self._blocks_mm(x, offs)
         else:
             y = quant_expert_mm(x.to(self.compute_dtype), self.qweight, self.scales, offs, self.group or 0)
         return y.to(x.dtype)
+
+    def grouped_act(self, x: torch.Tensor, offs: torch.Tensor, limit: Optional[float] = None,
+                    alpha: Optional[float] = None, up_offset: float = 0.0) -> torch.Tensor:
+        """A gated stack (w13: O = 2F, gate rows then up rows): x [N, I] -> [N, F] in x's dtype,
+        dense.swiglu(gate, up, limit, alpha=alpha, up_offset=up_offset) of grouped_mm's output;
+        the block layouts compute it inside the kernel call (the [N, 2F] floats never written)."""
+        if self.layout in BLOCK_KINDS:
+            return self._blocks_mm(x, offs, 1, limit or 0.0, 1.0 if alpha is None else alpha, up_offset).to(x.dtype)
+        gate, up = self.grouped_mm(x, offs).chunk(2, dim=-1)
+        return swiglu(gate, up, limit, alpha=alpha, up_offset=up_offset)
+
+    def _blocks_mm(self, x: torch.Tensor, offs: torch.Tensor, act: int = 0, limit: float = 0.0, alpha: float = 1.0,
+                   up_offset: float = 0.0) -> torch.Tensor:
+        return block_expert_mm(x.float(), self.qweight, self._buffers.get("qhigh"), self._buffers.get("scales"), offs,
+                               self.layout, self.group, self.float_rows, act, limit, alpha, up_offset)
 
     @torch.no_grad()
     def dequantize(self, e: int) -> torch.Tensor:
         """Expert e's weight [O, I] float32 as the block layouts hold it (W = q * d + m; for GGUF
         blocks gguf.quants.dequantize's values bit for bit)."""
-        if self.layout == "q4":
-            return cpu_kernels.int4_dequantize(self.qweight[e], self.scales[e])
+        if self.layout in ("q4", "int5"):
+            return cpu_kernels.int4_dequantize(self.qweight[e], self.scales[e],
+                                               self.qhigh[e] if self.layout == "int5" else None)
+        if self.layout == "q6k":
+            return cpu_kernels.int8g_dequantize(*cpu_kernels.q6k_codes(self.qweight[e]))
         if self.layout == "int8g":
             return cpu_kernels.int8g_dequantize(self.qweight[e], self.scales[e])
         raise ContractError(f"QuantExperts.dequantize reads the GGUF block layouts {BLOCK_KINDS}, not {self.layout}")
@@ -217,13 +251,19 @@ class QuantExperts(nn.Module, WeightSink):
     # ------------------------------------------------------------------ filling
 
     def block_layout(self, ggml_type: str) -> Optional[str]:
-        """How `load_weight` keeps stored GGUF blocks of this type: "q4" (INT4_TYPES: their codes and
-        scales), "int8g" (any other block type or re-blocking: codes as int8, group scales float32),
-        or None (int4 with a group other than 32: the loader dequantizes, and they are quantized)."""
+        """How `load_weight` keeps stored GGUF blocks of this type in a stack of this type alone: "q4"
+        (INT4_TYPES: their codes and scales), "int5" (INT5_TYPES), "q6k" (Q6K_TYPES: the bytes),
+        "int8g" (any other block type or re-blocking: codes as int8, group scales float32; a stack
+        mixing types takes it too, prepare_blocks), or None (int4 with a group other than 32: the
+        loader dequantizes, and they are quantized)."""
         if self.mode == "int4" and self.mode_group != 32:
             return None
         if ggml_type in INT4_TYPES:
             return "q4"
+        if ggml_type in INT5_TYPES:
+            return "int5"
+        if ggml_type in Q6K_TYPES:
+            return "q6k"
         return "int8g" if ggml_type in LAYOUTS or ggml_type in MIXED_LAYOUTS else None
 
     def accepts_blocks(self, ggml_type: str) -> bool:
@@ -239,14 +279,26 @@ class QuantExperts(nn.Module, WeightSink):
     def prepare_blocks(self, ggml_type: str) -> None:
         """The plan hands this stack blocks of `ggml_type` (for the whole stack, or one expert of
         it): the buffers take the layout that holds every type planned so far exactly (on meta).
-        Only INT4_TYPES: q4 (float32 scales with a Q4_K); else int8g with the smallest group."""
+        Only INT4_TYPES: q4 (float32 scales with a Q4_K); only INT5_TYPES: int5 (float32 with a Q5_K);
+        only Q6_K: q6k (the bytes); else int8g with the smallest group."""
         self.block_types.add(ggml_type)
         types = sorted(self.block_types)
         E, O, I = self.weight_shape
-        if all(t in INT4_TYPES for t in types):
-            kind, g, ns = "q4", 32, 2
+        dev = self.qweight.device
+        self._buffers.pop("qhigh", None)
+        if all(t in Q6K_TYPES for t in types):
+            lay = layout(ggml_type)
+            if I % lay.block:
+                raise CheckpointError(f"stacked experts {list(self.weight_shape)}: {ggml_type} blocks of {lay.block} do "
+                                      f"not divide the {I} inputs")
+            self.layout, self.group = "q6k", lay.group
+            self._buffers["qweight"] = torch.empty(E, O, I // lay.block * lay.nbytes, dtype=torch.uint8, device=dev)
+            self._buffers.pop("scales", None)
+            return
+        if all(t in INT4_TYPES for t in types) or all(t in INT5_TYPES for t in types):
+            kind, g, ns = ("q4" if types[0] in INT4_TYPES else "int5"), 32, 2
             codes = (E, O, I // 2, torch.uint8)
-            scales = torch.float32 if "Q4_K" in types else torch.float16
+            scales = torch.float32 if {"Q4_K", "Q5_K"} & set(types) else torch.float16
         else:
             kind, g = "int8g", min(layout(t).group for t in types)
             ns = 2 if any(has_offset(t) for t in types) else 1
@@ -255,9 +307,10 @@ class QuantExperts(nn.Module, WeightSink):
             raise CheckpointError(f"stacked experts {list(self.weight_shape)}: {ggml_type} blocks of {g} do not "
                                   f"divide the {I} inputs")
         self.layout, self.group = kind, g
-        dev = self.qweight.device
         self._buffers["qweight"] = torch.empty(codes[:3], dtype=codes[3], device=dev)
         self._buffers["scales"] = torch.empty(E, O, ns, I // g, dtype=scales, device=dev)
+        if kind == "int5":
+            self._buffers["qhigh"] = torch.empty(E, O, I // 8, dtype=torch.uint8, device=dev)
 
     @torch.no_grad()
     def load_weight(self, value, index: Optional[int] = None) -> str:
@@ -304,6 +357,16 @@ class QuantExperts(nn.Module, WeightSink):
                 self.qweight[e, r:r + len(qs)].copy_(qs)
                 self.scales[e, r:r + len(qs)].copy_(torch.stack((d, m), dim=1))
                 continue
+            if self.layout == "int5":
+                qs, qh, d, m = int5_parts(part)
+                self.qweight[e, r:r + len(qs)].copy_(qs)
+                self.qhigh[e, r:r + len(qs)].copy_(qh)
+                self.scales[e, r:r + len(qs)].copy_(torch.stack((d, m), dim=1))
+                continue
+            if self.layout == "q6k":
+                data = block_bytes(part)
+                self.qweight[e, r:r + len(data)].copy_(data)
+                continue
             q, d, m = block_codes(part)
             rep = layout(b.ggml_type).group // self.group  # a group of 32's scales for its two 16s: exact
             n = len(q)
@@ -314,15 +377,21 @@ class QuantExperts(nn.Module, WeightSink):
 
     def _fill(self, e: int, w: torch.Tensor) -> None:
         """Expert e from float values w [O, I], chunk_rows(I) rows at a time (small temporaries)."""
+        if self.layout == "q6k":
+            raise CheckpointError(f"expert {e} of stacked experts {list(self.weight_shape)}: a float weight next to "
+                                  f"Q6_K block experts (kept as stored bytes, which zoo has no quantizer for); "
+                                  f"runtime.quant=none loads the stack float")
         step = chunk_rows(self.in_features)
         for r in range(0, self.out_features, step):
             part = w[r:r + step]
             n = len(part)
-            if self.layout == "q4":  # int4_quantize's codes in the Q4 byte order, d = scale, m = zero - 8 scale
-                q, scale, zero = int4_quantize(part, self.group)
-                pairs = q.to(torch.uint8).reshape(n, -1, 2, 16)
-                self.qweight[e, r:r + n].copy_((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1))
+            if self.layout in ("q4", "int5"):  # int4_quantize's codes in the Q4 byte order, d = scale, m = zero - 8 scale
+                q, scale, zero = int4_quantize(part, self.group)  # (int5: fifth bits 0)
+                qs, _ = cpu_kernels.pack_int4(q, scale, zero - 8.0 * scale)
+                self.qweight[e, r:r + n].copy_(qs)
                 self.scales[e, r:r + n].copy_(torch.stack((scale, zero - 8.0 * scale), dim=1))
+                if self.layout == "int5":
+                    self.qhigh[e, r:r + n].zero_()
             elif self.layout == "int8g":  # int8 per channel: the row's scale for each of its groups
                 q, scale = int8_quantize(part)
                 self.qweight[e, r:r + n].copy_(q)
