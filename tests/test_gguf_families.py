@@ -794,7 +794,7 @@ def _exps(layers, types: dict) -> dict:
 
 
 # the kept default on MoE twins: every expert stack of a file in a block type (each kept type of
-# QuantExperts: Q4_0 / Q4_1 as int4, Q5_0 / Q5_1 / Q8_0 / MXFP4 as int8 codes), next to F32 linears
+# QuantExperts: Q4_0 / Q4_1 as int4, Q5_0 / Q5_1 as int5, Q8_0 / MXFP4 as int8 codes), next to F32 linears
 MOE_KEPT = {
     "qwen3moe": {**_exps((0, 1), dict(gate="Q4_0", up="Q4_0", down="Q8_0")), "blk.0.attn_output.weight": Q.Q5_1},
     "olmoe": _exps((0, 1), dict(gate="Q4_1", up="Q4_1", down="Q5_0")),
@@ -825,7 +825,7 @@ def test_gguf_moe_kept_by_default(tmp_path, family):
     floats = sum(p.numel() * p.element_size() for p in m.module.parameters())
     assert floats == held["float"]["F32"][1]  # every float parameter is an F32 tensor of the file, once
     stacks = [q for q in m.module.modules() if isinstance(q, QuantExperts)]
-    assert stacks and all(q.blocks_only and q.layout in ("q4", "int8g") for q in stacks)
+    assert stacks and all(q.blocks_only and q.layout in ("q4", "int5", "int8g") for q in stacks)
     assert len(stacks) == len([n for n in MOE_KEPT[family] if "_exps" in n]) - sum(
         "ffn_up_exps" in n for n in MOE_KEPT[family])  # gate and up join in w13
     for name, how in m.info.load.tensors.items():

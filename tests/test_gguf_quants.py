@@ -529,8 +529,8 @@ def test_report_says_why_blocks_were_not_kept(tmp_path, kquant_llama):
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_expert_stacks_keep_every_block_type_exactly(ggml_type):
     """A whole GGUF expert stack [E, O, I] (ffn_*_exps) into QuantExperts: every block type kept,
-    Q4_0 / Q4_1 / Q4_K as int4 g32 (Q4_K's d * sc in float32 scales), the others as int8 codes with
-    float32 group scales; each expert's weight equals gguf's dequantization (signed zeros aside:
+    Q4_0 / Q4_1 / Q4_K as int4 g32 (Q4_K's d * sc in float32 scales), Q5_0 / Q5_1 / Q5_K as int5 g32,
+    Q6_K as its bytes, the others as int8 codes with float32 group scales; each expert's weight equals gguf's dequantization (signed zeros aside:
     Q4_0's q d + m gives +0 where d (q - 8) gives -0)."""
     from zoo.compiler.quant.experts import QuantExperts
 
@@ -540,9 +540,14 @@ def test_expert_stacks_keep_every_block_type_exactly(ggml_type):
     q = QuantExperts(E, O, I, "int4", 32, torch.bfloat16)
     q.prepare_blocks(ggml_type)
     done = q.load_weight(StoredBlocks(ggml_type, torch.from_numpy(data).reshape(E, O, -1), (E, O, I)))
-    int4 = ggml_type in gguf_blocks.INT4_TYPES
-    scales = "float32" if ggml_type == "Q4_K" or not int4 else "float16"
-    assert done == f"kept {ggml_type} blocks as {'int4' if int4 else 'int8'} g{lay.group if not int4 else 32} ({scales} scales), 3 experts"
+    int4, int5 = ggml_type in gguf_blocks.INT4_TYPES, ggml_type in gguf_blocks.INT5_TYPES
+    scales = "float16" if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1") else "float32"
+    bits = "int4" if int4 else "int5" if int5 else "int8"
+    if ggml_type == "Q6_K":
+        assert done == "kept Q6_K blocks as stored (6.5625 bits a weight), 3 experts" and q.layout == "q6k"
+        assert q.qweight.shape == (E, O, I // 256 * 210) and "scales" not in dict(q.named_buffers())
+    else:
+        assert done == f"kept {ggml_type} blocks as {bits} g{32 if int4 or int5 else lay.group} ({scales} scales), 3 experts"
     want = torch.from_numpy(gguf.quants.dequantize(data, Q[ggml_type])).reshape(E, O, I)
     for e in range(E):
         torch.testing.assert_close(q.dequantize(e), want[e], rtol=0, atol=0, equal_nan=True, msg=f"{ggml_type} expert {e}")

@@ -188,7 +188,7 @@ class QuantExperts(nn.Module, WeightSink):
 
     def what(self) -> str:
         if self.layout == "q6k":
-            held = "Q6_K blocks as stored (6.5625 bits a weight)"
+            held = "Q6_K as stored (6.5625 bits a weight)"
         elif self.layout in BLOCK_KINDS and self.block_types:  # GGUF blocks (float experts: as quantized)
             bits = {"q4": "int4", "int5": "int5"}.get(self.layout, "int8")
             held = f"{bits} g{self.group} ({str(self.scales.dtype).removeprefix('torch.')} scales)"
@@ -339,6 +339,8 @@ class QuantExperts(nn.Module, WeightSink):
             self._store_blocks(index, value)
             if value.ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
                 return f"kept (with parts of other types) as {self.what()}"
+            if self.layout == "q6k":
+                return f"kept {value.ggml_type} blocks as stored (6.5625 bits a weight), {self.n_experts} experts"
             return f"kept {value.ggml_type} blocks as {self.what()}"
         if self.blocks_only:
             raise CheckpointError(f"expert {index} of stacked experts {list(self.weight_shape)}: the stack keeps a "
