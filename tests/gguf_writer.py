@@ -1150,7 +1150,9 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
     """`model` (a transformers *ForCausalLM) as a GGUF file at `path`, llama.cpp's way.
 
     quantize: {GGUF tensor name: block type}; those tensors are stored quantized and `model`'s
-    weights are replaced by their dequantized values (the file and the twin stay equal).
+    weights are replaced by their dequantized values (the file and the twin stay equal). A value
+    (blocks uint8 [..., bytes per row], block type) stores those blocks instead (the K-quants,
+    which gguf-py does not quantize), the twin taking their values.
     arch: another general.architecture; extra: more metadata {key ("{arch}." expanded): str,
     int or float value} (bad-input tests); extra_tensors: more F32 tensors {GGUF name: tensor}
     (parts of the file the twin does not have, e.g. an MTP block).
@@ -1199,7 +1201,12 @@ def write_gguf(path: Path, model, layout: Layout, quantize: dict[str, Q] | None 
                 raise ValueError(f"{name} is computed from the twin's weights, so its rounded values cannot be "
                                  f"written back: quantize another tensor")
             qtype = quantize.pop(name)
-            blocks = gguf.quants.quantize(t.numpy(), qtype)
+            if isinstance(qtype, tuple):  # the caller's blocks
+                blocks, qtype = qtype
+                if blocks.shape[:-1] != tuple(t.shape[:-1]):
+                    raise ValueError(f"{name}: blocks {blocks.shape} for a tensor of shape {tuple(t.shape)}")
+            else:
+                blocks = gguf.quants.quantize(t.numpy(), qtype)
             t = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).reshape(t.shape)
             with torch.no_grad():
                 p.copy_(t)  # the twin now holds exactly the file's values
