@@ -17,7 +17,8 @@ from zoo.compiler.quant import gguf_blocks  # noqa: E402
 # byte offsets of each type's float16 fields (random bytes there could be inf / nan)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
-              "MXFP4": []}
+              "MXFP4": [], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
+              "IQ1_S": [0], "TQ1_0": [52], "TQ2_0": [64]}
 E8M0_FIELDS = {"MXFP4": [0]}  # byte offsets of E8M0 scales: 2 ** (e - 128), subnormal for e < 2
 TYPES = list(F16_FIELDS)
 
@@ -72,6 +73,23 @@ def test_quantized_values_equal_gguf(ggml_type):
     np.testing.assert_array_equal(bits(got.numpy()), bits(gguf.quants.dequantize(data, Q[ggml_type])))
 
 
+@pytest.mark.parametrize("ggml_type", ["IQ1_M", "NVFP4"])
+def test_packed_scale_types_equal_gguf_bit_for_bit(ggml_type):
+    """IQ1_M's float16 d is spread over its scale bytes, NVFP4's scales are UE4M3: random bytes, the
+    blocks whose reference is finite."""
+    lay = gguf_blocks.LAYOUTS[ggml_type]
+    data = np.random.default_rng(5).integers(0, 256, (64, lay.nbytes), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = gguf.quants.dequantize(data.reshape(-1), Q[ggml_type]).reshape(64, -1)
+    finite = np.isfinite(want).all(axis=1)
+    assert finite.sum() >= 32
+    data, want = data[finite], want[finite]
+    q, d, m = gguf_blocks.codes(torch.from_numpy(data), ggml_type)
+    assert q.abs().max() <= 127  # int8 codes (the int8g layout)
+    again = d.repeat_interleave(lay.group, 1) * q.float() + (0 if m is None else m.repeat_interleave(lay.group, 1))
+    np.testing.assert_array_equal(again.numpy(), want)
+
+
 @pytest.mark.parametrize("ggml_type", ["BF16", "F16"])
 def test_half_types(ggml_type):
     w = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
@@ -104,8 +122,8 @@ def test_int4_parts_hold_q4_types_exactly():
 
 
 def test_bad_block_data_is_named():
-    with pytest.raises(CheckpointError, match="IQ2_XXS has no block reader.*Q4_K"):
-        gguf_blocks.dequantize(torch.zeros(1, 66, dtype=torch.uint8), "IQ2_XXS")
+    with pytest.raises(CheckpointError, match="Q8_K has no block reader.*Q4_K"):
+        gguf_blocks.dequantize(torch.zeros(1, 292, dtype=torch.uint8), "Q8_K")
     with pytest.raises(CheckpointError, match="Q6_K data.*210-byte blocks"):
         gguf_blocks.dequantize(torch.zeros(1, 200, dtype=torch.uint8), "Q6_K")
     with pytest.raises(CheckpointError, match=r"Q4_K blocks of shape \[2, 144\] do not hold a \[2, 512\]"):
@@ -271,7 +289,10 @@ def stored(ggml_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> Sto
 KEPT = {"Q4_0": "int4 g32", "Q4_1": "int4 g32", "Q4_K": "int4 g32 (float32 scales)", "Q5_0": "int5 g32",
         "Q5_1": "int5 g32", "Q8_0": "int8 g32 (float16 scales)", "IQ4_NL": "int8 g32 (float16 scales)",
         "Q2_K": "int8 g16 (float32 scales)", "Q3_K": "int8 g16 (float32 scales)", "Q5_K": "int5 g32 (float32 scales)",
-        "Q6_K": "stored (6.5625 bits a weight)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)"}
+        "Q6_K": "stored (6.5625 bits a weight)", "IQ4_XS": "int8 g32 (float32 scales)", "MXFP4": "int8 g32 (float32 scales)",
+        "IQ2_XXS": "int8 g32 (float32 scales)", "IQ2_XS": "int8 g16 (float32 scales)", "IQ2_S": "int8 g16 (float32 scales)",
+        "IQ3_XXS": "int8 g32 (float32 scales)", "IQ3_S": "int8 g32 (float32 scales)", "IQ1_S": "int8 g32 (float32 scales)",
+        "TQ1_0": "int8 g256 (float16 scales)", "TQ2_0": "int8 g256 (float16 scales)"}
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -301,10 +322,11 @@ def test_quant_linear_keeps_every_block_type_exactly(ggml_type, mode):
         if q.layout == "int8g":
             ref = cpu_kernels.int8g_reference(x, q.qweight, q.scales, q.group)
             # the types without an offset keep d only: 4 bytes a group less to read
-            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "IQ4_XS", "MXFP4")
+            no_m = ("Q8_0", "IQ4_NL", "Q3_K", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                    "IQ1_S", "TQ1_0", "TQ2_0")
             assert q.scales.shape == (O, 1 if ggml_type in no_m else 2, I // q.group), q.scales.shape
             # d stored as a float16 (Q8_0: 34 bytes per 32 weights, as the file) stays one
-            assert q.scales.dtype == (torch.float16 if ggml_type in ("Q8_0", "IQ4_NL") else torch.float32)
+            assert q.scales.dtype == (torch.float16 if ggml_type in ("Q8_0", "IQ4_NL", "TQ1_0", "TQ2_0") else torch.float32)
         elif q.layout == "int5":
             ref = cpu_kernels.int5_reference(x, q.qweight, q.qhigh, q.scales, q.group)
             # the reference's own dequantization, too: equal values (q d + m's zeros are +0 where
@@ -484,8 +506,8 @@ def test_misaligned_and_partial_block_tensors_are_named(tmp_path):
     unknown = _one_tensor_file(tmp_path / "unknown.gguf", 250, (32, 1), 0, 64)
     with pytest.raises(CheckpointError, match=r"unknown.gguf.*tensor 'w': unknown GGML type 250"):
         GGUFSource(unknown)
-    iq2 = _one_tensor_file(tmp_path / "iq2.gguf", int(Q.IQ2_XXS), (256, 1), 0, 66)
-    with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF, general.architecture=None\): unsupported GGML quantization type\(s\) in w \(IQ2_XXS\)"):
+    iq2 = _one_tensor_file(tmp_path / "iq2.gguf", int(Q.Q8_K), (256, 1), 0, 292)
+    with pytest.raises(CheckpointError, match=r"iq2.gguf \(GGUF, general.architecture=None\): unsupported GGML quantization type\(s\) in w \(Q8_K\)"):
         GGUFSource(iq2).entries()
 
 

@@ -22,6 +22,12 @@ which `dequantize` equals bit for bit, tests/test_gguf_quants.py):
     Q6_K   256: ql[128] | qh[64] | scales[16] int8 | d     16 groups of 16: d * s, q in -32..31
     IQ4_XS 256: d | scales_h u16 | scales_l[4] | qs[128]  8 groups of 32: d * (6-bit s - 32), KVALUES
     MXFP4   32: e u8 | qs[16]                        d = 2^(e - 128) (E8M0, halved), q = 2 * e2m1[nibble]
+    IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S 256: d f16 | grid indices, signs, 4-bit scales:
+            q = grid value * sign (gguf.quants' codebooks), d per 32 (IQ2_XS / IQ2_S: per 16)
+    IQ1_S  256: d f16 | qs[32] | qh u16[8]           q = 8 * grid (+-1) +- 1 (the delta), d / 8 per 32
+    IQ1_M  256: qs[32] | qh[16] | scales[8] (d f16 spread over them)   as IQ1_S, per 16
+    TQ1_0 / TQ2_0 256: base-3 / 2-bit codes | d f16   q in -1..1, one d per block
+    NVFP4   64: UE4M3 scales[4] | qs[32]            q = 2 * e2m1[nibble], d per 16
 
 Nibbles: in a run of n bytes the low nibbles are inputs 0..n-1 and the high ones n..2n-1 (n = 16
 for the 32-blocks, 32 for Q4_K / Q5_K, 64 for Q6_K's ql). The group scales d of every type are
@@ -207,6 +213,139 @@ def _mxfp4(b):
     return Codes(_MX[_nibbles(b[:, 1:], 16).long()], _e8m0_half(b[:, 0:1]), None)
 
 
+
+# ----------------------------------------------------------------------------- the i-quants and ternaries
+# Their codebooks (llama.cpp's grids and the 7-bit sign masks) are read from gguf.quants, the
+# oracle itself, rather than typed again. Every code is a grid value times a sign: int8.
+
+
+@functools.cache
+def _grid(name: str) -> torch.Tensor:
+    """gguf.quants' codebook of type `name`: [entries, 8 or 4] int32 (the grid values as integers)."""
+    import numpy as np
+    from gguf import quants
+
+    cls = getattr(quants, name)
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(cls.grid_shape).astype(np.int32))
+
+
+@functools.cache
+def _ksigns() -> torch.Tensor:
+    """The IQ2 / IQ3 sign masks [128] int32: 7 sign bits and their parity as the eighth."""
+    from gguf import quants
+
+    return torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8).int()
+
+
+def _words(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [N, k] uint8 -> little-endian words of `width` bytes [N, k / width] int64."""
+    shifts = torch.arange(0, 8 * width, 8, dtype=torch.int64)
+    return (x.reshape(len(x), -1, width).long() << shifts).sum(-1)
+
+
+def _sign(neg: torch.Tensor) -> torch.Tensor:
+    """Sign bits (1: negative) -> +-1 int32."""
+    return 1 - 2 * neg.int()
+
+
+def _mask_bits(masks: torch.Tensor) -> torch.Tensor:
+    """Sign-mask indices [...] (7 bits each) -> their 8 sign bits [..., 8] (1: negative)."""
+    return (_ksigns()[masks.long()][..., None] >> torch.arange(8, dtype=torch.int32)) & 1
+
+
+def _iq2_xxs(b):
+    n = len(b)
+    w = _words(b[:, 2:], 4).reshape(n, 8, 2)  # per 32: 4 grid indices | 4 x 7 sign bits, 4-bit scale
+    grid = _grid("IQ2_XXS")[b[:, 2:].reshape(n, 8, 2, 4)[:, :, 0].long()]  # [n, 8, 4, 8]
+    neg = _mask_bits((w[:, :, 1:] >> torch.tensor([0, 7, 14, 21])) & 0x7F)  # [n, 8, 4, 8]
+    d = _f16(b[:, 0:2]) * (0.5 + (w[:, :, 1] >> 28).float()) * 0.25
+    return Codes((grid * _sign(neg)).reshape(n, -1), d, None)
+
+
+def _iq2_xs(b):
+    n = len(b)
+    qs = _words(b[:, 2:66], 2)  # [n, 32]: 9-bit grid index | 7-bit sign mask
+    q = _grid("IQ2_XS")[qs & 511] * _sign(_mask_bits(qs >> 9))
+    d = _f16(b[:, 0:2]) * (0.5 + _fields(b[:, 66:74], 1, 4).float()) * 0.25  # 16 scales: per 16
+    return Codes(q.reshape(n, -1), d, None)
+
+
+def _iq2_s(b):
+    n = len(b)
+    idx = b[:, 2:34].int() | (_fields(b[:, 66:74], 1, 2) << 8)  # [n, 32] 10-bit grid indices
+    q = _grid("IQ2_S")[idx.long()].reshape(n, -1) * _sign(_bits(b[:, 34:66], 1))
+    d = _f16(b[:, 0:2]) * (0.5 + _fields(b[:, 74:82], 1, 4).float()) * 0.25
+    return Codes(q, d, None)
+
+
+def _iq3_xxs(b):
+    n = len(b)
+    grid = _grid("IQ3_XXS")[b[:, 2:66].long()].reshape(n, 8, 4, 8)  # 64 indices of 4 values
+    w = _words(b[:, 66:98], 4)  # [n, 8] per 32: 4 x 7 sign bits, 4-bit scale
+    neg = _mask_bits((w[:, :, None] >> torch.tensor([0, 7, 14, 21])) & 0x7F)
+    d = _f16(b[:, 0:2]) * (0.5 + (w >> 28).float()) * 0.5
+    return Codes((grid * _sign(neg)).reshape(n, -1), d, None)
+
+
+def _iq3_s(b):
+    n = len(b)
+    idx = b[:, 2:66].int() | (_bits(b[:, 66:74], 1) << 8)  # [n, 64] 9-bit grid indices
+    q = _grid("IQ3_S")[idx.long()].reshape(n, -1) * _sign(_bits(b[:, 74:106], 1))
+    d = _f16(b[:, 0:2]) * (1 + 2 * _fields(b[:, 106:110], 1, 4)).float()
+    return Codes(q, d, None)
+
+
+# IQ1_S / IQ1_M: w = dl * (grid + delta), grid in -1..1, delta = +-1/8 per 32 (IQ1_S) or 8 (IQ1_M).
+# Held as codes 8 grid +- 1 with d = dl / 8: the same real product (dl / 8 is exact), so the same
+# float32 rounding; an offset m = dl delta would round twice.
+
+def _iq1_s(b):
+    n = len(b)
+    qh = _words(b[:, 34:50], 2)  # [n, 8] per 32: 4 x 3 high index bits, 3-bit scale, delta sign
+    idx = b[:, 2:34].int() | (((qh[:, :, None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 32) << 8)
+    q = 8 * _grid("IQ1_S")[idx.long()].reshape(n, 8, 32) + _sign(qh >> 15)[:, :, None]
+    d = _f16(b[:, 0:2]) * (2 * ((qh >> 12) & 7) + 1).float() * 0.125
+    return Codes(q.reshape(n, -1), d, None)
+
+
+def _iq1_m(b):
+    n = len(b)
+    sc = _words(b[:, 48:56], 2)  # [n, 4]: 4 x 3-bit scales each, and a nibble of the float16 d
+    top = (sc >> 12).to(torch.uint8)
+    d = _f16(torch.stack((top[:, 0] | (top[:, 1] << 4), top[:, 2] | (top[:, 3] << 4)), dim=1))
+    nib = _fields(b[:, 32:48], 1, 4)  # [n, 32] per 8: 3 high index bits, delta sign
+    q = 8 * _grid("IQ1_S")[(b[:, :32].int() | ((nib & 7) << 8)).long()] + _sign(nib >> 3)[:, :, None]
+    s = ((sc[:, :, None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 16)  # per 16
+    return Codes(q.reshape(n, -1), d * (2 * s + 1).float() * 0.125, None)
+
+
+_POW3 = torch.tensor((1, 3, 9, 27, 81), dtype=torch.int32)
+
+
+def _tq1_0(b):
+    # base-3 digits: byte * 3^k (mod 256) keeps the k-th digit on top, (x * 3) >> 8 reads it
+    def digits(x, k):
+        return ((x.int()[:, None, :] * _POW3[:k, None]) & 0xFF).reshape(len(x), -1)
+    x = torch.cat((digits(b[:, :32], 5), digits(b[:, 32:48], 5), digits(b[:, 48:52], 4)), dim=1)
+    return Codes(((x * 3) >> 8) - 1, _f16(b[:, 52:54]), None)
+
+
+def _tq2_0(b):
+    return Codes(_crumbs(b[:, :64]) - 1, _f16(b[:, 64:66]), None)
+
+
+def _ue4m3_half(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's unsigned E4M3 scale bytes [N, k] -> their values halved, float32 (exact)."""
+    e, m = ((x >> 3) & 0xF).int(), (x & 7).float()
+    v = torch.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * torch.exp2((e - 7).float()))
+    return torch.where((x == 0) | (x == 0x7F), torch.zeros_like(v), v * 0.5)
+
+
+def _nvfp4(b):
+    return Codes(_MX[_nibbles(b[:, 4:], 8).long()], _ue4m3_half(b[:, 0:4]), None)
+
+
 LAYOUTS: dict[str, Layout] = {
     "Q4_0": Layout(32, 18, 32, _q4_0, half=True),
     "Q4_1": Layout(32, 20, 32, _q4_1, half=True),
@@ -221,6 +360,16 @@ LAYOUTS: dict[str, Layout] = {
     "Q6_K": Layout(QK_K, 210, 16, _q6_k),
     "IQ4_XS": Layout(QK_K, 136, 32, _iq4_xs),
     "MXFP4": Layout(32, 17, 32, _mxfp4),
+    "NVFP4": Layout(64, 36, 16, _nvfp4),
+    "IQ2_XXS": Layout(QK_K, 66, 32, _iq2_xxs),
+    "IQ2_XS": Layout(QK_K, 74, 16, _iq2_xs),
+    "IQ2_S": Layout(QK_K, 82, 16, _iq2_s),
+    "IQ3_XXS": Layout(QK_K, 98, 32, _iq3_xxs),
+    "IQ3_S": Layout(QK_K, 110, 32, _iq3_s),
+    "IQ1_S": Layout(QK_K, 50, 32, _iq1_s),
+    "IQ1_M": Layout(QK_K, 56, 16, _iq1_m),
+    "TQ1_0": Layout(QK_K, 54, QK_K, _tq1_0, half=True),
+    "TQ2_0": Layout(QK_K, 66, QK_K, _tq2_0, half=True),
 }
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # codes 0..15 (Q4_0 shifted by 8) with one d, m per 32
 INT5_TYPES = ("Q5_0", "Q5_1", "Q5_K")  # codes 0..31 (Q5_0 shifted by 16) with one d, m per 32
