@@ -308,6 +308,7 @@ def test_responses_reasoning_items(oai):
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"tools": RESP_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format.schema"),
+    ({"text": {"format": "x"}}, "text.format"),
     ({"input": []}, "input"),
 ])
 def test_responses_errors_are_openai_errors(server, oai, body, param):

@@ -151,7 +151,10 @@ def _format(body: dict) -> Optional[dict]:
     fmt = text.get("format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict):
+        raise _bad("text.format", f"must be an object with a type (text, json_object or json_schema), got "
+                                  f"{json.dumps(fmt)[:80]}")
+    kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
