@@ -211,16 +211,16 @@ def test_unsupported_architecture_through_from_pretrained(tmp_path, random_llama
 
 
 def test_unsupported_quant_type_through_from_pretrained(tmp_path, random_llama):
-    """An IQ2_XXS tensor (no dequantizer here) fails while planning, naming tensor and type."""
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
+    """A Q8_K tensor (llama.cpp's intermediate type: no dequantizer here) fails while planning, naming tensor and type."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_K]
     rows, cols = DIMS["hidden_size"], DIMS["intermediate_size"] * 2  # a row of whole 256-value blocks
     raw = np.zeros((rows, cols // block_values * block_bytes), np.uint8)
     path = write_llama_gguf(tmp_path / "iq.gguf", random_llama,
-                            override_type={"blk.1.ffn_down.weight": (raw, Q.IQ2_XXS)})
+                            override_type={"blk.1.ffn_down.weight": (raw, Q.Q8_K)})
     with pytest.raises(CheckpointError) as err:
         zoo.from_pretrained(str(path), compile=False)
     message = str(err.value)
-    assert "blk.1.ffn_down.weight (IQ2_XXS)" in message and "Q4_K" in message and str(path) in message
+    assert "blk.1.ffn_down.weight (Q8_K)" in message and "Q4_K" in message and str(path) in message
 
 
 

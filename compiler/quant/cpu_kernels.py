@@ -153,7 +153,7 @@ EXPERT_KINDS = {"int4": 0, "int5": 1, "int8g": 2, "q6k": 3}  # expert_linear's k
 def gated_act(h: torch.Tensor, limit: float = 0.0, alpha: float = 1.0, up_offset: float = 0.0) -> torch.Tensor:
     """h [N, 2F] (gate | up) -> [N, F]: expert_linear's act 1 in torch ops (dense.swiglu with
     limit 0 for none: silu is alpha 1)."""
-    from ..ffn.dense import swiglu
+    from ..activation import swiglu
 
     gate, up = h.chunk(2, dim=-1)
     return swiglu(gate, up, limit if limit > 0 else None, alpha=None if alpha == 1.0 else alpha, up_offset=up_offset)

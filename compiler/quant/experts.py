@@ -66,7 +66,7 @@ from torch import nn
 from ..contracts import QuantStacks, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ContractError
 from . import cpu_kernels
-from ..ffn.dense import swiglu
+from ..activation import swiglu
 from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, Q6K_TYPES, block_bytes, block_codes,
                           has_offset, int4_parts, int5_parts, layout)
 from .linear import chunk_rows, int4_quantize, int8_quantize
