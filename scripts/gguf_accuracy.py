@@ -4,7 +4,9 @@ file by llama.cpp's own quantizer (scripts/bench_quant.py requantized(); needs t
 scored on tests/data/quant_eval.txt (the first 512 tokens): perplexity of zoo with every block
 kept on its kernels (quant=int4: the load report says per tensor what was kept) against
 transformers float32 on the same file (its own dequantization), prefill and 64 teacher-forced
-decode steps, and top-1 agreement.
+decode steps, and top-1 agreement. The prefill twice: the default (runtime.quant_prefill=int8, the
+activations rounded to int8 per 32 inputs as decode does: batch-invariant, issue #46) and
+quant_prefill=float (float GEMMs over the dequantized blocks: transformers' model to float rounding).
 
     python scripts/gguf_accuracy.py [--types Q4_1,Q4_K_M,Q5_K_M,Q6_K,Q8_0] [--json scripts/results/gguf_accuracy.json]
 """
@@ -48,7 +50,10 @@ def score(path: Path, tokens: int = TOKENS) -> dict:
     with torch.no_grad():
         want = ref(ids[None]).logits[0, :-1].float()
     del ref
-    m = zoo.from_pretrained(str(path), compile=False, max_seq=tokens, quant="int4")
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=tokens, quant="int4", quant_prefill="float")
+    got_float = m.prefill(ids[None])[0, :-1].float()
+    del m
+    m = zoo.from_pretrained(str(path), compile=False, max_seq=tokens, quant="int4")  # the default: int8 prefill
     got = m.prefill(ids[None])[0, :-1].float()
     steps = [m.prefill(ids[None, :prompt], last_only=True)[0, -1]]
     for t in range(prompt, prompt + DECODED - 1):
@@ -59,6 +64,8 @@ def score(path: Path, tokens: int = TOKENS) -> dict:
     target, dtarget = ids[1:], ids[prompt:prompt + DECODED]
     return {
         "transformers_ppl": ppl(want, target), "zoo_ppl": ppl(got, target),
+        "zoo_float_prefill_ppl": ppl(got_float, target),
+        "float_prefill_top1_agreement": (got_float.argmax(-1) == want.argmax(-1)).float().mean().item(),
         "transformers_decode_ppl": ppl(want[prompt - 1:prompt - 1 + DECODED], dtarget),
         "zoo_decode_ppl": ppl(steps, dtarget),
         "top1_agreement": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
@@ -76,7 +83,8 @@ def main(argv=None) -> int:
     out = {}
     for ftype in args.types.split(","):
         out[ftype] = r = score(file_for(ftype))
-        print(f"{ftype}: perplexity zoo {r['zoo_ppl']:.4f} / transformers {r['transformers_ppl']:.4f}, decode "
+        print(f"{ftype}: perplexity zoo {r['zoo_ppl']:.4f} (float prefill {r['zoo_float_prefill_ppl']:.4f}) / "
+              f"transformers {r['transformers_ppl']:.4f}, decode "
               f"{r['zoo_decode_ppl']:.4f} / {r['transformers_decode_ppl']:.4f}, top-1 {r['top1_agreement']:.4f} "
               f"(decode {r['decode_top1_agreement']:.4f}); {r['tensors']}")
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

