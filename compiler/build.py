@@ -39,6 +39,7 @@ from .checkpoint.loader import LoadPlan, LoadReport
 from .contracts import CachePlan, RowTable, Source
 from .engine.cache import plan_caches
 from .errors import ConfigError, ContractError, InputError, ZooError
+from .memory import memory_budget
 from .model import Decoder, build_model, cast, count_parameters, materialize, parameter_bytes, torch_dtype
 from .spec import QUANT_FLOAT, ModelSpec, use_aot, validate
 
@@ -58,22 +59,6 @@ def check_source(weights: Any, where: str):
         raise InputError(f"{where}: weights={weights!r} is neither a path / repo id nor a checkpoint source "
                          f"(a {type(weights).__name__}, not a zoo.compiler.contracts.Source)")
     return weights
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for new allocations on `device`."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "meta":
-        return 1 << 62
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------------------------- records
@@ -140,9 +125,11 @@ class CacheStage:
 @dataclass(frozen=True)
 class FitStage:
     needed_bytes: int
-    available_bytes: int
+    available_bytes: int  # what the build may hold (compiler/memory.py: measured, or a limit given)
     fits: bool
     dry: bool  # built on the meta device (report + shape check only)
+    available_from: str = ""  # where available_bytes came from (MemAvailable, the cgroup's limit, a setting)
+    forced: bool = False  # runtime.force_load: built for real although it does not fit
 
 
 @dataclass(frozen=True)
@@ -283,21 +270,60 @@ def cache_stage(module: Decoder, max_batch: int, max_seq: int, cache_dtype: torc
 
 
 def fit_stage(spec: ModelSpec, count: CountStage, caches: CacheStage, device: torch.device,
-              dry: Optional[bool], has_weights: bool) -> FitStage:
-    """Weights + caches against the device's free memory. dry: None builds for real when it fits
+              dry: Optional[bool], has_weights: bool, source=None) -> FitStage:
+    """Weights + caches against what the build may hold (compiler/memory.py: the device's free
+    memory, or runtime.memory_limit / $ZOO_MEMORY_LIMIT). dry: None builds for real when it fits
     and on meta when it does not and no weights are given (a checkpoint that does not fit is an
-    error); True always builds on meta; False raises when it does not fit."""
-    needed, available = count.param_bytes + caches.total_bytes, available_memory(device)
+    error); True always builds on meta; False raises when it does not fit. runtime.force_load
+    builds for real whatever the check says. Every figure comes from the meta model (the
+    checkpoint's headers), so a refusal comes before anything is read or allocated."""
+    rt = spec.runtime
+    budget = memory_budget(device, rt.memory_limit)
+    needed, available = count.param_bytes + caches.total_bytes, budget.bytes
     fits = needed <= available
     if dry is None:
-        dry = not fits and not has_weights
-    if not dry and not fits:
-        held = (f": {count.quantized_bytes / 2**30:.2f} GiB of quantized or kept GGUF blocks, "
-                f"{(count.param_bytes - count.quantized_bytes) / 2**30:.2f} GiB float" if count.quantized_bytes else "")
-        raise ZooError(f"{spec.name}: needs {needed / 2**30:.2f} GiB ({count.params:,} parameters in "
-                       f"{spec.runtime.dtype}{held} + {caches.total_bytes / 2**30:.2f} GiB of caches) but {device} has "
-                       f"{available / 2**30:.2f} GiB available; nothing was allocated")
-    return FitStage(needed, available, fits, bool(dry))
+        dry = not fits and not has_weights and not rt.force_load
+    if not dry and not fits and not rt.force_load:
+        raise ZooError(_misfit(spec, count, caches, device, budget.bytes, budget.source, source))
+    return FitStage(needed, available, fits, bool(dry), budget.source, forced=not dry and not fits)
+
+
+def _misfit(spec: ModelSpec, count: CountStage, caches: CacheStage, device: torch.device, available: int,
+            available_from: str, source) -> str:
+    """The refusal of a model that does not fit: the file, the weights and caches it needs, what is
+    available and from where, and what would fit."""
+    rt, size = spec.runtime, _size
+    weights = count.param_bytes
+    held = (f": {size(count.quantized_bytes)} of quantized or kept GGUF blocks, "
+            f"{size(weights - count.quantized_bytes)} float" if count.quantized_bytes else "")
+    where = source.description if source is not None else spec.source
+    text = (f"{where}: {spec.name} needs {size(weights + caches.total_bytes)}: {size(weights)} of weights "
+            f"({count.params:,} parameters in {rt.dtype}{held}) + {size(caches.total_bytes)} of caches (max_batch="
+            f"{rt.max_batch} x max_seq={rt.max_seq}), but {device} has {size(available)} available; nothing was "
+            f"allocated (available is {available_from})")
+    tries = []
+    growing = sum(f.nbytes for layer in caches.plan.layers for f in layer.values() if f.grows)
+    fixed = caches.total_bytes - growing  # per-row state: does not shrink with max_seq
+    # the growing fields are linear in max_seq at a fixed max_batch
+    seq = (available - weights - fixed) * rt.max_seq // growing if growing else 0
+    if weights + fixed >= available:
+        tries.append(f"the weights alone ({size(weights)}) exceed what is available: a smaller max_seq or "
+                     f"max_batch does not help")
+    elif 1 <= seq < rt.max_seq:
+        tries.append(f"max_seq={seq} (the most that fits at max_batch={rt.max_batch})"
+                     + (" or a smaller max_batch" if rt.max_batch > 1 else ""))
+    if source is not None and source.reads_blocks:
+        tries.append("quant= unset: the file's blocks kept as stored" if rt.quant == QUANT_FLOAT else
+                     "a file of a smaller quant type (e.g. Q4_K_M -> Q3_K_M, IQ3_XXS or IQ2_XXS)")
+    elif rt.quant != "int4":
+        tries.append("quant=int4 or quant=int8 (weight-only, quantized at load)")
+    tries.append("force_load=true to load anyway (the system may swap or kill the process); "
+                 "runtime.memory_limit=BYTES or $ZOO_MEMORY_LIMIT sets the budget instead")
+    return text + ". To fit: " + "; ".join(tries)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def load_stage(spec: ModelSpec, module: Decoder, source, shard: ShardStage) -> LoadStage:
@@ -476,7 +502,7 @@ def run_build(cfg: DictConfig | dict, source_desc: str, source=None, *, seed: in
     ld = load_stage(spec, module, source, sh)
     n = count_stage(module)
     ca = cache_stage(module, spec.runtime.max_batch, spec.runtime.max_seq, s.cache_dtype)
-    f = fit_stage(spec, n, ca, p.device, dry, source is not None)
+    f = fit_stage(spec, n, ca, p.device, dry, source is not None, source)
     if f.dry:
         w = WeightsStage(module, None, 0.0)
     else:

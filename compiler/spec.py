@@ -99,6 +99,11 @@ class RuntimeSchema:
     # whatever path its cache took) | float (calls of more than 16 rows dequantize the weights and
     # run the float GEMM: gives that invariance up)
     quant_prefill: str = "int8"
+    # the bytes a build may hold (weights + caches), checked before anything is allocated
+    # (compiler/memory.py); null: $ZOO_MEMORY_LIMIT when set, else the device's available memory
+    # (the CPU's MemAvailable, capped by the cgroup's limit)
+    memory_limit: Optional[int] = None
+    force_load: bool = False  # build even when the weights and caches exceed that budget
     speculative: SpeculativeSchema = field(default_factory=SpeculativeSchema)
 
 
@@ -324,6 +329,9 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
                             f"process (got device={rt.device!r}, compile={rt.compile}, "
                             f"parallel tp={rt.parallel.tp} ep={rt.parallel.ep}); runtime.aot=auto uses "
                             f"packages only where they apply")
+    if rt.memory_limit is not None and rt.memory_limit < 1:
+        raise _fail(source, f"runtime.memory_limit={rt.memory_limit}: expected a positive number of bytes or null "
+                            f"(the device's available memory)")
     if rt.max_batch <= 0 or rt.max_seq <= 0:
         raise _fail(source, f"runtime.max_batch and runtime.max_seq must be positive, "
                             f"got {rt.max_batch} and {rt.max_seq}")

@@ -8,6 +8,7 @@ with the kept bytes compared. The MoE twins (expert stacks kept) are in test_ggu
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -157,26 +158,113 @@ def test_weight_cache_holds_the_kept_default(tmp_path, tiny_gguf, monkeypatch):
     assert torch.equal(first.prefill(ids), second.prefill(ids))
 
 
-def test_a_file_too_large_is_refused_before_allocating(tiny_gguf, monkeypatch):
+def _held_bytes(m) -> int:
+    """What a loaded model really holds: the storages of its parameters and buffers (kept blocks,
+    scales, float tensors; a file-mapped Q6_K tensor its mapped pages) and of the engine's caches,
+    each storage once."""
+    tensors = [*m.module.parameters(), *m.module.buffers(), *(t for layer in m.engine.caches for t in layer.values())]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("case", ["kept", "float", "Q4_K_M", "moe", "safetensors"])
+def test_the_estimate_is_what_the_model_holds(tmp_path, tiny_gguf, random_llama, kquant_llama, case):
+    """The fit check's figure, counted on the meta model from the checkpoint's headers (weights
+    at their held size: kept blocks as repacked or mapped, float tensors in the runtime dtype;
+    the cache plan at max_batch x max_seq), is within 20% of the bytes the loaded model holds,
+    for the kept default, the float opt-out, a K-quant mix, a MoE's kept expert stacks and a
+    safetensors checkpoint (measured: equal)."""
+    from tests.test_gguf_families import FAMILIES, LAYOUTS, MOE_KEPT, twin, write_gguf
+
+    path, quant = tiny_gguf, None
+    if case == "float":
+        quant = "none"
+    elif case == "Q4_K_M":
+        path = write_mix(tmp_path / "mix.gguf", kquant_llama, "Q4_K_M")
+    elif case == "moe":
+        layout, config_class, kwargs, *_ = FAMILIES["qwen3moe"]
+        path = write_gguf(tmp_path / "moe.gguf", twin(config_class, kwargs), LAYOUTS[layout],
+                          quantize=dict(MOE_KEPT["qwen3moe"]))
+    elif case == "safetensors":
+        random_llama.save_pretrained(tmp_path / "st")
+        path = tmp_path / "st"
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32, quant=quant)
+    held = _held_bytes(m)
+    assert abs(m.info.needed_bytes - held) <= 0.2 * held, (m.info.needed_bytes, held)
+    assert m.info.cache_bytes == sum(t.numel() * t.element_size() for layer in m.engine.caches for t in layer.values())
+
+
+def test_a_file_too_large_is_refused_before_reading(tiny_gguf, monkeypatch):
     """The fit check compares what the model will hold (the kept blocks' bytes, not their float
-    size) with the memory available, and refuses before anything is allocated, naming both."""
+    size) with the memory it may use ($ZOO_MEMORY_LIMIT here) and refuses before any weight is
+    read or anything allocated, naming the file, the weights and caches, what is available and
+    from where, and what would fit (the largest max_seq, a smaller quant type, force_load)."""
     import zoo.compiler.build as build
 
     kept = zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16).info
     floated = zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16, quant="none").info
     assert kept.needed_bytes < floated.needed_bytes
-    monkeypatch.setattr(build, "available_memory", lambda device: kept.needed_bytes)
-    assert zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16).info.needed_bytes == kept.needed_bytes
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", str(kept.needed_bytes))
+    m = zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16)
+    assert m.info.needed_bytes == kept.needed_bytes and m.info.available_bytes == kept.needed_bytes
+    assert m.records.fit.available_from == "$ZOO_MEMORY_LIMIT" and not m.records.fit.forced
 
-    def no_allocation(*args, **kwargs):
-        raise AssertionError("allocated before the fit check refused")
+    def nothing(*args, **kwargs):
+        raise AssertionError("read or allocated before the fit check refused")
 
-    monkeypatch.setattr(build, "materialize", no_allocation)
-    monkeypatch.setattr(build, "available_memory", lambda device: kept.needed_bytes - 1)
-    with pytest.raises(ZooError, match=r"needs [\d.]+ GiB \([\d,]+ parameters in float32: [\d.]+ GiB of quantized or "
-                                       r"kept GGUF blocks, [\d.]+ GiB float \+ [\d.]+ GiB of caches\) but cpu has "
-                                       r"[\d.]+ GiB available; nothing was allocated"):
+    for name in ("read", "read_blocks"):
+        monkeypatch.setattr(GGUFSource, name, nothing)
+    monkeypatch.setattr(build, "materialize", nothing)
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", str(kept.needed_bytes - 1))
+    with pytest.raises(ZooError) as e:
         zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16)
+    weights, caches = kept.param_bytes / 2**20, kept.cache_bytes / 2**20
+    # one token of cache less than max_seq=16 fits in one byte less
+    want = (rf"^{tiny_gguf} \(GGUF.*\): \S+ needs {kept.needed_bytes / 2**20:.2f} MiB: {weights:.2f} MiB of "
+            rf"weights \([\d,]+ parameters in float32: [\d.]+ MiB of quantized or kept GGUF blocks, [\d.]+ MiB float\) "
+            rf"\+ {caches:.2f} MiB of caches \(max_batch=1 x max_seq=16\), but cpu has "
+            rf"{(kept.needed_bytes - 1) / 2**20:.2f} MiB available; nothing was allocated \(available is "
+            rf"\$ZOO_MEMORY_LIMIT\)\. To fit: max_seq=15 \(the most that fits at max_batch=1\); a file of a "
+            rf"smaller quant type .*; force_load=true to load anyway")
+    assert re.match(want, str(e.value)), str(e.value)
+
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", str(kept.param_bytes - 1))  # the weights alone do not fit
+    with pytest.raises(ZooError, match=r"the weights alone \([\d.]+ MiB\) exceed what is available"):
+        zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16)
+    with pytest.raises(ZooError, match=r"available is runtime.memory_limit\). To fit: .*quant= unset: the file's "
+                                       r"blocks kept as stored"):
+        zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16, quant="none", memory_limit=kept.needed_bytes)
+
+
+def test_force_load_and_the_limit_settings(tiny_gguf, monkeypatch):
+    """force_load=True builds past the budget (the record says it was forced); the limit's setting
+    takes precedence over $ZOO_MEMORY_LIMIT; a limit that is no positive byte count is refused
+    naming the key or the variable."""
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", "1000")
+    m = zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16, force_load=True)
+    assert m.records.fit.forced and not m.records.fit.fits and m.info.available_bytes == 1000
+    assert m.prefill(torch.tensor([[1, 2, 3]])).shape == (1, 3, 256)
+    m = zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16, memory_limit=1 << 30)
+    assert m.records.fit.available_from == "runtime.memory_limit" and m.info.available_bytes == 1 << 30
+    with pytest.raises(ZooError, match=r"runtime.memory_limit=0: expected a positive number of bytes"):
+        zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16, memory_limit=0)
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", "8G")
+    with pytest.raises(ZooError, match=r"\$ZOO_MEMORY_LIMIT='8G': expected a positive number of bytes"):
+        zoo.from_pretrained(str(tiny_gguf), compile=False, max_seq=16)
+
+
+def test_cli_refuses_a_file_too_large(tiny_gguf, monkeypatch, capsys):
+    """zoo build / generate / serve of a file past the budget: exit 2, the refusal on stderr
+    naming the file and the sizes; force_load=true builds it."""
+    from zoo.cli import main as zoo_main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv("ZOO_MEMORY_LIMIT", "1000")
+    for argv in (["build"], ["generate", "prompt=hi", "max_new_tokens=2"], ["serve"]):
+        assert zoo_main([*argv, f"weights={tiny_gguf}", "compile=false", "max_seq=16"]) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert str(tiny_gguf) in err and "MiB" in err and "available" in err and "$ZOO_MEMORY_LIMIT" in err, (argv, err)
+        assert "force_load=true" in err, (argv, err)
+    assert zoo_main(["build", f"weights={tiny_gguf}", "compile=false", "max_seq=16", "force_load=true"]) == 0
 
 
 def test_cli_build_reports_what_was_kept(tiny_gguf, capsys, monkeypatch):

@@ -17,6 +17,7 @@ ONLY = {
     "registry": {"contracts"},
     "native": set(),
     "import_expr": set(),
+    "memory": set(),  # what a build may hold: the machine's memory, read before anything is built
 }
 # what each part may not import (besides the bottom, any part not named may be imported)
 MAY_NOT = {

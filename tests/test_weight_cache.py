@@ -79,6 +79,47 @@ def test_hit_returns_identical_weights(gguf_file, cache, monkeypatch, quant):
     assert torch.equal(second.decode(torch.tensor([7])), fresh.decode(torch.tensor([7])))
 
 
+def _mappings(path) -> list[dict]:
+    """This process's mappings of `path` (/proc/self/smaps): lo, hi, perms and the kB fields."""
+    out, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                current = {"lo": lo, "hi": hi, "perms": head[1]} if len(head) > 5 and head[5] == str(path) else None
+                if current is not None:
+                    out.append(current)
+            elif current is not None and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                current[head[0][:-1]] = int(head[1])
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the process's mappings (Linux)")
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_a_hit_maps_the_entry(gguf_file, cache, monkeypatch, quant):
+    """A hit holds no copy of the weights: every parameter and buffer is a view of one private
+    mapping of the entry file (its pages the page cache's, shared by every process that maps
+    it), and after a prefill and a decode step no page of it was copied into anonymous memory;
+    the values are the cold load's."""
+    load(gguf_file, quant=quant)
+    second = load(gguf_file, quant=quant)
+    entry = second.info.load.cache.removeprefix("hit ")
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    got = second.prefill(ids), second.decode(torch.tensor([7]))
+    maps = _mappings(os.path.realpath(entry))
+    assert maps and all(m["perms"].endswith("p") for m in maps), maps  # private: writes would not reach the file
+    held = second.module.state_dict()
+    for name, t in held.items():
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert any(m["lo"] <= lo and hi <= m["hi"] for m in maps), name
+    assert sum(m.get("Anonymous", 0) for m in maps) == 0, maps  # no page copied on write
+    monkeypatch.setenv("ZOO_WEIGHT_CACHE", "0")
+    fresh = load(gguf_file, quant=quant)
+    assert_same_state(state(second), state(fresh))
+    assert torch.equal(got[0], fresh.prefill(ids)) and torch.equal(got[1], fresh.decode(torch.tensor([7])))
+
+
 def test_changed_file_or_settings_miss(gguf_file, cache, ref, monkeypatch):
     written = {load(gguf_file).info.load.cache}
     assert next(iter(written)).startswith("wrote ")

@@ -23,8 +23,10 @@
 Arguments are key=value. Each command reads the keys COMMAND_KEYS lists for it; a key only another
 command reads is an error (`zoo build temperature=0.7`); every other key=value (or +key=value, ~key)
 is a Hydra override of the config, e.g. `mixers.attn.n_kv_heads=4 residual=mhc`.
-`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=`, `decode_buckets=`, `step_tokens=` are shortcuts
-for `runtime.*`.
+`device=`, `dtype=`, `max_seq=`, `max_batch=`, `compile=`, `decode_buckets=`, `step_tokens=`, `quant=`,
+`memory_limit=` (bytes), `force_load=` are shortcuts for `runtime.*`. A model whose weights and caches
+exceed the memory available (or memory_limit=, $ZOO_MEMORY_LIMIT) is refused before anything is read,
+naming the sizes; force_load=true loads it anyway.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ ZOO_KEYS = frozenset().union(*COMMAND_KEYS.values())
 # commands that read no config: an override would be ignored, so it is refused
 NO_OVERRIDES = {"configs", "families", "cache"}
 RUNTIME_KEYS = {"device", "dtype", "max_seq", "max_batch", "compile", "cache_dtype", "quant", "quant_group",
-                "quant_prefill", "decode_buckets", "step_tokens"}
+                "quant_prefill", "decode_buckets", "step_tokens", "memory_limit", "force_load"}
 
 
 def _usage() -> str:
@@ -228,19 +230,22 @@ def cmd_serve(opts: dict, overrides: list[str]) -> int:
 
 def _check_serve_budget(opts: dict, overrides: list[str], prefix_cache_bytes: int) -> None:
     """Before anything is allocated: the weights, the caches of max_batch x max_seq (the cache
-    plan of a dry build: headers only) and the prefix cache against the host's available memory,
-    a named refusal with the sizes (zoo/serve/limits.py). A build on another device checks its
-    own memory in the build's fit stage; under torchrun each rank holds a share: not checked here."""
+    plan of a dry build: headers only) and the prefix cache against the build's budget (the host's
+    available memory, or memory_limit= / $ZOO_MEMORY_LIMIT: compiler/memory.py), a named refusal
+    with the sizes (zoo/serve/limits.py); force_load=true skips it. A build on another device
+    checks its own memory in the build's fit stage; under torchrun each rank holds a share: not
+    checked here."""
     from .serve.limits import check_kv_budget
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     probe = _load(opts, overrides, dry=True, progress=False)
     rt = probe.spec.runtime
-    if str(rt.device) != "cpu":
+    if str(rt.device) != "cpu" or rt.force_load:
         return
     check_kv_budget(probe.info, int(rt.max_batch), int(rt.max_seq), prefix_cache_bytes, probe.info.available_bytes,
-                    where=f"zoo serve {probe.spec.name}")
+                    where=f"zoo serve {probe.spec.source} ({probe.spec.name})",
+                    available_from=probe.records.fit.available_from)
 
 
 def resolve_target(text: str, revision=None):

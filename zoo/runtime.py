@@ -342,7 +342,8 @@ def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, com
                     max_batch: int = 1, max_seq: Optional[int] = None, revision: Optional[str] = None,
                     overrides: Sequence[str] = (), cache_dtype=None, progress: bool = False,
                     quant: Optional[str] = None, quant_group: Optional[int] = None,
-                    quant_prefill: Optional[str] = None) -> Model:
+                    quant_prefill: Optional[str] = None, memory_limit: Optional[int] = None,
+                    force_load: Optional[bool] = None) -> Model:
     """Load a checkpoint (directory, .gguf file, or Hub repo id) with the config it describes.
 
     max_seq defaults to the model's context length, capped at 4096. quant: "int8" | "int4"
@@ -350,11 +351,14 @@ def from_pretrained(path_or_repo_id: str, device="cpu", dtype=torch.float32, com
     blocks stay as stored (linears and expert stacks, on zoo's CPU kernels; int4 needs group 32).
     quant_prefill: runtime.quant_prefill ("float": many-row calls on float GEMMs, giving up the
     batch-invariant int8 numerics of the default).
+    memory_limit: runtime.memory_limit, the bytes the weights and caches may hold (None:
+    $ZOO_MEMORY_LIMIT, else the memory available); a checkpoint past it is refused, naming the
+    sizes, before any weight is read, unless force_load=True.
     """
     return from_pretrained_config(path_or_repo_id, overrides, revision=revision, dry=False, progress=progress,
                                   device=device, dtype=dtype, compile=compile, max_batch=max_batch,
                                   max_seq=max_seq, cache_dtype=cache_dtype, quant=quant, quant_group=quant_group,
-                                  quant_prefill=quant_prefill)
+                                  quant_prefill=quant_prefill, memory_limit=memory_limit, force_load=force_load)
 
 
 def from_pretrained_config(path_or_repo_id: str, overrides: Sequence[str] = (), *, revision=None,

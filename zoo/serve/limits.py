@@ -169,9 +169,10 @@ def kv_budget(info, max_batch: int, max_seq: int, prefix_cache_bytes: int) -> di
 
 
 def check_kv_budget(info, max_batch: int, max_seq: int, prefix_cache_bytes: int, available: int,
-                    where: str = "") -> dict:
+                    where: str = "", available_from: str = "") -> dict:
     """ZooError (a named refusal with the sizes) when the weights, the caches of max_batch rows
-    of max_seq tokens and the prefix cache need more than `available` bytes; else the budget."""
+    of max_seq tokens and the prefix cache need more than `available` bytes; else the budget.
+    available_from: where that figure came from (compiler/memory.py), named in the refusal."""
     from ..compiler.errors import ConfigError
 
     b = kv_budget(info, max_batch, max_seq, prefix_cache_bytes)
@@ -182,7 +183,8 @@ def check_kv_budget(info, max_batch: int, max_seq: int, prefix_cache_bytes: int,
             + (f" + {b['state_bytes_per_sequence']:,} state bytes x {max_batch}" if b["state_bytes_per_sequence"] else "")
             + f" = {_size(b['kv_bytes'])}; with {_size(b['param_bytes'])} of weights and the prefix cache's "
             f"{_size(prefix_cache_bytes)} the server needs {_size(b['needed_bytes'])}, but {_size(available)} "
-            f"are available; give a smaller max_batch= or max_seq= (or prefix_cache_mib=)")
+            f"are available" + (f" ({available_from})" if available_from else "")
+            + "; give a smaller max_batch= or max_seq= (or prefix_cache_mib=), or force_load=true to start anyway")
     return b
 
 
