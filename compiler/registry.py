@@ -162,5 +162,6 @@ def _import_plugin(plugin: "plugins.Plugin") -> None:
                           f"{type(e).__name__}: {e}") from e
     added = sorted(f"{slot} {kind}" for slot, kinds in _REGISTRY.items() for kind in set(kinds) - before[slot])
     if fresh and not added:
+        sys.modules.pop(plugin.module, None)  # as a failed import is: the next pass fails the same way
         raise PluginError(f"{plugin.origin}: module {plugin.module!r} registered no kind; a plugin module "
                           f"registers its classes with @zoo.compiler.registry.register(slot, kind) when imported")
