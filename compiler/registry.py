@@ -7,14 +7,15 @@ configs cannot import or run anything.
 Kinds outside the package register the same way, from the modules plugins.py discovers (an
 entry point of the group `zoo.kinds`, the user conf dir's plugins.yaml): the registry imports
 them after its own folders, before it answers a lookup. Every kind is checked against its
-slot's contract when it registers (contracts.contract_problems, and its Spec must be an
-OmegaConf schema); a kind from outside the package may not take a built-in kind's name.
+slot's contract when it registers (contracts.contract_problems); a kind from outside the package
+also needs a Spec OmegaConf reads as a schema, and may not take a built-in kind's name.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import sys
+import threading
 from typing import Callable, TypeVar
 
 from . import plugins
@@ -47,8 +48,8 @@ def register(slot: str, kind: str) -> Callable[[T], T]:
                                     f"replace a built-in one: register it under another name")
             raise ContractError(f"{slot} kind {kind!r} registered twice ({other.__module__} and {cls.__module__})")
         problems = contract_problems(slot, cls, kind)
-        if not problems:
-            problems = _schema_problems(cls.Spec)
+        if not problems and not _builtin(cls):  # a built-in's schema is read by its shipped configs
+            problems = _schema_problems(cls.Spec)  # (tests/test_contracts.py), not at each start-up
         if problems:
             raise ContractError(f"{slot} kind {kind!r} ({where}) {'; '.join(problems)}")
         cls.kind = kind
@@ -121,14 +122,22 @@ class _Plugins:
     imported: dict[str, str] = {}  # module -> where it was named
 
 
+_LOCK = threading.RLock()  # one thread imports; another looking up meanwhile waits for its kinds
+
+
 def _import_plugins() -> None:
     """Import every plugin module plugins.py names (once each; again only when what it reads
     changed), each under _import_plugin's checks."""
-    if _Plugins.loading:
-        return
     key = plugins.discovery_key()
     if key == _Plugins.key:
         return
+    with _LOCK:
+        if _Plugins.loading or key == _Plugins.key:
+            return  # a plugin's own import (re-entering on this thread), or another thread did it
+        _import_plugins_locked(key)
+
+
+def _import_plugins_locked(key: tuple) -> None:
     _Plugins.loading = True
     try:
         for plugin in plugins.discover():
@@ -160,7 +169,7 @@ def _import_plugin(plugin: "plugins.Plugin") -> None:
             raise  # KeyboardInterrupt, SystemExit: not the plugin's error
         raise PluginError(f"{plugin.origin}: importing module {plugin.module!r} failed: "
                           f"{type(e).__name__}: {e}") from e
-    added = sorted(f"{slot} {kind}" for slot, kinds in _REGISTRY.items() for kind in set(kinds) - before[slot])
+    added = any(set(kinds) - before[slot] for slot, kinds in _REGISTRY.items())
     if fresh and not added:
         sys.modules.pop(plugin.module, None)  # as a failed import is: the next pass fails the same way
         raise PluginError(f"{plugin.origin}: module {plugin.module!r} registered no kind; a plugin module "

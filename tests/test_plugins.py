@@ -338,3 +338,25 @@ def test_plugins_yaml_is_no_preset(tmp_path, isolated):
     (tmp_path / "plugins.yaml").write_text("plugins: []\n")
     isolated.setenv("ZOO_CONF_DIR", str(tmp_path))
     assert "plugins" not in available_configs() and "rmsnorm" in registry.kinds("norm")
+
+
+def test_two_plugins_may_not_share_a_kind(tmp_path, isolated):
+    site = write_site(tmp_path / "site", {f"{MODULE}.py": GOOD, "lab_copy.py": GOOD},
+                      {"a_first": MODULE, "b_second": "lab_copy"})
+    isolated.syspath_prepend(str(site))
+    isolated.setenv("ZOO_CONF_DIR", str(tmp_path))
+    with pytest.raises(PluginError, match=r"entry point b_second = lab_copy .*: module 'lab_copy': norm kind "
+                                          r"'norm2_rms' registered twice \(lab_norms and lab_copy\)"):
+        registry.kinds("norm")
+
+
+def test_a_weightless_qk_norm_needs_an_affine_field(tmp_path, isolated):
+    """qk_norm_affine=false builds the model's norm kind without weight; the page's kind has no
+    `affine` field, so that is refused by name, not built with a weight nobody loads."""
+    from zoo.compiler.errors import ConfigError
+
+    isolated.syspath_prepend(str(write_site(tmp_path / "site", {f"{MODULE}.py": GOOD})))
+    isolated.setenv("ZOO_CONF_DIR", str(write_conf(tmp_path / "conf", plugins_yaml=True)))
+    with pytest.raises(ConfigError, match=r"kind 'norm2_rms' has no `affine` field, so it has no form without weight"):
+        zoo.build("lab_llama_8b", ["mixers.attn.qk_norm=true", "mixers.attn.qk_norm_affine=false"], dry=True)
+    assert zoo.build("lab_llama_8b", ["mixers.attn.qk_norm=true"], dry=True).info.params > 0
