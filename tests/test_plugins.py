@@ -332,12 +332,16 @@ def test_an_entry_point_naming_an_object_is_refused(tmp_path, isolated):
         registry.kinds("norm")
 
 
-def test_plugins_yaml_is_no_preset(tmp_path, isolated):
+def test_plugins_yaml_is_no_preset(tmp_path, isolated, checkpoints, capsys):
+    """plugins.yaml is not listed as a preset, and `zoo import name=plugins` may not overwrite it."""
     from zoo.compiler.config import available_configs
 
     (tmp_path / "plugins.yaml").write_text("plugins: []\n")
     isolated.setenv("ZOO_CONF_DIR", str(tmp_path))
     assert "plugins" not in available_configs() and "rmsnorm" in registry.kinds("norm")
+    assert main(["import", str(checkpoints[0]), "name=plugins"]) == 2
+    assert "is the user conf dir's plugins list" in capsys.readouterr().err
+    assert (tmp_path / "plugins.yaml").read_text() == "plugins: []\n"
 
 
 def test_two_plugins_may_not_share_a_kind(tmp_path, isolated):
