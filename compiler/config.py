@@ -16,7 +16,9 @@ from typing import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from .cache_root import zoo_cache_root
+from .conf_root import user_conf_dir
 from .errors import ConfigError
+from .plugins import PLUGINS_FILE
 from .resolvers import register_resolvers
 from .spec import ModelSpec, validate
 
@@ -24,13 +26,6 @@ from .spec import ModelSpec, validate
 def conf_dir() -> Path:
     """The conf/ tree shipped with the project (installed as the package zoo.conf)."""
     return Path(str(resources.files("zoo.conf")))
-
-
-def user_conf_dir() -> Path:
-    """The user conf dir: $ZOO_CONF_DIR, else ~/.config/zoo/conf. `zoo import` writes presets
-    there; it may hold presets (NAME.yaml), import maps (hf/), rule files (rules/) and GGUF maps
-    (gguf/) of its own, found after the shipped ones (see conf_files)."""
-    return Path(os.environ.get("ZOO_CONF_DIR") or Path.home() / ".config" / "zoo" / "conf")
 
 
 # The kinds of conf file looked up by name over the search path: "" (presets, conf=NAME),
@@ -55,13 +50,15 @@ def conf_files(kind: str) -> dict[str, Path]:
     """Every conf file of `kind` (one of CONF_KINDS) by name, over the search path: the shipped
     ones, then the user conf dir's. A user file may not reuse a shipped name (it would shadow or
     be shadowed silently): that is a ConfigError naming both; build on a shipped file instead
-    (`defaults:` for presets, `include:` for rules)."""
+    (`defaults:` for presets, `include:` for rules). plugins.yaml is no preset (plugins.py)."""
     if kind not in CONF_KINDS:
         raise ValueError(f"conf kind {kind!r}: expected one of {CONF_KINDS}")
     found: dict[str, Path] = {}
     for root in conf_search_path():
         folder = root / kind if kind else root
         for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            if not kind and path.name == PLUGINS_FILE:
+                continue  # the user conf dir's plugins list (plugins.py), not a preset
             if path.stem in found and found[path.stem] != path:
                 raise ConfigError(f"{path} has the same name as {conf_label(found[path.stem])}; a user conf "
                                   f"file may not replace a shipped one: give it another name")

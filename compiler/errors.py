@@ -24,6 +24,13 @@ class InputError(ZooError):
     """Runtime input that the built model cannot take: prompt too long, batch too large, bad id."""
 
 
+class PluginError(ZooError):
+    """A plugin (compiler/plugins.py: an entry point of the group `zoo.kinds` or a module the user
+    conf dir's plugins.yaml lists) that cannot be used: a bad plugins.yaml, a module that fails to
+    import or registers no kind, or a kind it registers that breaks its slot's contract or takes a
+    built-in kind's name. The message names where the plugin was named and the module."""
+
+
 class ContractError(TypeError):
     """A kind class that does not meet its slot's contract (compiler/contracts/): a bug in that kind's
     module, reported when the module is imported."""

@@ -57,7 +57,7 @@ def test_every_kind_meets_its_contract(slot):
     kinds = registered(slot)
     assert kinds
     for kind, cls in kinds.items():
-        assert contracts.contract_problems(slot, cls) == [], kind
+        assert contracts.contract_problems(slot, cls, kind) == [], kind
         assert issubclass(cls, contracts.CONTRACTS[slot]) and cls.kind == kind
 
 

@@ -10,11 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPILER = ROOT / "compiler"
 
 # the bottom floor: imports nothing of the compiler but these
-BOTTOM = {"errors", "glossary", "resolvers", "cache_root"}
+BOTTOM = {"errors", "glossary", "resolvers", "cache_root", "conf_root"}
 # parts that import only the bottom (and what is listed here)
 ONLY = {
     "contracts": set(),  # the types everything shares import nothing else of zoo's
-    "registry": {"contracts"},
+    "registry": {"contracts", "plugins"},
+    "plugins": set(),  # where plugin modules are named: the user conf dir (bottom) and entry points
     "native": set(),
     "import_expr": set(),
     "memory": set(),  # what a build may hold: the machine's memory, read before anything is built

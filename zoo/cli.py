@@ -333,6 +333,7 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
     from .compiler.checkpoint.hub import open_source
     from .compiler.config import conf_dir, user_conf_dir
     from .compiler.hf_import import conf_yaml, import_config
+    from .compiler.plugins import PLUGINS_FILE
     from .compiler.spec import validate
 
     if len(positional) != 1:
@@ -345,6 +346,9 @@ def cmd_import(opts: dict, overrides: list[str], positional: list[str]) -> int:
     out = Path(opts["out"]) if "out" in opts else user_conf_dir() / f"{name}.yaml"
     if "out" not in opts and (conf_dir() / f"{name}.yaml").exists():
         raise ZooError(f"name={name!r} is a shipped conf (conf/{name}.yaml); give the import another name=")
+    if "out" not in opts and f"{name}.yaml" == PLUGINS_FILE:
+        raise ZooError(f"name={name!r}: {out} is the user conf dir's plugins list (docs/adding-a-family.md, "
+                       f"\"Kinds outside the package\"), not a preset; give the import another name=")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(conf_yaml(cfg, f"Imported by `zoo import {positional[0]}` ({source.description}).\n"
                                   f"Rebuild with: zoo build conf={name} weights={positional[0]}"))

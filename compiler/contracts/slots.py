@@ -21,6 +21,7 @@ runtime.parallel.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 from typing import Optional
 
@@ -233,8 +234,12 @@ def no_sharding_plan(module, plan) -> bool:
 CONTRACTS: dict[str, type] = {"mixer": Mixer, "ffn": FFN, "norm": Norm, "rope": Rope, "residual": Residual}
 
 
-def contract_problems(slot: str, cls: type) -> list[str]:
-    """What `cls` lacks to be a `slot` kind: [] when it meets the contract."""
+def contract_problems(slot: str, cls: type, kind: Optional[str] = None) -> list[str]:
+    """What `cls` lacks to be a `slot` kind (registered as `kind`, when given): [] when it meets
+    the contract. Checked: the contract class, every abstract method implemented, every method of
+    the contract (and of an optional protocol: `zoo patterns`'s probes) the class overrides
+    callable as the engine calls it, and a dataclass `Spec` subclassing KindSpec whose `kind`
+    field defaults to the registered name (what a config node omitting `kind:` would build)."""
     base = CONTRACTS[slot]
     problems = []
     if not issubclass(cls, base):
@@ -242,6 +247,7 @@ def contract_problems(slot: str, cls: type) -> list[str]:
     missing = sorted(getattr(cls, "__abstractmethods__", ()))  # reflection: a class outside ABC has none
     if missing:
         problems.append(f"does not implement {missing}")
+    problems += _signature_problems(base, cls)
     spec = cls.__dict__.get("Spec") or next((c.__dict__["Spec"] for c in cls.__mro__ if "Spec" in c.__dict__), None)
     if spec is None or not dataclasses.is_dataclass(spec):
         problems.append("has no dataclass `Spec`")
@@ -249,4 +255,48 @@ def contract_problems(slot: str, cls: type) -> list[str]:
         problems.append("its Spec has no `kind` field")
     elif not issubclass(spec, KindSpec):
         problems.append("its Spec does not subclass zoo.compiler.contracts.KindSpec")
+    elif kind is not None:
+        default = next(f.default for f in dataclasses.fields(spec) if f.name == "kind")
+        if default != kind:
+            shown = "no default" if default is dataclasses.MISSING else f"the default {default!r}"
+            problems.append(f"its Spec's `kind` field has {shown}; expected {kind!r}, the name it registers under")
+    return problems
+
+
+def _signature_problems(base: type, cls: type) -> list[str]:
+    """Methods of the contract (and of the optional protocols) that `cls` defines so that the
+    caller's arguments do not bind: a wrong arity fails at registration, not at the first step."""
+    from .probes import AttentionProbe, MixerStatistics, StreamMixing
+
+    wanted: dict[str, tuple] = {}  # name -> (the contract's function, called on the class)
+    for owner in (base, AttentionProbe, MixerStatistics, StreamMixing):
+        for name, member in vars(owner).items():
+            fn = member.__func__ if isinstance(member, staticmethod) else member
+            if not name.startswith("_") and inspect.isfunction(fn):
+                wanted.setdefault(name, (fn, isinstance(member, staticmethod)))
+    problems = []
+    for name, (fn, static) in sorted(wanted.items()):
+        own = inspect.getattr_static(cls, name, None)
+        if own is None or own is vars(base).get(name):
+            continue  # an optional protocol the class does not take, or the contract's own default
+        raw = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
+        if not callable(raw):
+            problems.append(f"sets {name} = {own!r} where the contract has a method")
+            continue
+        params = list(inspect.signature(fn).parameters.values())[0 if static else 1:]
+        args = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        kwargs = {p.name: p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        # as the caller reaches it: on the class (a residual's static hooks) or on an instance
+        on_class = static or isinstance(own, (staticmethod, classmethod))
+        target, lead = (getattr(cls, name), ()) if on_class else (raw, ("self",))
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            continue  # no signature to read (a builtin): nothing to check
+        try:
+            signature.bind(*lead, *args, **kwargs)
+        except TypeError:
+            call = f"{name}({', '.join(args + [f'{k}=...' for k in kwargs])})"
+            problems.append(f"defines {name}{signature}, which cannot be called as the contract calls it: "
+                            f"{'the class' if static else 'an instance'}.{call}")
     return problems

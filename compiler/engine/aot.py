@@ -26,8 +26,9 @@ Packages live in the zoo compile cache, `aot/<key>.pt2`, key = sha256 of: the st
 structure, the inputs' layout (shapes, dtypes, strides; the length dimension as a range) and the
 context's non-tensor values, the CPU's instruction set (torch's get_cpu_capability), torch's
 version and the source of every module of zoo's compiler package (any change to zoo's code misses
-and rebuilds). A hit loads with torch._C._aoti's runner; a miss exports, compiles (inductor: seconds
-a package) and writes the package atomically.
+and rebuilds), and that of the code from outside zoo the layer runs (a plugin's kinds:
+compiling.outside_source_digest). A hit loads with torch._C._aoti's runner; a miss exports,
+compiles (inductor: seconds a package) and writes the package atomically.
 
 Not for: CUDA (the decode step is a CUDA graph there), tensor parallel (collectives), layers
 whose step reads tensors that are neither parameters, buffers, cache fields nor context
@@ -46,7 +47,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError
-from .compiling import apply_compile_settings, compile_cache_dir, cpu_compile_patches, structure
+from .compiling import (apply_compile_settings, compile_cache_dir, cpu_compile_patches, outside_source_digest,
+                        structure)
 
 FORMAT = 2  # bump when what a package takes or returns changes
 
@@ -155,7 +157,7 @@ class StepPackages:
             names, state = _state(block)
             keys = sorted(cache)
             key = hashlib.sha256(repr((FORMAT, structure(block, cache), layout, torch.__version__,
-                                       _zoo_source_digest())).encode()).hexdigest()[:40]
+                                       _zoo_source_digest(), outside_source_digest(block))).encode()).hexdigest()[:40]
             path = str(compile_cache_dir() / "aot" / f"{key}.pt2")
             if path not in loaders:
                 if not os.path.exists(path):

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -71,6 +72,28 @@ def structure(block: torch.nn.Module, cache: dict) -> tuple:
     for name, t in itertools.chain(block.named_parameters(), block.named_buffers(), sorted(cache.items())):
         parts.append((name, tuple(t.shape), t.dtype, t.stride()))
     return tuple(parts)
+
+
+def outside_source_digest(block: torch.nn.Module) -> str:
+    """sha256 over the source of the code outside zoo and torch that a layer runs: for every
+    class in its module tree (bases included) from another package (a plugin's kind, registry.py),
+    every loaded module of that class's top-level package. A package kept on disk (aot.py) is
+    keyed by it, as by zoo's own source, so an edited plugin rebuilds its packages instead of
+    running the old code. A plugin's code is its module or package (a helper in another
+    top-level module is not seen)."""
+    tops = sorted({c.__module__.split(".")[0] for mod in block.modules() for c in type(mod).__mro__}
+                  - {"zoo", "torch", "builtins", "typing", "abc"})
+    return _package_digest(tuple(tops)) if tops else ""
+
+
+def _package_digest(tops: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for name, module in sorted(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in tops and path and os.path.isfile(path):
+            h.update(name.encode())
+            h.update(Path(path).read_bytes())
+    return h.hexdigest()
 
 
 # Every engine compiles the same two functions; distinct models add cache entries to them.

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..contracts import KindSpec, Norm
+from ..errors import ConfigError
 from ..registry import lookup, register
 
 
@@ -96,7 +97,12 @@ class LayerNorm(Norm):
 
 def weightless(spec):
     """The same norm kind without learned parameters (a q/k norm that carries no weight: Llama 4's
-    L2 norm is an RMSNorm without weight)."""
+    L2 norm is an RMSNorm without weight). A kind without an `affine` field (a plugin's) has no
+    such form: refused by name rather than built with a weight nobody loads."""
+    if not hasattr(spec, "affine"):
+        raise ConfigError(f"norm: kind {spec.kind!r} has no `affine` field, so it has no form without weight; "
+                          f"qk_norm_affine=false builds the model's norm kind without weight (give the kind an "
+                          f"`affine: bool` field, or keep qk_norm_affine=true)")
     return replace(spec, affine=False, **{k: False for k in ("zero_centered", "bias") if hasattr(spec, k)})
 
 
