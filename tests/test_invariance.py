@@ -61,7 +61,7 @@ FAMILY_CASES = {
 # twins' hidden 48 is no multiple of 32, so nothing of theirs quantizes) -> (model_type, quant,
 # what it covers, every path bit-identical); the window (6) is far shorter than PROMPT
 SLIDING_CASES = {
-    "mistral int8": ("mistral", "int8", "sliding window on every layer (ring cache)", False),
+    "mistral int4": ("mistral", "int4", "sliding window on every layer (ring cache)", True),
     "gemma2 int8": ("gemma2", "int8", "sliding / global layers, soft-capping", False),
 }
 
