@@ -5,14 +5,23 @@ with other rows in it, and speculative verification (n-gram drafts) each give th
 tokens, and the logits on the way agree.
 
 What is bit-identical, and why the rest is not: zoo's quantized kernels compute a row the same bits
-whatever rows share the call (tests/test_kernel_invariance.py), and on the CPU a softmax attention
-over a full cache computes each query as its decode step does (one_query.prefix_attention: slots
-from 0 in chunks of 128, merged in order), in a prefill, an extend and a decode step alike. So on a
-dense model with such attention every path gives a row the same logits bit for bit (asserted). MLA,
-sliding windows and recurrent layers still compute a prefill or a chunk in another order than a
-decode step (their parallel forms), and MoE routers are float linears (BLAS: their sums depend on
-the row count): a difference of about 1e-7 there, which int8 activation rounding can grow to a
-code's step; those twins are held to the same greedy tokens and close logits.
+whatever rows share the call (tests/test_kernel_invariance.py), and on the CPU a plain softmax
+attention computes each query as its decode step does, in a prefill, an extend and a decode step
+alike: over a full cache from slot 0 (one_query.prefix_attention), over a sliding window its keys in
+position order wherever they lie, prompt, ring or ring and chunk (one_query.window_attention), in
+chunks of 128 merged in order. So where every layer is such an attention and every linear is on the
+kernels, every path gives a row the same logits bit for bit (asserted): the Llama twins at int4 /
+int8, all four GGUF mixes (every kept linear type: int4, int5, q6k, int8g from Q8_0, the K-quants,
+IQ4, the i-quants, ternaries, NVFP4 and MXFP4, ZQ8), and the Mistral twin's window at int4 (which gave
+other greedy tokens on chunks of 1 and under speculative decoding before window_attention). Only the
+same greedy tokens (and logits within 5% of the largest), the float order of some part differing
+by about 1e-7 per path, which int8 activation rounding can grow to a code's step:
+- Gemma 2 (soft-capped attention) and gpt-oss (sinks): the explicit scores / softmax / matmul in
+  torch ops, over the prompt, the ring + chunk or the ring, whose sums depend on their lengths;
+- MLA (DeepSeek-V3) and recurrent layers (Qwen3-Next's gated deltanet): their prefill / chunk forms
+  (absorbed or chunked parallel forms) sum in another order than a decode step;
+- MoE routers, and float linears in general (gpt-oss's F32 attention projections): BLAS GEMMs whose
+  sums depend on the row count. The MXFP4 expert stacks themselves are on the kernels (invariant).
 """
 from __future__ import annotations
 

@@ -45,7 +45,11 @@ rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin ta
 Without softcap or sinks both entry points call SDPA (a window is a boolean mask); with either,
 `scores` -> `probabilities` -> `mix` spell the same attention out (one place a probe can read the
 probabilities from). Prefill attends within the prompt ([L, L] scores, the window masked), then
-keeps the last Sw keys; prompts longer than the window are fine.
+keeps the last Sw keys; prompts longer than the window are fine. On the CPU (zoo's attention kernel
+built, float32, no softcap / sinks / ALiBi) prefill, extend and decode instead compute each query
+as a decode step does, so that a row gets the same bits on every path (issue #46): over a full
+cache one_query.prefix_attention / decode_attention, over a window one_query.window_attention
+(its keys in position order: the prompt's, the ring's, the ring's then the chunk's).
 """
 from __future__ import annotations
 
