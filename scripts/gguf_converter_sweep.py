@@ -1,0 +1,80 @@
+"""Every twin of tests/test_gguf_families.py's table through llama.cpp's own convert_hf_to_gguf.py
+(tests/llama_cpp_converter.py), loaded with zoo.from_pretrained(file.gguf) and compared with
+transformers (float32, prefill and 4 greedy decode steps); writes
+scripts/results/gguf_converter.json: per family, the architecture the converter wrote and
+`ok`, `converter refused` (its error), `zoo refused` (zoo's error) or `mismatch` (the check's error).
+tests/test_gguf_converter.py runs a dozen of these in the suite.
+
+    python scripts/gguf_converter_sweep.py [family ...] [--outtype f32|f16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("families", nargs="*")
+    parser.add_argument("--outtype", default="f32", choices=["f32", "f16"])
+    parser.add_argument("--out", default=str(ROOT / "scripts" / "results" / "gguf_converter.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    from tests import llama_cpp_converter as conv
+    from tests.test_gguf_converter import check_family
+    from tests.test_gguf_families import FAMILIES
+
+    tree = conv.find_converter()
+    conv.check_imports()
+    tokenizers = conv.Tokenizers(tree)
+    names = args.families or list(FAMILIES)
+    torch.set_num_threads(2)
+    results = {}
+    out = Path(args.out)
+    if args.families and out.is_file():  # a partial sweep updates the table
+        results = json.loads(out.read_text()).get("families", {})
+    for name in names:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                # the SentencePiece model first (the twin's own vocabulary), then each BPE one where refused
+                refusals = {}
+                for tokenizer in ("spm", *conv.BPE):
+                    try:
+                        arch = check_family(tree, name, Path(tmp) / tokenizer, args.outtype, tokenizers[tokenizer])
+                        break
+                    except conv.Refused as e:
+                        refusals[tokenizer] = e.reason
+                else:
+                    raise conv.Refused(refusals.get("gpt2", ""), "")
+                row = {"status": "ok", "architecture": arch, "tokenizer": tokenizer}
+            except conv.Refused as e:
+                row = {"status": "converter refused", "error": e.reason, "refusals": refusals}
+            except AssertionError as e:
+                row = {"status": "mismatch", "error": str(e).strip().splitlines()[0][:400]}
+            except Exception as e:  # zoo's refusal: its message names what it cannot read
+                row = {"status": "zoo refused", "error": f"{type(e).__name__}: {str(e).strip()[:600]}",
+                       "where": traceback.format_exc().strip().splitlines()[-3][:300]}
+        row["seconds"] = round(time.time() - t0, 1)
+        results[name] = row
+        print(f"{name:28s} {row['status']:18s} {row.get('architecture', row.get('error', ''))[:150]}", flush=True)
+        out.write_text(json.dumps({"converter": f"llama-cpp-python {conv.LLAMA_CPP_PYTHON} vendor/llama.cpp",
+                                   "outtype": args.outtype, "families": results}, indent=1) + "\n")
+    counts = {}
+    for row in results.values():
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    print(counts)
+
+
+if __name__ == "__main__":
+    main()

