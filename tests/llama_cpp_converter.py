@@ -83,6 +83,7 @@ def find_converter(fetch: bool = True) -> Path:
             m.name.count("/") == 3 and m.name.endswith(".py") or "/conversion/" in m.name or "/gguf-py/" in m.name
             or any(m.name.endswith(f"/models/ggml-vocab-{v}.gguf") for v in BPE.values()))]
         tar.extractall(cache, members=wanted, filter="data")
+    archive.unlink()  # the tree is what is looked for next time
     if (tree := _tree(cache)) is None:
         raise Unavailable(f"{archive} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
     return tree
