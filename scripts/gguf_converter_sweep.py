@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def bpe_for(config_class: str) -> str:
+    """The BPE vocabulary whose known pre-tokenizer the model_type's transformers tokenizer class
+    reproduces: Qwen2's for Qwen2Tokenizer, GPT-2's for the others (which may still not be one)."""
+    import transformers
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    model_type = getattr(transformers, config_class).model_type
+    return "qwen2" if (TOKENIZER_MAPPING_NAMES.get(model_type) or "").startswith("Qwen2Tokenizer") else "gpt2"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("families", nargs="*")
@@ -49,14 +59,14 @@ def main() -> None:
             try:
                 # the SentencePiece model first (the twin's own vocabulary), then each BPE one where refused
                 refusals = {}
-                for tokenizer in ("spm", *conv.BPE):
+                for tokenizer in ("spm", bpe_for(FAMILIES[name][1])):
                     try:
                         arch = check_family(tree, name, Path(tmp) / tokenizer, args.outtype, tokenizers[tokenizer])
                         break
                     except conv.Refused as e:
                         refusals[tokenizer] = e.reason
                 else:
-                    raise conv.Refused(refusals.get("gpt2", ""), "")
+                    raise conv.Refused(refusals[tokenizer], "")
                 row = {"status": "ok", "architecture": arch, "tokenizer": tokenizer}
             except conv.Refused as e:
                 row = {"status": "converter refused", "error": e.reason, "refusals": refusals}
