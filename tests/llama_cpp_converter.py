@@ -161,6 +161,9 @@ def convert(tree: Path, model_dir: Path, out: Path, outtype: str = "f32", timeou
     run = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
                           "--outfile", str(out)], capture_output=True, text=True, env=env, timeout=timeout)
     if run.returncode != 0 or not out.is_file():
-        lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
-        raise Refused(lines[-1] if lines else f"exit {run.returncode}", run.stderr)
+        lines = [ln.strip() for ln in run.stderr.splitlines() if ln.strip(" ^~\n")]  # not the carets under a line
+        reason = lines[-1] if lines else f"exit {run.returncode}"
+        if ":" not in reason and len(lines) > 1:  # a bare `assert`: the line that failed says what
+            reason = f"{reason} at `{lines[-2]}`"
+        raise Refused(reason, run.stderr)
     return out

@@ -13,6 +13,7 @@ absent; where it cannot be had the tests skip, and under ZOO_CI=1 they fail.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -31,9 +32,12 @@ from tests.test_gguf_families import FAMILIES, twin  # noqa: E402
 
 
 # config.json keys a family's published checkpoints have and transformers' config class does not
-# write, which the converter reads: without DeepSeek-V3's scoring_func it writes no
-# expert_gating_func, and llama.cpp (and zoo) route such a deepseek2 file by softmax, as V2
-PUBLISHED = {"deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc")}
+# write (added to the saved config.json), which the converter reads, each equal to what the twin
+# computes: without DeepSeek-V3's scoring_func it writes no expert_gating_func, and llama.cpp (and
+# zoo) route such a deepseek2 file by softmax, as V2; without GPT-2's n_ctx (= n_positions) it stops.
+# (GPT-NeoX's rotary_pct does not help: the converter reads config.json through transformers 5,
+# which turns it into rope_parameters.)
+PUBLISHED = {"deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc"), "gpt2": dict(n_ctx=256)}
 
 
 def check_family(tree: Path, name: str, tmp: Path, outtype: str, tokenizer: tuple, **overrides) -> str:
@@ -43,14 +47,16 @@ def check_family(tree: Path, name: str, tmp: Path, outtype: str, tokenizer: tupl
     refuses the twin, AssertionError on a mismatch, zoo's error when zoo refuses the file."""
     _, config_class, kwargs, rules, _, *rtol = FAMILIES[name]  # the writer's layout / blocks: not used here
     tok_file, tok_bytes, vocab = tokenizer
-    kwargs = dict(kwargs, **PUBLISHED.get(name, {}), **({"vocab_size": vocab} if vocab else {}))
-    ref = twin(config_class, dict(kwargs, **overrides))
+    ref = twin(config_class, dict(kwargs, **({"vocab_size": vocab} if vocab else {}), **overrides))
     if outtype == "f16":  # the file's values exactly: every weight f16-representable, whichever the converter keeps f32
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(p.half().float())
     model_dir = tmp / "hf"
     ref.save_pretrained(model_dir)
+    if name in PUBLISHED:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(dict(config, **PUBLISHED[name])))
     (model_dir / tok_file).write_bytes(tok_bytes)
     path = conv.convert(tree, model_dir, tmp / f"{name}.{outtype}.gguf", outtype)
     reader = gguf.GGUFReader(str(path))
