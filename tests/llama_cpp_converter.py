@@ -15,7 +15,7 @@ So a twin gets one of two (`TOKENIZERS`):
   so the twin keeps its 128 tokens);
 - "gpt2" / "qwen2": GPT-2's or Qwen2's BPE vocabulary, rebuilt as tokenizer.json from the tree's
   own models/ggml-vocab-*.gguf, for the classes that read only tokenizer.json; the twin's
-  vocab_size is then the vocabulary's (50257, 151665), and the model_type's transformers tokenizer
+  vocab_size is then the vocabulary's rounded up to 128 (50304, 151680), and the model_type's transformers tokenizer
   class must pre-tokenize as that vocabulary's model does (Qwen2Tokenizer for the Qwen families);
   the converter refuses the others ("BPE pre-tokenizer was not recognized").
 """
@@ -147,7 +147,9 @@ class Tokenizers:
                 self._made[kind] = ("tokenizer.model", tiny_sentencepiece(), None)
             elif kind in BPE:
                 text, size = bpe_tokenizer_json(self._tree, BPE[kind])
-                self._made[kind] = ("tokenizer.json", text.encode(), size)
+                # the twin's vocab_size rounded up to 128 rows, as released models pad theirs: the
+                # Mamba2 converters pad the token list to a multiple of 8 (pad_vocab_size_multiple)
+                self._made[kind] = ("tokenizer.json", text.encode(), -(-size // 128) * 128)
             else:
                 raise KeyError(f"tokenizer {kind!r}: expected one of spm, {', '.join(BPE)}")
         return self._made[kind]
