@@ -27,7 +27,7 @@ import zoo  # noqa: E402
 from zoo.compiler.checkpoint.gguf import GGUFSource  # noqa: E402
 from zoo.compiler.errors import CheckpointError, CheckpointFormatError  # noqa: E402
 from tests import llama_cpp_converter as conv  # noqa: E402
-from tests.helpers import check_parity  # noqa: E402
+from tests.helpers import assert_logits_close, check_parity  # noqa: E402
 from tests.test_gguf_families import FAMILIES, twin  # noqa: E402
 
 
@@ -156,3 +156,31 @@ def test_nemotron_h_written_as_moe_is_refused_as_llama_cpp_would(converter, tmp_
     with pytest.raises(CheckpointError, match=r"general.architecture='nemotron_h_moe'\): NemotronH's MoE layers are "
                                               r"not supported \(nemotron_h_moe.expert_count is set\)"):
         check_family(tree, "nemotron_h", tmp_path, "f32", tokenizers["gpt2"])
+
+
+def test_file_that_cannot_state_transformers_model_matches_llama_cpp(converter, tmp_path):
+    """Bamba rotates half of each head; the converter writes that only from config.json's
+    attn_rotary_emb (published Bamba configs have it; transformers 5 writes partial_rotary_factor
+    instead), so this twin's file says whole heads rotate. The file means what llama.cpp computes
+    from it: zoo's logits at every position match llama.cpp's own (llama-cpp-python, the bench
+    extra) on the same file, and differ from transformers' twin."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (pip install -e .[bench]) runs the file")
+    tree, tokenizers = converter
+    _, config_class, kwargs, *_ = FAMILIES["bamba"]
+    ref = twin(config_class, kwargs)
+    ref.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(tokenizers["spm"][1])
+    path = conv.convert(tree, tmp_path / "hf", tmp_path / "bamba.gguf")
+    ids = torch.randint(0, kwargs["vocab_size"], (1, 7), generator=torch.Generator().manual_seed(3))
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=32, n_batch=32, logits_all=True, n_threads=1, verbose=False)
+    try:
+        llm.eval(ids[0].tolist())
+        expected = torch.tensor(llm.scores[:ids.shape[1]].copy())
+    finally:
+        llm.close()
+    m = zoo.from_pretrained(str(path), compile=False, max_batch=1, max_seq=32, quant="none")
+    logits = m.prefill(ids)[0]
+    assert_logits_close(logits, expected, 1e-4, "zoo vs llama.cpp")  # llama.cpp's f32 kernels sum in their own order
+    with torch.no_grad():
+        twin_logits = ref(ids).logits[0]
+    assert (logits - twin_logits).abs().max() > 1e-4 * twin_logits.abs().max()  # the file is not the twin
