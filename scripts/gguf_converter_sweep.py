@@ -21,6 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+# why a row is what it is, where zoo refuses a converter's file (each one llama.cpp cannot load either)
+NOTES = {
+    "nemotron_h": "transformers' NemotronHConfig always writes num_experts_per_tok / n_routed_experts, so the "
+                  "converter writes nemotron_h_moe with expert_count, for which llama.cpp builds every MLP layer "
+                  "as MoE and needs expert tensors this dense twin lacks; zoo refuses it by expert_count "
+                  "(tests/test_gguf_converter.py)",
+    "granitemoehybrid": "transformers 5 saves layer_types as linear_attention / full_attention, which this "
+                        "converter does not read as attention layers: head_count_kv is 0 on every layer beside "
+                        "attention tensors on layer 1 (llama.cpp would look for Mamba2 tensors there)",
+}
+
+
 def bpe_for(config_class: str) -> str:
     """The BPE vocabulary whose known pre-tokenizer the model_type's transformers tokenizer class
     reproduces: Qwen2's for Qwen2Tokenizer, GPT-2's for the others (which may still not be one)."""
@@ -75,6 +87,8 @@ def main() -> None:
             except Exception as e:  # zoo's refusal: its message names what it cannot read
                 row = {"status": "zoo refused", "error": f"{type(e).__name__}: {str(e).strip()[:600]}",
                        "where": traceback.format_exc().strip().splitlines()[-3][:300]}
+        if name in NOTES:
+            row["note"] = NOTES[name]
         row["seconds"] = round(time.time() - t0, 1)
         results[name] = row
         print(f"{name:28s} {row['status']:18s} {row.get('architecture', row.get('error', ''))[:150]}", flush=True)

@@ -98,7 +98,8 @@ def converter():
 CASES = [
     pytest.param("mistral_as_llama", "f32", "spm", None, id="llama"),
     pytest.param("qwen2", "f32", "spm", None),
-    pytest.param("qwen3moe", "f32", "qwen2", None),
+    # experts; qwen3moe needs Qwen2's 151k-token vocabulary (~30 s a conversion): the sweep's
+    pytest.param("mixtral_as_llama", "f32", "spm", None, id="mixtral"),
     pytest.param("granite", "f32", "spm", None),
     pytest.param("phi3", "f32", "spm", None),
     pytest.param("phi2", "f32", "gpt2", None),
