@@ -67,12 +67,22 @@ def test_native_mixed_reblocking_equals_the_reference(ggml_type, fmt):
     data = torch.from_numpy(random_blocks(ggml_type, 19, 2, seed=7))
     got = repack.to_mixed(data, ggml_type, fmt)
     assert torch.equal(got, gguf_blocks.to_mixed(data, ggml_type, fmt))
-    # the int8g fill's views of ZQ8 bytes are the format's codes and scales
-    q, d, m = repack.zq8_parts(got, fmt)
+    # the int8g fill of ZQ8 bytes (natively, and the views of the fallback) is the format's codes and scales
     ref = gguf_blocks.codes(got, fmt)
-    _same(q.reshape(19, -1).int(), ref.q, "q")
-    _same(d, ref.d, "d")
-    _same(m, ref.m, "m")
+    q, d, m = repack.zq8_parts(got, fmt)
+    for qq, dd, mm in ((q.reshape(19, -1), d, m), _split(got, fmt)):
+        _same(qq.int(), ref.q, "q")
+        _same(dd, ref.d, "d")
+        _same(mm, ref.m, "m")
+
+
+def _split(data, fmt):
+    g = gguf_blocks.layout(fmt).group
+    n = data.shape[1] // (g + 8)
+    q = torch.zeros(len(data), n * g, dtype=torch.int8)
+    sm = torch.full((len(data), 2, n), float("nan"))
+    repack.into_int8g_zq8(data, fmt, q, sm[:, 0], sm[:, 1])
+    return q, sm[:, 0], sm[:, 1]
 
 
 def test_reference_path_where_native_does_not_apply():

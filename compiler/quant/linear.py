@@ -294,6 +294,11 @@ class QuantLinear(nn.Module, WeightSink):
                     if self._adopted:  # (a read-only map is never written: bytes of its own)
                         self._buffers["qweight"], self._adopted = torch.empty_like(self.qweight), False
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
+                elif value.ggml_type in MIXED_LAYOUTS and self.scales.dtype == torch.float32 and self.scales.shape[1] == 2:
+                    # ZQ8 (parts of several types): its bytes are the codes and scales already, split in one pass
+                    repack.into_int8g_zq8(block_bytes(value), value.ggml_type, self.qweight, self.scales[:, 0],
+                                          self.scales[:, 1])
+                    return what
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
@@ -377,15 +382,7 @@ class QuantLinear(nn.Module, WeightSink):
         return f"kept {ggml_type} blocks as int8 g{g} ({held} scales)"
 
     def _store_int8g(self, r: int, b: StoredBlocks) -> None:
-        """Rows r.. of the int8g layout from blocks b: their codes and group scales, exactly (ZQ8:
-        its bytes are the codes and scales already, copied as they are)."""
-        if b.ggml_type in MIXED_LAYOUTS and self.scales.dtype == torch.float32 and self.scales.shape[1] == 2:
-            q, d, m = repack.zq8_parts(block_bytes(b), b.ggml_type)
-            n = len(q)
-            self.qweight[r:r + n].copy_(q.reshape(n, -1))
-            self.scales[r:r + n, 0].copy_(d)
-            self.scales[r:r + n, 1].copy_(m)
-            return
+        """Rows r.. of the int8g layout from blocks b: their codes and group scales, exactly."""
         q, d, m = block_codes(b)
         n = len(q)
         self.qweight[r:r + n].copy_(q)

@@ -15,6 +15,8 @@
 //       Q4_K (type 4) / Q5_K (5) / Q6_K (6) blocks [R, nb * nbytes] -> out [R, nb * 256 / g * (g + 8)]
 //       uint8 in gguf_blocks' ZQ8_G<g> format (g int8 codes | d f32 | m f32), g 16 or 32: the
 //       parts of a weight joined across types (Q4_K_M's wqkv), re-blocked without int32 or float copies
+//   zoo_repack::zq8_int8g(blocks, g, q, d, m)
+//       ZQ8_G<g> bytes [R, n * (g + 8)] -> int8g's q [R, n * g] int8, d, m [R, n] float32 (a split)
 //
 // The outputs may be strided views (the scales' d / m rows of [O, 2, I/32] or [E * O, 2, I/32]):
 // only each row's inner dim must be contiguous.
@@ -194,16 +196,45 @@ void k_to_zq8(const at::Tensor& blocks, int64_t type, int64_t g, const at::Tenso
   });
 }
 
+// ZQ8_G<g> bytes [R, n * (g + 8)] -> the int8g layout's q [R, n * g] int8, d, m [R, n] float32
+void zq8_int8g(const at::Tensor& blocks, int64_t g, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(g == 16 || g == 32, "zoo_repack::zq8_int8g: group 16 or 32");
+  const int64_t R = blocks.size(0);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % (g + 8) == 0, "zoo_repack::zq8_int8g: blocks [R, n * ", g + 8, "]");
+  const int64_t n = blocks.size(1) / (g + 8);
+  check(blocks, "blocks", at::kByte, R, n * (g + 8));
+  check(q, "q", at::kChar, R, n * g);
+  check(d, "d", at::kFloat, R, n);
+  check(m, "m", at::kFloat, R, n);
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  const int64_t sb = blocks.stride(0), sq = q.stride(0), sd = d.stride(0), sm = m.stride(0);
+  at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) {
+      const uint8_t* b = src + r * sb;
+      for (int64_t k = 0; k < n; ++k, b += g + 8) {
+        std::memcpy(qp + r * sq + k * g, b, g);
+        std::memcpy(dp + r * sd + k, b + g, 4);
+        std::memcpy(mp + r * sm + k, b + g + 4, 4);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(zoo_repack, m) {
   m.def("q4k_int4(Tensor blocks, Tensor(a!) qs, Tensor(b!) d, Tensor(c!) m) -> ()");
   m.def("q5k_int5(Tensor blocks, Tensor(a!) qs, Tensor(b!) qh, Tensor(c!) d, Tensor(d!) m) -> ()");
   m.def("k_to_zq8(Tensor blocks, int type, int g, Tensor(a!) out) -> ()");
+  m.def("zq8_int8g(Tensor blocks, int g, Tensor(a!) q, Tensor(b!) d, Tensor(c!) m) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(zoo_repack, CPU, m) {
   m.impl("q4k_int4", &q4k_int4);
   m.impl("q5k_int5", &q5k_int5);
   m.impl("k_to_zq8", &k_to_zq8);
+  m.impl("zq8_int8g", &zq8_int8g);
 }

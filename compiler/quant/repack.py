@@ -110,6 +110,28 @@ def to_mixed(data: torch.Tensor, ggml_type: str, fmt: str) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
+def into_int8g_zq8(data: torch.Tensor, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    """ZQ8 bytes [R, n * (g + 8)] -> the int8g layout's q [R, n * g] int8, d, m [R, n] float32 (the
+    format's codes and scales as they are: a split, one native pass where it built)."""
+    g = gguf_blocks.layout(fmt).group
+    R = data.shape[0]
+    for name, t, cols in (("q", q, data.shape[1] // (g + 8) * g), ("d", d, data.shape[1] // (g + 8)),
+                          ("m", m, data.shape[1] // (g + 8))):
+        _check(name, t, R, cols)
+    data = data if data.stride(-1) == 1 else data.contiguous()
+    if native_available() and q.dtype == torch.int8 and d.dtype == m.dtype == torch.float32:
+        torch.ops.zoo_repack.zq8_int8g(data, g, q, d, m)
+        return
+    step = max(1, (1 << 20) // max(1, data.shape[1]))
+    for r in range(0, R, step):
+        pq, pd, pm = zq8_parts(data[r:r + step], fmt)
+        n = len(pq)
+        q[r:r + n].copy_(pq.reshape(n, -1))
+        d[r:r + n].copy_(pd)
+        m[r:r + n].copy_(pm)
+
+
 def zq8_parts(data: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ZQ8 bytes [R, n * (g + 8)] -> views (q [R, n, g] int8, d [R, n], m [R, n] float32) of them: the
     format is the int8g layout's codes and scales already, so filling it is strided copies."""
