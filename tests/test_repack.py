@@ -1,7 +1,8 @@
 """The native repack of GGUF blocks into zoo's kernel layouts (compiler/quant/repack.py / .cpp)
 equals the torch reference it replaces (gguf_blocks.int4_parts / int5_parts / to_mixed / codes)
 bit for bit, on random blocks and through a whole load: a tiny Qwen3-MoE file of Q4_K / Q5_K /
-Q6_K linears and expert stacks loads to the same buffers and logits with and without it."""
+Q6_K linears and expert stacks loads to the same buffers and logits with and without it (and with
+gate and up joined before the repack instead of each repacked into its rows)."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,6 +59,30 @@ def test_native_int4_int5_equal_the_reference(ggml_type):
     from zoo.compiler.quant import cpu_kernels
     deq = cpu_kernels.int4_dequantize(qs, scales, got[1] if ggml_type == "Q5_K" else None)
     _same(deq, w.reshape(R, -1), f"{ggml_type} values")
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K"])
+def test_native_stack_part_rows_equal_the_reference(ggml_type):
+    """A part of an expert stack (w13's up rows) [E, n, I] into its rows of the buffers [E, O, ...]."""
+    E, n, O, nb = 3, 5, 12, 2
+    data = torch.from_numpy(random_blocks(ggml_type, E * n, nb, seed=11)).reshape(E, n, -1)
+    qs = torch.zeros(E, O, nb * 128, dtype=torch.uint8)
+    qh = torch.zeros(E, O, nb * 32, dtype=torch.uint8)
+    sc = torch.zeros(E, O, 2, nb * 8)
+    b = StoredBlocks(ggml_type, data, (E, n, nb * 256))
+    if ggml_type == "Q4_K":
+        repack.into_int4(b, qs[:, 4:4 + n], sc[:, 4:4 + n, 0], sc[:, 4:4 + n, 1])
+    else:
+        repack.into_int5(b, qs[:, 4:4 + n], qh[:, 4:4 + n], sc[:, 4:4 + n, 0], sc[:, 4:4 + n, 1])
+    for e in range(E):
+        part = StoredBlocks(ggml_type, data[e], (n, nb * 256))
+        ref = gguf_blocks.int4_parts(part) if ggml_type == "Q4_K" else gguf_blocks.int5_parts(part)
+        got = (qs[e, 4:4 + n], sc[e, 4:4 + n, 0], sc[e, 4:4 + n, 1]) if ggml_type == "Q4_K" else \
+            (qs[e, 4:4 + n], qh[e, 4:4 + n], sc[e, 4:4 + n, 0], sc[e, 4:4 + n, 1])
+        for g, r in zip(got, ref):
+            _same(g, r, f"expert {e}")
+    assert not qs[:, :4].any() and not qs[:, 4 + n:].any() and not sc[:, :4].any()  # the other rows untouched
 
 
 @needs_native
@@ -142,19 +167,29 @@ def _moe_file(tmp_path):
 def test_a_moe_file_loads_the_same_with_and_without_native_repack(tmp_path, monkeypatch):
     monkeypatch.setenv("ZOO_WEIGHT_CACHE", "0")
     ref, path = _moe_file(tmp_path)
+    taken, real = [], QuantExperts.load_row_parts
+    monkeypatch.setattr(QuantExperts, "load_row_parts", lambda self, parts, dim: taken.append(real(self, parts, dim))
+                        or taken[-1])
     fast = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=16)
+    monkeypatch.setattr(QuantExperts, "load_row_parts", real)
+    assert len(taken) == 2 and all(taken), taken  # both layers' w13 (q4, int5) filled part by part
     with monkeypatch.context() as m:
         m.setattr(repack, "native_available", lambda: False)
         slow = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=16)
+    with monkeypatch.context() as m:  # gate and up joined by the rule's cat first (one copy), then repacked
+        m.setattr(QuantExperts, "load_row_parts", lambda self, parts, dim: None)
+        joined = zoo.from_pretrained(str(path), compile=False, max_batch=2, max_seq=16)
     stacks = [q for q in fast.module.modules() if isinstance(q, QuantExperts)]
     assert sorted(q.layout for q in stacks) == ["int5", "q4", "q4", "q6k"]
     tensors = fast.info.load.tensors
     assert "kept Q4_K blocks as int4 g32" in tensors["blk.0.ffn_gate_exps.weight"]
     assert "kept (with parts of other types) as int8 g16" in tensors["blk.0.attn_v.weight"]
-    a, b = fast.module.state_dict(), slow.module.state_dict()
-    assert a.keys() == b.keys()
-    for name in a:
-        _same(a[name], b[name], name)
+    a = fast.module.state_dict()
+    for other in (slow, joined):
+        b = other.module.state_dict()
+        assert a.keys() == b.keys()
+        for name in a:
+            _same(a[name], b[name], name)
     ids = torch.randint(0, MOE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
     logits = fast.prefill(ids)
     _same(logits, slow.prefill(ids), "prefill logits")

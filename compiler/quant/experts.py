@@ -390,6 +390,30 @@ class QuantExperts(nn.Module, WeightSink):
             repack.into_int5(rows, self.qweight.view(E * O, -1), self.qhigh.view(E * O, -1), sc[:, 0], sc[:, 1])
         return True
 
+    def load_row_parts(self, parts: list, dim: int) -> Optional[str]:
+        """w13 from its gate and up stacks [E, O_k, I] (contracts.WeightSink): q4 / int5 stacks
+        repack each part into its own rows, expert by expert, without the joined copy; None for the
+        other layouts (the loader joins the parts and calls load_weight)."""
+        E, O, I = self.weight_shape
+        if (dim != 1 or self.layout not in ("q4", "int5") or not parts
+                or any(p.ggml_type not in self.block_types or self.block_layout(p.ggml_type) != self.layout
+                       or len(p.shape) != 3 or tuple(p.shape[::2]) != (E, I) or p.data.dim() != 3
+                       or p.data.device.type != "cpu" for p in parts)
+                or sum(p.shape[1] for p in parts) != O):
+            return None
+        self._own_bytes()
+        o = 0
+        for p in parts:  # one call per part over its E * n rows (strided per expert in the buffers)
+            n = p.shape[1]
+            block_bytes(StoredBlocks(p.ggml_type, p.data.reshape(E * n, -1), (E * n, I)))  # checks the bytes
+            sc = self.scales[:, o:o + n]
+            if self.layout == "q4":
+                repack.into_int4(p, self.qweight[:, o:o + n], sc[:, :, 0], sc[:, :, 1])
+            else:
+                repack.into_int5(p, self.qweight[:, o:o + n], self.qhigh[:, o:o + n], sc[:, :, 0], sc[:, :, 1])
+            o += n
+        return self._kept_line(parts[0].ggml_type)
+
     def _store_blocks(self, e: int, b: StoredBlocks) -> None:
         """Expert e from blocks b [O, I]: their codes and group scales exactly, chunk_rows rows at a time."""
         self._own_bytes()

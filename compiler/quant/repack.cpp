@@ -19,7 +19,8 @@
 //       ZQ8_G<g> bytes [R, n * (g + 8)] -> int8g's q [R, n * g] int8, d, m [R, n] float32 (a split)
 //
 // The outputs may be strided views (the scales' d / m rows of [O, 2, I/32] or [E * O, 2, I/32]):
-// only each row's inner dim must be contiguous.
+// only each row's inner dim must be contiguous. q4k_int4 / q5k_int5 also take 3-D [E, n, ...]
+// blocks and outputs (a part of an expert stack: w13's gate or up rows of every expert, one call).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -68,6 +69,23 @@ inline void nibbles_run(const uint8_t* q, uint8_t* out) {
   }
 }
 
+// rows of a 2-D [R, cols] or 3-D [E, n, cols] tensor (R = E * n: the rows of a part of an expert
+// stack, strided per expert) addressed by their index r
+struct Rows {
+  int64_t n, s0, s1;
+  Rows(const at::Tensor& t)
+      : n(t.dim() == 3 ? t.size(1) : t.size(0)), s0(t.dim() == 3 ? t.stride(0) : 0), s1(t.stride(t.dim() - 2)) {}
+  int64_t at(int64_t r) const { return (r / n) * s0 + (r % n) * s1; }
+};
+
+void check_rows(const at::Tensor& t, const char* what, at::ScalarType dtype, const at::Tensor& like, int64_t cols) {
+  const bool dims = t.dim() == like.dim() && (t.dim() == 2 || (t.dim() == 3 && t.size(0) == like.size(0))) &&
+                    t.size(t.dim() - 2) == like.size(like.dim() - 2) && t.size(t.dim() - 1) == cols;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && dims && (cols <= 1 || t.stride(-1) == 1),
+              "zoo_repack: ", what, " must be a CPU ", c10::toString(dtype), " with the blocks' rows ", like.sizes(),
+              " and ", cols, " contiguous columns, got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
+}
+
 void check(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t rows, int64_t cols) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows &&
                   t.size(1) == cols && (cols <= 1 || t.stride(1) == 1),
@@ -76,25 +94,29 @@ void check(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t 
 }
 
 void q4k_int4(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  const int64_t R = blocks.size(0);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % 144 == 0, "zoo_repack::q4k_int4: blocks [R, nb * 144]");
-  const int64_t nb = blocks.size(1) / 144;
-  check(blocks, "blocks", at::kByte, R, nb * 144);
-  check(qs, "qs", at::kByte, R, nb * 128);
-  check(d, "d", at::kFloat, R, nb * 8);
-  check(m, "m", at::kFloat, R, nb * 8);
+  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(-1) % 144 == 0,
+              "zoo_repack::q4k_int4: blocks [R, nb * 144] or [E, n, nb * 144]");
+  const int64_t nb = blocks.size(-1) / 144;
+  const int64_t R = blocks.dim() == 3 ? blocks.size(0) * blocks.size(1) : blocks.size(0);
+  check_rows(blocks, "blocks", at::kByte, blocks, nb * 144);
+  check_rows(qs, "qs", at::kByte, blocks, nb * 128);
+  check_rows(d, "d", at::kFloat, blocks, nb * 8);
+  check_rows(m, "m", at::kFloat, blocks, nb * 8);
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
   uint8_t* q = qs.data_ptr<uint8_t>();
   float* dp = d.data_ptr<float>();
   float* mp = m.data_ptr<float>();
-  const int64_t sb = blocks.stride(0), sq = qs.stride(0), sd = d.stride(0), sm = m.stride(0);
+  const Rows rb(blocks), rq(qs), rd(d), rm(m);
   at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
     for (int64_t r = a; r < e; ++r) {
+      const uint8_t* row = src + rb.at(r);
+      uint8_t* qrow = q + rq.at(r);
+      float* drow = dp + rd.at(r);
+      float* mrow = mp + rm.at(r);
       for (int64_t k = 0; k < nb; ++k) {
-        const uint8_t* b = src + r * sb + k * 144;
-        scales_k(b, dp + r * sd + k * 8, mp + r * sm + k * 8);
-        uint8_t* out = q + r * sq + k * 128;
-        for (int j = 0; j < 4; ++j) nibbles_run(b + 16 + 32 * j, out + 32 * j);
+        const uint8_t* b = row + k * 144;
+        scales_k(b, drow + k * 8, mrow + k * 8);
+        for (int j = 0; j < 4; ++j) nibbles_run(b + 16 + 32 * j, qrow + k * 128 + 32 * j);
       }
     }
   });
@@ -102,30 +124,31 @@ void q4k_int4(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& 
 
 void q5k_int5(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
               const at::Tensor& m) {
-  const int64_t R = blocks.size(0);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) % 176 == 0, "zoo_repack::q5k_int5: blocks [R, nb * 176]");
-  const int64_t nb = blocks.size(1) / 176;
-  check(blocks, "blocks", at::kByte, R, nb * 176);
-  check(qs, "qs", at::kByte, R, nb * 128);
-  check(qh, "qh", at::kByte, R, nb * 32);
-  check(d, "d", at::kFloat, R, nb * 8);
-  check(m, "m", at::kFloat, R, nb * 8);
+  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(-1) % 176 == 0,
+              "zoo_repack::q5k_int5: blocks [R, nb * 176] or [E, n, nb * 176]");
+  const int64_t nb = blocks.size(-1) / 176;
+  const int64_t R = blocks.dim() == 3 ? blocks.size(0) * blocks.size(1) : blocks.size(0);
+  check_rows(blocks, "blocks", at::kByte, blocks, nb * 176);
+  check_rows(qs, "qs", at::kByte, blocks, nb * 128);
+  check_rows(qh, "qh", at::kByte, blocks, nb * 32);
+  check_rows(d, "d", at::kFloat, blocks, nb * 8);
+  check_rows(m, "m", at::kFloat, blocks, nb * 8);
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
   uint8_t* q = qs.data_ptr<uint8_t>();
   uint8_t* h = qh.data_ptr<uint8_t>();
   float* dp = d.data_ptr<float>();
   float* mp = m.data_ptr<float>();
-  const int64_t sb = blocks.stride(0), sq = qs.stride(0), sh = qh.stride(0), sd = d.stride(0), sm = m.stride(0);
+  const Rows rb(blocks), rq(qs), rh(qh), rd(d), rm(m);
   at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
     for (int64_t r = a; r < e; ++r) {
       for (int64_t k = 0; k < nb; ++k) {
-        const uint8_t* b = src + r * sb + k * 176;
-        scales_k(b, dp + r * sd + k * 8, mp + r * sm + k * 8);
-        uint8_t* out = q + r * sq + k * 128;
+        const uint8_t* b = src + rb.at(r) + k * 176;
+        scales_k(b, dp + rd.at(r) + k * 8, mp + rm.at(r) + k * 8);
+        uint8_t* out = q + rq.at(r) + k * 128;
         for (int j = 0; j < 4; ++j) nibbles_run(b + 48 + 32 * j, out + 32 * j);
         // the stored high bits: input 32 k + t's is bit k of qh[t]; out: byte i / 8, bit i % 8
         const uint8_t* hb = b + 16;
-        uint8_t* ho = h + r * sh + k * 32;
+        uint8_t* ho = h + rh.at(r) + k * 32;
         for (int g = 0; g < 32; ++g) {  // output byte g: inputs 8 g .. 8 g + 7
           const int bit = g >> 2, t0 = (g & 3) * 8;
           uint8_t v = 0;

@@ -57,10 +57,33 @@ def _chunks(b: StoredBlocks, data: torch.Tensor):
         yield r, StoredBlocks(b.ggml_type, data[r:r + step], (len(data[r:r + step]), b.shape[1]))
 
 
+def _stacked(b: StoredBlocks, outs: tuple, cols: tuple, op: str) -> bool:
+    """A part of an expert stack, b [E, n, I] with outputs [E, n, cols]: one native call over its
+    E * n rows (True), or per expert through the 2-D path (False)."""
+    E, n, I = b.shape
+    for name, t, c in zip(("qs", "d", "m") if len(outs) == 3 else ("qs", "qh", "d", "m"), outs, cols):
+        if t.dim() != 3 or tuple(t.shape) != (E, n, c) or (c > 1 and t.stride(-1) != 1):
+            raise CheckpointError(f"repack: output {name} of shape {list(t.shape)} strides {list(t.stride())}: "
+                                  f"expected [{E}, {n}, {c}] with a contiguous inner dim")
+    lay = gguf_blocks.layout(b.ggml_type)
+    if (b.ggml_type in NATIVE and native_available() and b.data.dim() == 3 and b.data.stride(-1) == 1
+            and tuple(b.data.shape) == (E, n, I // lay.block * lay.nbytes)):
+        getattr(torch.ops.zoo_repack, op)(b.data, *outs)
+        return True
+    return False
+
+
 @torch.no_grad()
 def into_int4(b: StoredBlocks, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
     """INT4_TYPES blocks b [R, I] -> qs [R, I/2] uint8, d, m [R, I/32] (gguf_blocks.int4_parts'
-    values, exactly: float32 for Q4_K, float16 as stored for Q4_0 / Q4_1)."""
+    values, exactly: float32 for Q4_K, float16 as stored for Q4_0 / Q4_1). Also b [E, n, I] with
+    outputs [E, n, ...] (strided per expert: a part of a stack's rows)."""
+    if len(b.shape) == 3:
+        I = b.shape[2]
+        ok = b.ggml_type == "Q4_K" and _stacked(b, (qs, d, m), (I // 2, I // 32, I // 32), "q4k_int4")
+        for e in range(0 if ok else b.shape[0]):
+            into_int4(StoredBlocks(b.ggml_type, b.data[e], tuple(b.shape[1:])), qs[e], d[e], m[e])
+        return
     R, I = b.shape
     for name, t, cols in (("qs", qs, I // 2), ("d", d, I // 32), ("m", m, I // 32)):
         _check(name, t, R, cols)
@@ -79,7 +102,13 @@ def into_int4(b: StoredBlocks, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 @torch.no_grad()
 def into_int5(b: StoredBlocks, qs: torch.Tensor, qh: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
     """INT5_TYPES blocks b [R, I] -> qs [R, I/2], qh [R, I/8] uint8, d, m [R, I/32]
-    (gguf_blocks.int5_parts' values, exactly)."""
+    (gguf_blocks.int5_parts' values, exactly); b [E, n, I] as into_int4."""
+    if len(b.shape) == 3:
+        I = b.shape[2]
+        ok = b.ggml_type == "Q5_K" and _stacked(b, (qs, qh, d, m), (I // 2, I // 8, I // 32, I // 32), "q5k_int5")
+        for e in range(0 if ok else b.shape[0]):
+            into_int5(StoredBlocks(b.ggml_type, b.data[e], tuple(b.shape[1:])), qs[e], qh[e], d[e], m[e])
+        return
     R, I = b.shape
     for name, t, cols in (("qs", qs, I // 2), ("qh", qh, I // 8), ("d", d, I // 32), ("m", m, I // 32)):
         _check(name, t, R, cols)
