@@ -25,7 +25,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..config import conf_files
 from ..contracts import Source, TensorInfo
 from ..errors import CheckpointError, CheckpointFormatError
-from ..quant.gguf_blocks import LAYOUTS, dequantize, mixed_format, to_mixed
+from ..quant.gguf_blocks import LAYOUTS, dequantize, mixed_format
+from ..quant.repack import to_mixed
 from .gguf_index import GGUFFormatError, read_index, tensor_data
 
 # Types `read` dequantizes: the plain floats and every block type of gguf_blocks.LAYOUTS (the ones

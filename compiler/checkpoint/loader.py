@@ -465,6 +465,19 @@ def _evaluate(node: Node, source: Source, memo: dict, blocks: Optional[str] = No
                                             **dict(node.args))
 
 
+def _block_parts(a: Assignment, source: Source, memo: dict) -> Optional[tuple[list[StoredBlocks], int]]:
+    """A whole sink's blocks that a rule joins by `cat` from stored tensors of the one block type
+    kept (GGUF's gate and up stacks into w13): (each part as StoredBlocks, the cat's dim), else None."""
+    node = a.node
+    if a.blocks is None or a.index is not None or node.op != "cat" or \
+            any(x.op is not None or x.dtype != a.blocks for x in node.inputs):
+        return None
+    dim = dict(node.args).get("dim", 0) % len(node.shape)
+    if dim == len(node.shape) - 1:
+        return None  # along the inputs: not whole rows
+    return [StoredBlocks(a.blocks, _evaluate(x, source, memo, blocks=a.blocks), x.shape) for x in node.inputs], dim
+
+
 def _why_not_kept(a: Assignment, s: Node, sink, source: Source) -> Optional[str]:
     """For the load report: why stored tensor `s`'s blocks were dequantized for a sink that can
     keep blocks (None when they were kept, or there were none)."""
@@ -531,7 +544,7 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
             shard = stored[0].info.file
             _release_freed_memory()
         if a.param in sinks:  # quantized as it is read, or its stored blocks kept
-            extra = {}
+            extra, done, value = {}, None, None
             if a.part is not None and a.blocks is not None:
                 if a.part.ranges(1) is not None:
                     raise CheckpointError(f"{a.param}: {a.blocks} blocks kept as stored cannot be cut along the "
@@ -547,11 +560,16 @@ def execute(plan: LoadPlan, model: nn.Module, source: Source, progress=None, row
                                               f"execute(row_absmax=...) (a parallel load)")
                     extra["absmax"] = row_absmax(value.abs().amax(dim=1).float())
             else:
-                value = _evaluate(a.node, source, memo, blocks=a.blocks)
-                if a.blocks is not None:
-                    value = StoredBlocks(a.blocks, value, a.node.shape)
+                joined = _block_parts(a, source, memo)
+                # a cat of stored block tensors: each part straight into its rows, if the sink can
+                done = sinks[a.param].load_row_parts(*joined) if joined is not None else None
+                if done is None:
+                    value = _evaluate(a.node, source, memo, blocks=a.blocks)
+                    if a.blocks is not None:
+                        value = StoredBlocks(a.blocks, value, a.node.shape)
             sink = sinks[a.param]
-            done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
+            if done is None:
+                done = sink.load_weight(value, **extra) if a.index is None else sink.load_weight(value, a.index)
             how = {}
             serves = [t for t, by in plan.tables.items() if by == a.param]
             for s in stored:

@@ -181,6 +181,13 @@ class WeightSink(ABC):
         """Why stored blocks of this type were dequantized for this sink (load report), or None."""
         return None
 
+    def load_row_parts(self, parts: list, dim: int) -> Optional[str]:
+        """The whole weight from the StoredBlocks `parts` a rule joins along `dim` (a cat of stored
+        block tensors, e.g. gate and up stacks into w13), each written into its own rows without
+        the joined copy; returns the report's line, or None where it does not (the loader then
+        joins them and calls load_weight). Default: None."""
+        return None
+
     def localize(self, part: Slice, where: str, run: str) -> None:
         """Re-make this sink (on meta, in place) at the local shape of `part`, the part of the
         weight one rank holds (compiler/parallel/plan.py); `where` names the config file and node,

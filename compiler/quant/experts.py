@@ -65,10 +65,10 @@ from torch import nn
 
 from ..contracts import QuantStacks, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ContractError
-from . import cpu_kernels
+from . import cpu_kernels, repack
 from ..activation import swiglu
 from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, Q6K_TYPES, block_bytes, block_codes,
-                          has_offset, int4_parts, int5_parts, layout)
+                          has_offset, layout)
 from .linear import chunk_rows, int4_quantize, int8_quantize
 
 INT4_OUT = 16  # torch's int4 kernel needs O to be a multiple of this
@@ -321,6 +321,8 @@ class QuantExperts(nn.Module, WeightSink):
             if tuple(value.shape) != self.weight_shape:
                 raise CheckpointError(f"stacked experts {list(self.weight_shape)}: got a whole tensor of shape "
                                       f"{list(value.shape)}")
+            if isinstance(value, StoredBlocks) and self._store_stack(value):
+                return self._kept_line(value.ggml_type)
             for e in range(self.n_experts):
                 part = (StoredBlocks(value.ggml_type, value.data[e], value.shape[1:])
                         if isinstance(value, StoredBlocks) else value[e])
@@ -337,11 +339,7 @@ class QuantExperts(nn.Module, WeightSink):
                                       + ("" if kind is None or value.ggml_type in self.block_types
                                          else " (prepare_blocks was not told of them)"))
             self._store_blocks(index, value)
-            if value.ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
-                return f"kept (with parts of other types) as {self.what()}"
-            if self.layout == "q6k":
-                return f"kept {value.ggml_type} blocks as stored (6.5625 bits a weight), {self.n_experts} experts"
-            return f"kept {value.ggml_type} blocks as {self.what()}"
+            return self._kept_line(value.ggml_type)
         if self.blocks_only:
             raise CheckpointError(f"expert {index} of stacked experts {list(self.weight_shape)}: the stack keeps a "
                                   f"GGUF file's blocks as stored (runtime.quant=null) and takes no float weight; "
@@ -349,22 +347,87 @@ class QuantExperts(nn.Module, WeightSink):
         self._fill(index, value)  # (a stack whose other experts are blocks: quantized into their layout)
         return f"quantized -> {self.what()}"
 
+    def _kept_line(self, ggml_type: str) -> str:
+        if ggml_type in MIXED_LAYOUTS:  # the loader names each part's own type
+            return f"kept (with parts of other types) as {self.what()}"
+        if self.layout == "q6k":
+            return f"kept {ggml_type} blocks as stored (6.5625 bits a weight), {self.n_experts} experts"
+        return f"kept {ggml_type} blocks as {self.what()}"
+
+    def _own_bytes(self) -> None:
+        """Before writing into qweight: bytes of its own if it is an adopted (read-only) file map."""
+        if getattr(self, "_adopted", False):
+            self._buffers["qweight"], self._adopted = torch.empty_like(self.qweight), False
+
+    def _store_stack(self, b: StoredBlocks) -> bool:
+        """The whole stack from blocks b [E, O, I] at once (a view of the mapped file): q6k holds
+        the contiguous stored bytes themselves (no copy: the view keeps the map open, and nothing
+        writes a loaded weight; a later load gives the stack bytes of its own first, _own_bytes),
+        q4 / int5 are repacked in one pass over all E * O rows into the buffers (repack.py);
+        False where it does not apply (the per-expert path then runs)."""
+        kind = self.block_layout(b.ggml_type)
+        if kind is None or kind != self.layout or b.ggml_type not in self.block_types or kind == "int8g":
+            return False
+        E, O, I = self.weight_shape
+        data = b.data
+        if data.device.type != "cpu" or self.qweight.device.type != "cpu" or data.dim() != 3 or data.shape[:2] != (E, O):
+            return False
+        if kind == "q6k":
+            if tuple(data.shape) == tuple(self.qweight.shape) and data.is_contiguous():
+                self._buffers["qweight"], self._adopted = data, True
+            else:
+                self._own_bytes()
+                self.qweight.copy_(block_bytes(StoredBlocks(b.ggml_type, data.reshape(E * O, -1), (E * O, I)))
+                                   .reshape(self.qweight.shape))
+            return True
+        self._own_bytes()
+        rows = StoredBlocks(b.ggml_type, data.reshape(E * O, -1), (E * O, I))
+        block_bytes(rows)  # checks the bytes against the shape
+        sc = self.scales.view(E * O, 2, -1)
+        if kind == "q4":
+            repack.into_int4(rows, self.qweight.view(E * O, -1), sc[:, 0], sc[:, 1])
+        else:
+            repack.into_int5(rows, self.qweight.view(E * O, -1), self.qhigh.view(E * O, -1), sc[:, 0], sc[:, 1])
+        return True
+
+    def load_row_parts(self, parts: list, dim: int) -> Optional[str]:
+        """w13 from its gate and up stacks [E, O_k, I] (contracts.WeightSink): q4 / int5 stacks
+        repack each part into its own rows, expert by expert, without the joined copy; None for the
+        other layouts (the loader joins the parts and calls load_weight)."""
+        E, O, I = self.weight_shape
+        if (dim != 1 or self.layout not in ("q4", "int5") or not parts
+                or any(p.ggml_type not in self.block_types or self.block_layout(p.ggml_type) != self.layout
+                       or len(p.shape) != 3 or tuple(p.shape[::2]) != (E, I) or p.data.dim() != 3
+                       or p.data.device.type != "cpu" for p in parts)
+                or sum(p.shape[1] for p in parts) != O):
+            return None
+        self._own_bytes()
+        o = 0
+        for p in parts:  # one call per part over its E * n rows (strided per expert in the buffers)
+            n = p.shape[1]
+            block_bytes(StoredBlocks(p.ggml_type, p.data.reshape(E * n, -1), (E * n, I)))  # checks the bytes
+            sc = self.scales[:, o:o + n]
+            if self.layout == "q4":
+                repack.into_int4(p, self.qweight[:, o:o + n], sc[:, :, 0], sc[:, :, 1])
+            else:
+                repack.into_int5(p, self.qweight[:, o:o + n], self.qhigh[:, o:o + n], sc[:, :, 0], sc[:, :, 1])
+            o += n
+        return self._kept_line(parts[0].ggml_type)
+
     def _store_blocks(self, e: int, b: StoredBlocks) -> None:
         """Expert e from blocks b [O, I]: their codes and group scales exactly, chunk_rows rows at a time."""
+        self._own_bytes()
+        if self.layout == "q4":  # (repack.py: natively for Q4_K / Q5_K, into the buffers)
+            block_bytes(b)
+            repack.into_int4(b, self.qweight[e], self.scales[e, :, 0], self.scales[e, :, 1])
+            return
+        if self.layout == "int5":
+            block_bytes(b)
+            repack.into_int5(b, self.qweight[e], self.qhigh[e], self.scales[e, :, 0], self.scales[e, :, 1])
+            return
         step = chunk_rows(self.in_features)
         for r in range(0, self.out_features, step):
             part = StoredBlocks(b.ggml_type, b.data[r:r + step], (min(step, self.out_features - r), self.in_features))
-            if self.layout == "q4":
-                qs, d, m = int4_parts(part)
-                self.qweight[e, r:r + len(qs)].copy_(qs)
-                self.scales[e, r:r + len(qs)].copy_(torch.stack((d, m), dim=1))
-                continue
-            if self.layout == "int5":
-                qs, qh, d, m = int5_parts(part)
-                self.qweight[e, r:r + len(qs)].copy_(qs)
-                self.qhigh[e, r:r + len(qs)].copy_(qh)
-                self.scales[e, r:r + len(qs)].copy_(torch.stack((d, m), dim=1))
-                continue
             if self.layout == "q6k":
                 data = block_bytes(part)
                 self.qweight[e, r:r + len(data)].copy_(data)
@@ -379,6 +442,7 @@ class QuantExperts(nn.Module, WeightSink):
 
     def _fill(self, e: int, w: torch.Tensor) -> None:
         """Expert e from float values w [O, I], chunk_rows(I) rows at a time (small temporaries)."""
+        self._own_bytes()
         if self.layout == "q6k":
             raise CheckpointError(f"expert {e} of stacked experts {list(self.weight_shape)}: a float weight next to "
                                   f"Q6_K block experts (kept as stored bytes, which zoo has no quantizer for); "

@@ -45,9 +45,9 @@ from torch import nn
 
 from ..contracts import Slice, StoredBlocks, WeightSink
 from ..errors import CheckpointError, ConfigError
-from . import cpu_kernels
+from . import cpu_kernels, repack
 from .gguf_blocks import (INT4_TYPES, INT5_TYPES, LAYOUTS, MIXED_LAYOUTS, Q6K_TYPES, block_bytes, block_codes,
-                          has_offset, int4_parts, int5_parts, layout, q4_codes, q8_0_values)
+                          has_offset, layout, q4_codes, q8_0_values)
 
 from ..spec import QUANT_GROUPS as GROUPS, QUANT_MODES as MODES  # the config's choices
 INT4_ROWS = 16  # torch's int4 kernels need O to be a multiple of this
@@ -279,16 +279,26 @@ class QuantLinear(nn.Module, WeightSink):
                         f"{str(self.compute_dtype).removeprefix('torch.')})")
             else:
                 what = self._relayout(kind, value.ggml_type)
-                if kind == "int4":  # the blocks' codes in the kernel's layout (Q4_0 / Q4_1: their bytes)
-                    fill = lambda r: self._store_q4_parts(r, *int4_parts(rows(r)))
-                elif kind == "int5":  # Q5_0 / Q5_1: their bytes; Q5_K its codes re-packed
-                    fill = lambda r: self._store_q5_parts(r, *int5_parts(rows(r)))
+                if kind in ("int4", "int5"):  # the codes in the kernel's layout, in one pass into the buffers
+                    # (repack.py: Q4_K / Q5_K natively; Q4_0 / Q4_1 / Q5_0 / Q5_1 their bytes copied)
+                    block_bytes(value)
+                    d, m = self.scales[:, 0], self.scales[:, 1]
+                    if kind == "int4":
+                        repack.into_int4(value, self.qweight, d, m)
+                    else:
+                        repack.into_int5(value, self.qweight, self.qhigh, d, m)
+                    return what
                 elif kind == "q6k":  # Q6_K: its bytes; the source's own (a file's map) kept as they are
                     if self._adopt(value):
                         return what
                     if self._adopted:  # (a read-only map is never written: bytes of its own)
                         self._buffers["qweight"], self._adopted = torch.empty_like(self.qweight), False
                     fill = lambda r: self.qweight[r:r + step].copy_(block_bytes(rows(r)))
+                elif value.ggml_type in MIXED_LAYOUTS and self.scales.dtype == torch.float32 and self.scales.shape[1] == 2:
+                    # ZQ8 (parts of several types): its bytes are the codes and scales already, split in one pass
+                    repack.into_int8g_zq8(block_bytes(value), value.ggml_type, self.qweight, self.scales[:, 0],
+                                          self.scales[:, 1])
+                    return what
                 else:
                     fill = lambda r: self._store_int8g(r, rows(r))
         else:
@@ -400,11 +410,6 @@ class QuantLinear(nn.Module, WeightSink):
             return
         self.qweight[r:r + n].copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         self.scales_zeros[:, r:r + n].copy_(torch.stack((scale.t(), zero.t()), dim=-1))
-
-    def _store_q5_parts(self, r: int, qs: torch.Tensor, qh: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-        """Rows r.. of the int5 layout: as _store_q4_parts, and qh [rows, I/8] uint8 (the fifth bits)."""
-        self.qhigh[r:r + len(qh)].copy_(qh)
-        self._store_q4_parts(r, qs, d, m)
 
     def _store_q4_parts(self, r: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         """Rows r.. of the zoo layout: qs [rows, I/2] uint8 (Q4 block bytes), d, m [rows, I/g]."""
