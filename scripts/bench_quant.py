@@ -359,13 +359,15 @@ def main(argv=None) -> int:
         base = "llama_cpp" if "llama_cpp" in results else "hf_static" if "hf_static" in results else None
         print(f"{args.case} {ftype or ''}: {results['cpu']}, {args.threads} threads, prompt {args.prompt}, "
               f"{args.new_tokens} new")
-        print(f"| engine | decode tok/s | prefill tok/s |" + (f" decode / {base} | prefill / {base} |" if base else ""))
-        print("|---|---|---|" + ("---|---|" if base else ""))
+        print(f"| engine | load s | peak RSS GiB | decode tok/s | prefill tok/s |"
+              + (f" decode / {base} | prefill / {base} |" if base else ""))
+        print("|---|---|---|---|---|" + ("---|---|" if base else ""))
         for e in engines:
             r = results[e]
             ratio = (f" {r['decode_tok_s'] / results[base]['decode_tok_s']:.2f}x |"
                      f" {r['prefill_tok_s'] / results[base]['prefill_tok_s']:.2f}x |") if base else ""
-            print(f"| {e} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.1f} |{ratio}")
+            print(f"| {e} | {r.get('load_s', float('nan')):.2f} | {r.get('peak_rss', 0) / 2**30:.2f} |"
+                  f" {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.1f} |{ratio}")
         runs.append(results)
     if args.json:
         Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2))
