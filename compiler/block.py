@@ -25,7 +25,7 @@ engine hands blocks the positions, not the embedding.
 
 Gemma 4's blocks end in two more steps, after the FFN's residual: the layer's per-layer input
 gated in (`per_layer`, residual/per_layer_input.py: the model's `per_layer_dim`; the inputs come
-in the step context as ctx["per_layer"] [B, L, N, P]), then the whole state times a stored scalar
+in the step context as ctx["per_layer"] [B, L, Nl, Dp]), then the whole state times a stored scalar
 (`layer_scalar`, the model's `layer_scalar`).
 
 Three entry points, `prefill`, `decode` and `extend`, call the same-named entry points of the

@@ -151,7 +151,7 @@ class Decoder(nn.Module):
         self.tie_weights()
 
     def per_layer(self, ids: torch.Tensor) -> dict:
-        """ids [B, L] -> the step context's per-layer inputs {"per_layer": [B, L, N, P]}, or {}
+        """ids [B, L] -> the step context's per-layer inputs {"per_layer": [B, L, Nl, Dp]}, or {}
         without per-layer embeddings (residual/per_layer_input.py)."""
         if self.per_layer_inputs is None:
             return {}

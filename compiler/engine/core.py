@@ -56,8 +56,9 @@ the ring before writing it (any chunk length is exact), and rollback goes throug
 state rather than through spare ring slots (which every decode step would have to read).
 
 Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
-({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
-and the fixed entries the layers' mixers asked for (contracts.Mixer.decode_context).
+({rope key: (cos, sin)} rows for the step's positions), "per_layer" ([B, L, Nl, Dp], a model with
+per-layer input embeddings: Decoder.per_layer) and, in decode, "pos" ([B] slot written) and the
+fixed entries the layers' mixers asked for (contracts.Mixer.decode_context).
 
 Every step runs with autograd off and outside inference mode, whatever mode the caller is in
 (`torch.no_grad()`, `torch.inference_mode()` or neither): compiled graphs guard on the mode and

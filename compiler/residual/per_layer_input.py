@@ -3,16 +3,16 @@ gated into the residual stream after its FFN.
 
 Model side (PerLayerInputs), once per step, from the token ids and their (scaled) embeddings e:
 
-    table   [Vp, N*P]  looked up by the ids, times sqrt(P)             -> t [B, L, N, P]
-    proj    [N*P, D]   applied to e, times D ** -0.5, viewed per layer -> RMSNorm over P -> c
-    inputs  (c + t) * 2 ** -0.5                                         [B, L, N, P]
+    table   [Vp, Nl*Dp]  looked up by the ids, times sqrt(Dp)            -> t [B, L, Nl, Dp]
+    proj    [Nl*Dp, D]   applied to e, times D ** -0.5, viewed per layer -> RMSNorm over Dp -> c
+    inputs  (c + t) * 2 ** -0.5                                           [B, L, Nl, Dp]
 
-Layer side (PerLayerGate), layer i reading inputs[:, :, i] = u [B, L, P] after the FFN residual:
+Layer side (PerLayerGate), layer i reading inputs[:, :, i] = u [B, L, Dp] after the FFN residual:
 
-    h = h + norm(up(gelu_tanh(gate(h)) * u))       gate [P, D], up [D, P], norm over D
+    h = h + norm(up(gelu_tanh(gate(h)) * u))       gate [Dp, D], up [D, Dp], norm over D
 
-N is the number of layers, P the per-layer width, Vp the per-layer vocabulary. The engine hands
-the inputs to every block in the step context ("per_layer", compiler/engine/core.py).
+(glossary letters: Nl layers, Dp the per-layer width, Vp the per-layer vocabulary.) The engine
+hands the inputs to every block in the step context ("per_layer", compiler/engine/core.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..norm.norms import make_norm
 
 
 class PerLayerInputs(nn.Module):
-    """ids [B, L] and embeddings e [B, L, D] -> per-layer inputs [B, L, N, P] (module docstring)."""
+    """ids [B, L] and embeddings e [B, L, D] -> per-layer inputs [B, L, Nl, Dp] (module docstring)."""
 
     def __init__(self, vocab: int, n_layers: int, width: int, dim: int, norm_spec):
         super().__init__()
@@ -43,7 +43,7 @@ class PerLayerInputs(nn.Module):
 
 
 class PerLayerGate(nn.Module):
-    """h [B, L, D] and this layer's input u [B, L, P] -> h + norm(up(gelu_tanh(gate(h)) * u))."""
+    """h [B, L, D] and this layer's input u [B, L, Dp] -> h + norm(up(gelu_tanh(gate(h)) * u))."""
 
     def __init__(self, width: int, dim: int, norm_spec):
         super().__init__()
