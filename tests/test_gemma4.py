@@ -170,3 +170,20 @@ def test_kv_sharing_needs_a_producer_of_the_same_kind():
         zoo.build("gemma4_text_tiny", overrides=["kv_shared_layers=2", "n_layers=6",
                                                        "layout=[{pattern: [{mixer: local, ffn: mlp}], repeat: 5}, "
                                                        "{pattern: [{mixer: global, ffn: mlp}]}]"], dry=True)
+
+
+def test_flagship_preset_counts_and_imports():
+    """gemma4_text at the config class's defaults: transformers' parameters plus its layer scalars
+    (buffers there, one parameter per layer here), and the imported config gives the preset's layers."""
+    import zoo
+    from zoo.compiler.hf_import import import_config
+    from zoo.compiler.spec import validate
+    config = transformers.Gemma4TextConfig()
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(config)
+    want = sum(p.numel() for p in ref.parameters()) + sum(
+        b.numel() for n, b in ref.named_buffers() if n.endswith("layer_scalar"))
+    m = zoo.build("gemma4_text", dry=True)
+    assert m.info.params == want
+    imported = validate(import_config(config.to_dict(), "gemma4_text"), "gemma4_text")
+    assert imported.layers == m.spec.layers and imported.dim == m.spec.dim
