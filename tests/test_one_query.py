@@ -34,6 +34,33 @@ def test_kernel_refuses_what_it_cannot_take():
         one_query.decode_attention(q.double(), k.double(), k.double(), torch.tensor([3]), 0.1)
 
 
+@pytest.mark.parametrize("B,H,Hkv,L,T,Dh", [(2, 4, 2, 5, 9, 16), (1, 9, 3, 3, 300, 64), (3, 8, 8, 4, 200, 128)])
+def test_window_kernel_is_a_decode_step_over_its_keys(B, H, Hkv, L, T, Dh):
+    """window_attention (a sliding window's keys read through an index, in position order) computes
+    its reference, and each query the same bits as decode_attention over its keys copied to slots
+    0..n-1: what makes a window's prefill, extend and decode agree bit for bit (issue #46). Windows
+    past one chunk of 128 keys, rows reading keys in any order, repeated ones."""
+    assert one_query.available(), one_query._load()
+    g = torch.Generator().manual_seed(B * T)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, H, L, Dh), (B, Hkv, T, Dh), (B, Hkv, T, Dh)))
+    P = T + 7
+    slots = torch.randint(0, T, (B, P), generator=g)
+    n = torch.randint(1, min(T, 150) + 1, (B, L), generator=g)
+    first = (torch.rand(B, L, generator=g) * (P - n + 1)).long()
+    o = one_query.window_attention(q, k, v, slots, first, n, Dh ** -0.5)
+    assert_logits_close(o, one_query.window_reference(q, k, v, slots, first, n, Dh ** -0.5), rtol=1e-5, what="window")
+    for b in range(B):
+        for t in range(L):
+            rows = slots[b, first[b, t]:first[b, t] + n[b, t]]
+            one = one_query.decode_attention(q[b:b + 1, :, t].contiguous(), k[b:b + 1, :, rows].contiguous(),
+                                             v[b:b + 1, :, rows].contiguous(), n[b, t].view(1), Dh ** -0.5)
+            assert torch.equal(one[0], o[b, :, t]), (b, t)
+    with pytest.raises(RuntimeError, match="outside its"):
+        one_query.window_attention(q, k, v, slots + T, first, n, 0.1)
+    with pytest.raises(RuntimeError, match=r"sees slots\["):
+        one_query.window_attention(q, k, v, slots, first + P, n, 0.1)
+
+
 def test_engine_decode_with_and_without_the_kernel(tmp_path):
     """Two engines on one checkpoint, one built without the kernel: rows of different lengths
     (continuous batching) decode to the same logits, and only the first calls the kernel."""

@@ -160,7 +160,7 @@ def test_int4_reference_and_kernel_against_an_independent_float64_computation(gr
     """cpu_kernels.int4_reference is what the kernel is held to; here both are held to a float64
     product over the documented format (nibble layout, W = q d + m, int8 activations per 32
     inputs at every row count), within float32 accumulation over I terms: |got - want| <=
-    (2 sqrt(I) + 8) u * (|x_r| . |q d| + |x| . |m|) elementwise, plus one activation step where a
+    (2 sqrt(I) + 8) u * (|x_r| . |q d| + |x_r| . |m|) elementwise, plus one activation step where a
     code is a near tie (rounding errors of a float32 sum grow as sqrt(I) u, not the worst case I u,
     so a wrong scale, code or nibble shows far above it). The documented rounding itself stays
     within half a step of x (max|x| / 254 per block) of the exact product."""
@@ -180,8 +180,8 @@ def test_int4_reference_and_kernel_against_an_independent_float64_computation(gr
         x[0, :32] = 0.0
         x64 = x.double().numpy()
         xr, slack = documented_rounding(x64)  # at every row count (test_cpu_kernel_... checks the float setting)
-        want = xr @ qd.T + x64 @ m64.T
-        bound = (2 * I ** 0.5 + 8) * u * (np.abs(xr) @ np.abs(qd).T + np.abs(x64) @ np.abs(m64).T) + slack @ np.abs(qd).T
+        want = xr @ w.T  # the m part over the rounded x too (as llama.cpp's Q8_1 block sums)
+        bound = (2 * I ** 0.5 + 8) * u * (np.abs(xr) @ np.abs(qd).T + np.abs(xr) @ np.abs(m64).T) + slack @ np.abs(w).T
         got = {"reference": cpu_kernels.int4_reference(x, qs, sm, group)}
         if kernel:
             got["kernel"] = torch.ops.zoo_quant.int4_linear(x, qs, sm, group)
@@ -192,7 +192,7 @@ def test_int4_reference_and_kernel_against_an_independent_float64_computation(gr
         exact = x64 @ w.T
         step = np.abs(x64).reshape(rows, -1, 32).max(-1).repeat(32, axis=1) / 254.0
         assert (np.abs(xr - x64) <= step * (1 + 1e-12)).all()
-        assert (np.abs(want - exact) <= step @ np.abs(qd).T * (1 + 1e-9)).all()
+        assert (np.abs(want - exact) <= step @ np.abs(w).T * (1 + 1e-9)).all()
         assert np.abs(want - exact).max() > 1e-4  # and it is not nothing
 
 

@@ -305,7 +305,7 @@ class GGUFSource(Source):
                 if path is None:
                     raise CheckpointError(f"{self.description}: conf/gguf/{arch}.yaml names variant map "
                                           f"{variant['map']!r}, which has no file conf/gguf/{variant['map']}.yaml")
-                return arch, variant["map"], _load_yaml(path)
+                return arch, variant["map"], _load_map(path, self.description)
         return arch, arch, mapping
 
 
@@ -677,6 +677,20 @@ def _architectures() -> list[str]:
     return sorted(name for name, path in conf_files("gguf").items() if _load_yaml(path).get("architecture") == name)
 
 
+def _load_map(path: Path, description: str, seen: tuple = ()) -> dict:
+    """A conf/gguf map as a dict; `include: <map>` starts from that map's keys, the file's own
+    top-level keys replacing them (nemotron_h_moe: nemotron_h's fields under its own architecture)."""
+    mapping = dict(_load_yaml(path))
+    base = mapping.pop("include", None)
+    if base is None:
+        return mapping
+    base_path = conf_files("gguf").get(base) if isinstance(base, str) else None
+    if base_path is None or base in seen:
+        raise CheckpointError(f"{description}: {path} includes map {base!r}, which "
+                              + ("includes it back" if base in seen else f"has no file conf/gguf/{base}.yaml"))
+    return {**_load_map(base_path, description, (*seen, base)), **mapping}
+
+
 def _gguf_mapping(arch: Any, description: str) -> dict:
     """conf/gguf/ARCH.yaml as a dict; CheckpointError naming the supported architectures."""
     maps = conf_files("gguf")
@@ -685,4 +699,4 @@ def _gguf_mapping(arch: Any, description: str) -> dict:
         raise CheckpointError(f"{description}: unsupported GGUF architecture {arch!r} (supported: "
                               f"{', '.join(_architectures())}); a new one is a file conf/gguf/<architecture>.yaml "
                               f"(or gguf/<architecture>.yaml in the user conf dir)")
-    return _load_yaml(path)
+    return _load_map(path, description)

@@ -53,7 +53,11 @@ rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin ta
 Without softcap or sinks both entry points call SDPA (a window is a boolean mask); with either,
 `scores` -> `probabilities` -> `mix` spell the same attention out (one place a probe can read the
 probabilities from). Prefill attends within the prompt ([L, L] scores, the window masked), then
-keeps the last Sw keys; prompts longer than the window are fine.
+keeps the last Sw keys; prompts longer than the window are fine. On the CPU (zoo's attention kernel
+built, float32, no softcap / sinks / ALiBi) prefill, extend and decode instead compute each query
+as a decode step does, so that a row gets the same bits on every path (issue #46): over a full
+cache one_query.prefix_attention / decode_attention, over a window one_query.window_attention
+(its keys in position order: the prompt's, the ring's, the ring's then the chunk's).
 """
 from __future__ import annotations
 
@@ -69,8 +73,8 @@ from torch import nn
 from ..contracts import AttentionMaps, CacheField, KindSpec, Mixer, span
 from ..errors import ConfigError
 from . import one_query
-from .kv_cache import (decode_mask, extend_positions, ring_positions, write_decode, write_extend, write_prefill,
-                       write_ring, write_ring_extend)
+from .kv_cache import (decode_mask, extend_positions, ring_positions, window_span, write_decode, write_extend,
+                       write_prefill, write_ring, write_ring_extend)
 from .scores import dot_scores, head_rows
 from .sink_attention import AttentionSink, softmax_with_sink
 from ..norm.norms import make_norm, weightless
@@ -447,6 +451,11 @@ class Attention(Mixer):
             # bits whole, in chunks, after a reused prefix or decoded (one_query.prefix_attention)
             start = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
             o = one_query.prefix_attention(q, cache["k"].to(q.dtype), cache["v"].to(q.dtype), start, self.scale)
+        elif self.window_kernel(ctx, q, k):  # the same for a sliding window: its keys in position order
+            B, L = x.shape[:2]
+            qpos = torch.arange(L, device=x.device).expand(B, L)
+            first, n = window_span(qpos, torch.zeros(B, dtype=torch.long, device=x.device), self.window)
+            o = one_query.window_attention(q, k, v, qpos, first, n, self.scale)
         elif self.ring is None and not self.explicit and self.window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
@@ -497,6 +506,15 @@ class Attention(Mixer):
         last = pos if self.chunk is None else pos % self.chunk  # the last visible slot
         if self.one_query_kernel(ctx, q, kc):
             o = one_query.decode_attention(q[:, :, 0], kc, vc, last + 1, self.scale)[:, :, None]
+        elif self.window_kernel(ctx, q, kc):
+            if self.ring is None:  # one slot per position (a window over a shared KV cache): slot p holds p
+                p0 = torch.zeros_like(pos)
+                slots = torch.arange(S, device=x.device).repeat(pos.shape[0], 1)
+            else:  # the ring after this write: slot p % S holds position p
+                p0 = pos - (S - 1)
+                slots = torch.remainder(p0[:, None] + torch.arange(S, device=x.device), S)
+            first, n = window_span(pos[:, None], p0, self.window)
+            o = one_query.window_attention(q, kc, vc, slots, first, n, self.scale)
         else:
             visible = decode_mask(last, S)
             if self.ring is None and self.window is not None:  # a window over one slot per position
@@ -525,13 +543,25 @@ class Attention(Mixer):
             kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
             if self.prefix_kernel(ctx, q, kc):  # as prefill: each query as its decode step
                 return self._out(one_query.prefix_attention(q, kc, vc, start, self.scale), gate)
+            if self.window_kernel(ctx, q, kc):  # a window over one slot per position: slot p holds p
+                slots = torch.arange(kc.shape[2], device=x.device).repeat(x.shape[0], 1)
+                first, n = window_span(qpos, torch.zeros_like(start), self.window)
+                return self._out(one_query.window_attention(q, kc, vc, slots, first, n, self.scale), gate)
             visible = self.visible(qpos[..., None], torch.arange(kc.shape[2], device=x.device))  # [B, L, S]
             return self._out(self.attend(q, kc, vc, visible[:, None]), gate)
         kpos = torch.cat((ring_positions(start, cache["k"].shape[2]), qpos), dim=1)  # [B, Sw + L]
         keys = torch.cat((cache["k"].to(q.dtype), k), dim=2)
         values = torch.cat((cache["v"].to(q.dtype), v), dim=2)
-        visible = self.visible(qpos[:, :, None], kpos[:, None, :]) & (kpos[:, None, :] >= 0)  # [B, L, Sw + L]
-        o = self.attend(q, keys, values, visible[:, None])
+        if self.window_kernel(ctx, q, keys):  # keys by position: p0..start-1 in the ring, then the chunk's
+            Sw = cache["k"].shape[2]
+            p0 = start - Sw
+            j = p0[:, None] + torch.arange(Sw + x.shape[1], device=x.device)  # [B, Sw + L]
+            slots = torch.where(j >= start[:, None], Sw + j - start[:, None], torch.remainder(j, Sw))
+            first, n = window_span(qpos, p0, self.window)
+            o = one_query.window_attention(q, keys, values, slots, first, n, self.scale)
+        else:
+            visible = self.visible(qpos[:, :, None], kpos[:, None, :]) & (kpos[:, None, :] >= 0)  # [B, L, Sw + L]
+            o = self.attend(q, keys, values, visible[:, None])
         write_ring_extend(cache["k"], k, start)
         write_ring_extend(cache["v"], v, start)
         return self._out(o, gate)
@@ -549,6 +579,15 @@ class Attention(Mixer):
         return (bool(ctx.get("one_query_kernel")) and q.dtype == torch.float32 and not self.explicit
                 and self.window is None and self.chunk is None and H % Hkv == 0 and H // Hkv <= 64
                 and Dh % 8 == 0 and Dh <= 512)
+
+    def window_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether a sliding window's prefill, extend and decode step all attend through zoo's CPU
+        kernel (one_query.window_attention: each query over its window's keys in position order, the
+        same bits on every path): built, float32, a plain softmax (no soft-cap, sink or chunk)."""
+        H, Dh, Hkv = q.shape[1], q.shape[3], k.shape[1]
+        return (bool(ctx.get("one_query_kernel")) and q.dtype == torch.float32 and k.dtype == torch.float32
+                and not self.explicit and self.window is not None and self.chunk is None and H % Hkv == 0
+                and H // Hkv <= 64 and Dh % 8 == 0 and Dh <= 512)
 
     def one_query_kernel(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether a decode step attends through zoo's CPU kernel (one_query.py): it is built

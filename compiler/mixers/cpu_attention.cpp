@@ -35,10 +35,13 @@ inline float hsum(Vec v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec&
 // [.., Dh] -> per head j: max score m[j], sum of exp l[j], unnormalised output acc + j astride [Dh].
 // NV = Dh / Vec::size() when known at compile time (the loops unroll, q and the output stay in
 // registers), 0 for any multiple of the vector width.
+// idx: where logical slot s lies in k, v (row idx[s]; a window read off a ring or a chunk), or
+// nullptr: slot s is row s. Either way the sums run over logical slots in the same order.
 template <int NV>
 void chunk(const float* q, int64_t g, const float* k, const float* v, int64_t Dh, int64_t s0, int64_t s1, float sc,
-           float* p, float* m, float* l, float* acc, int64_t astride) {
+           float* p, float* m, float* l, float* acc, int64_t astride, const int64_t* idx) {
   const int64_t nv = NV > 0 ? NV : Dh / Vec::size(), W = Vec::size(), len = s1 - s0;
+  auto row = [&](int64_t s) { return idx ? idx[s] : s; };
   for (int64_t j = 0; j < g; ++j) {
     Vec qv[NV > 0 ? NV : kMaxVecs];
     for (int64_t d = 0; d < nv; ++d) qv[d] = Vec::loadu(q + j * Dh + d * W);
@@ -46,12 +49,13 @@ void chunk(const float* q, int64_t g, const float* k, const float* v, int64_t Dh
     int64_t s = s0;
     for (; s + 4 <= s1; s += 4) {  // four slots at once: four independent FMA chains
       Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-      const float* kr = k + s * Dh;
+      const float *k0 = k + row(s) * Dh, *k1 = k + row(s + 1) * Dh, *k2 = k + row(s + 2) * Dh,
+                  *k3 = k + row(s + 3) * Dh;
       for (int64_t d = 0; d < nv; ++d) {
-        a0 = at::vec::fmadd(qv[d], Vec::loadu(kr + d * W), a0);
-        a1 = at::vec::fmadd(qv[d], Vec::loadu(kr + Dh + d * W), a1);
-        a2 = at::vec::fmadd(qv[d], Vec::loadu(kr + 2 * Dh + d * W), a2);
-        a3 = at::vec::fmadd(qv[d], Vec::loadu(kr + 3 * Dh + d * W), a3);
+        a0 = at::vec::fmadd(qv[d], Vec::loadu(k0 + d * W), a0);
+        a1 = at::vec::fmadd(qv[d], Vec::loadu(k1 + d * W), a1);
+        a2 = at::vec::fmadd(qv[d], Vec::loadu(k2 + d * W), a2);
+        a3 = at::vec::fmadd(qv[d], Vec::loadu(k3 + d * W), a3);
       }
       pj[s - s0] = sc * hsum(a0);
       pj[s - s0 + 1] = sc * hsum(a1);
@@ -60,7 +64,7 @@ void chunk(const float* q, int64_t g, const float* k, const float* v, int64_t Dh
     }
     for (; s < s1; ++s) {
       Vec a(0.f);
-      for (int64_t d = 0; d < nv; ++d) a = at::vec::fmadd(qv[d], Vec::loadu(k + s * Dh + d * W), a);
+      for (int64_t d = 0; d < nv; ++d) a = at::vec::fmadd(qv[d], Vec::loadu(k + row(s) * Dh + d * W), a);
       pj[s - s0] = sc * hsum(a);
     }
     const float top = *std::max_element(pj, pj + len);
@@ -79,7 +83,7 @@ void chunk(const float* q, int64_t g, const float* k, const float* v, int64_t Dh
     for (int64_t d = 0; d < nv; ++d) o[d] = Vec(0.f);
     for (int64_t u = 0; u < len; ++u) {
       const Vec pu(pj[u]);
-      const float* vr = v + (s0 + u) * Dh;
+      const float* vr = v + row(s0 + u) * Dh;
       for (int64_t d = 0; d < nv; ++d) o[d] = at::vec::fmadd(pu, Vec::loadu(vr + d * W), o[d]);
     }
     for (int64_t d = 0; d < nv; ++d) o[d].store(acc + j * astride + d * W);
@@ -97,8 +101,10 @@ inline void axpy(float w, const float* x, float* acc, int64_t n) {
 // depends on its own query, cache and n only (chunks of kChunk slots from slot 0, merged in chunk
 // order), never on the other rows: a decode step, a prefill and an extend that hand the same
 // query and cache get the same bits (batch invariance, issue #46).
+// idx (or nullptr): row r's logical slot s lies at row idx[r] + s of its KV row (see chunk).
 void attend_rows(const float* qp, const float* kp, const float* vp, const int64_t* kv, const int64_t* n, int64_t R,
-                 int64_t H, int64_t Hkv, int64_t S, int64_t Dh, float sc, float* op) {
+                 int64_t H, int64_t Hkv, int64_t S, int64_t Dh, float sc, float* op,
+                 const int64_t* const* idx = nullptr) {
   const int64_t g = H / Hkv;
   int64_t most = 0;
   for (int64_t r = 0; r < R; ++r) most = std::max(most, n[r]);
@@ -116,7 +122,7 @@ void attend_rows(const float* qp, const float* kp, const float* vp, const int64_
       if (s0 >= s1) continue;  // this row sees fewer slots
       const int64_t kvo = (kv[r] * Hkv + kh) * S * Dh, h0 = r * H + kh * g;
       run(qp + h0 * Dh, g, kp + kvo, vp + kvo, Dh, s0, s1, sc, p, m, l, cacc.data() + (h0 * chunks + c) * Dh,
-          chunks * Dh);
+          chunks * Dh, idx ? idx[r] : nullptr);
       for (int64_t j = 0; j < g; ++j) {
         cmax[(h0 + j) * chunks + c] = m[j];
         csum[(h0 + j) * chunks + c] = l[j];
@@ -198,14 +204,54 @@ at::Tensor prefix_attention(const at::Tensor& q_, const at::Tensor& k_, const at
   return o.transpose(1, 2).contiguous();  // [B, H, L, Dh] contiguous, as the fake (empty_like(q))
 }
 
+// zoo_attn::window_attention(q [B, H, L, Dh], k, v [B, Hkv, T, Dh], slots [B, P], first [B, L], n [B, L], scale)
+// -> [B, H, L, Dh]: query t of row b sees the n[b, t] keys at rows slots[b, first[b, t] + u] (u < n)
+// of its k, v, in that order: a sliding window's keys by position, wherever they lie (a prompt, a
+// ring, a ring and a chunk). Each query is computed as decode_attention computes one over those keys
+// copied to slots 0..n-1, so a window gives a position the same bits on every path (issue #46).
+at::Tensor window_attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& slots_,
+                            const at::Tensor& first_, const at::Tensor& n_, double scale) {
+  TORCH_CHECK(q_.dim() == 4, "window_attention: expected q [B, H, L, Dh], got ", q_.sizes());
+  const int64_t B = q_.size(0), H = q_.size(1), L = q_.size(2), Dh = q_.size(3);
+  check_kv("window_attention", q_, k_, v_, H, Dh);
+  TORCH_CHECK(k_.size(0) == B, "window_attention: q ", q_.sizes(), " does not match k ", k_.sizes());
+  TORCH_CHECK(slots_.scalar_type() == at::kLong && slots_.dim() == 2 && slots_.size(0) == B,
+              "window_attention: slots must be [B, P] int64, got ", slots_.sizes(), " ", slots_.scalar_type());
+  for (const at::Tensor* t : {&first_, &n_})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 2 && t->size(0) == B && t->size(1) == L,
+                "window_attention: first and n must be [B, L] int64, got ", t->sizes(), " ", t->scalar_type());
+  const at::Tensor q = q_.transpose(1, 2).contiguous(), k = k_.contiguous(), v = v_.contiguous(),
+                   sl = slots_.contiguous(), ft = first_.contiguous(), nt = n_.contiguous();
+  const int64_t T = k.size(2), P = sl.size(1);
+  const int64_t *sp = sl.data_ptr<int64_t>(), *f = ft.data_ptr<int64_t>(), *n = nt.data_ptr<int64_t>();
+  std::vector<int64_t> kv(B * L);
+  std::vector<const int64_t*> idx(B * L);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t r = b * L + t;
+      TORCH_CHECK(n[r] >= 1 && f[r] >= 0 && f[r] + n[r] <= P, "window_attention: query ", t, " of row ", b,
+                  " sees slots[", f[r], ":", f[r] + n[r], "] of ", P);
+      for (int64_t u = 0; u < n[r]; ++u)
+        TORCH_CHECK(sp[b * P + f[r] + u] >= 0 && sp[b * P + f[r] + u] < T, "window_attention: row ", b, " slot ",
+                    sp[b * P + f[r] + u], " outside its ", T, " keys");
+      kv[r] = b, idx[r] = sp + b * P + f[r];
+    }
+  at::Tensor o = at::empty({B, L, H, Dh}, q.options());
+  attend_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv.data(), n, B * L, H, k.size(1), T, Dh,
+              static_cast<float>(scale), o.data_ptr<float>(), idx.data());
+  return o.transpose(1, 2).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(zoo_attn, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor n, float scale) -> Tensor");
   m.def("prefix_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale) -> Tensor");
+  m.def("window_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor first, Tensor n, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zoo_attn, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("prefix_attention", &prefix_attention);
+  m.impl("window_attention", &window_attention);
 }

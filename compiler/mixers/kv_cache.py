@@ -65,6 +65,14 @@ def ring_positions(start: torch.Tensor, Sw: int) -> torch.Tensor:
     return last - torch.remainder(last - torch.arange(Sw, device=start.device), Sw)
 
 
+def window_span(qpos: torch.Tensor, p0: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qpos [B, L] query positions, p0 [B] the position of a row's first indexed key, window W ->
+    (first, n) [B, L]: query t sees the keys of positions max(0, qpos - W + 1)..qpos, n of them,
+    the first at index first of its row's slots (one_query.window_attention)."""
+    lo = torch.clamp(qpos - (window - 1), min=0)
+    return lo - p0[:, None], qpos - lo + 1
+
+
 def write_ring_extend(cache: torch.Tensor, new: torch.Tensor, start: torch.Tensor) -> None:
     """cache [B, Hc, Sw, X] <- the chunk new [B, Hc, L, X] at positions start[b]..start[b]+L-1:
     slot s gets the chunk's latest position p with p % Sw == s; the other slots keep theirs."""

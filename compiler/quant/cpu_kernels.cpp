@@ -30,8 +30,8 @@
 // rounded to int8 per block of 32 inputs (scale max|x| / 127, llama.cpp's Q8 activations) and each
 // block's dot product is integer (maddubs, or vpdpbusd at VNNI: 32 multiply-adds in a few
 // instructions), scaled once per block and added in one fixed order per (row, output) (the row
-// tiles below); the m term of int4 uses float sums of x, int5's those of the rounded x (as
-// llama.cpp's Q5 dots). So a row's output is the same bits whatever other rows share the call and
+// tiles below); the m term (int4 / int5 / int8g offsets) multiplies the sums of the rounded x (as
+// llama.cpp's Q8_1 / Q8_K block sums), so a row's output is exactly W times the rounded x. So a row's output is the same bits whatever other rows share the call and
 // however the outputs split between threads (batch invariance: a served answer does not depend on
 // the path its cache took). Reading the codes without widening them to floats is also what makes
 // a matrix-vector product as fast as the memory (a float32 FMA loop over the widened codes measured
@@ -238,26 +238,24 @@ constexpr int64_t kTile = 8;      // rows of x per pass over a weight row
 constexpr int64_t kOutTile = 16;  // outputs per thread task: their weight rows stay in cache while x passes
 
 // The activations of M rows as the dots take them: xq [M, I] int8 and dx [M, I/32] (quantize_rows),
-// and xs [M, ng] the per-group sums the m term multiplies: of x itself (sums = 1: int4 / int8g,
-// as the kernels always took them) or of the rounded x (sums = 2: int5, as llama.cpp's Q5 dots),
-// none for sums = 0. Rows are prepared in parallel, each on its own (the same values whatever M).
+// and xs [M, ng] the per-group sums of the rounded x the m term multiplies (sums, as llama.cpp's
+// Q8_1 block sums; none without it). Rows are prepared in parallel, each on its own (the same
+// values whatever M).
 struct Activations {
   std::vector<int8_t> xq;
   std::vector<float> dx, xs;
-  Activations(const float* x, int64_t M, int64_t I, int64_t group, int sums)
+  Activations(const float* x, int64_t M, int64_t I, int64_t group, bool sums)
       : xq(M * I), dx(M * (I / kBlock)), xs(sums ? M * (I / group) : 0, 0.f) {
     const int64_t nb = I / kBlock, ng = I / group;
     at::parallel_for(0, M, 4, [&](int64_t a, int64_t b) {
       quantize_rows(x + a * I, b - a, I, xq.data() + a * I, dx.data() + a * nb);
-      for (int64_t r = a; r < b && sums == 1; ++r)
-        for (int64_t g = 0; g < ng; ++g)
-          for (int64_t i = 0; i < group; ++i) xs[r * ng + g] += x[r * I + g * group + i];
-      for (int64_t r = a; r < b && sums == 2; ++r)
-        for (int64_t k = 0; k < nb; ++k) {
-          int32_t s = 0;
-          for (int64_t t = 0; t < kBlock; ++t) s += xq[r * I + k * kBlock + t];
-          xs[r * ng + k * kBlock / group] += dx[r * nb + k] * float(s);
-        }
+      for (int64_t r = a; r < b && sums; ++r)
+        for (int64_t k = 0; k < nb; ++k)  // a block's codes summed per group (groups of 16: two a block)
+          for (int64_t t0 = 0, len = std::min(group, kBlock); t0 < kBlock; t0 += len) {
+            int32_t s = 0;
+            for (int64_t t = t0; t < t0 + len; ++t) s += xq[r * I + k * kBlock + t];
+            xs[r * ng + (k * kBlock + t0) / group] += dx[r * nb + k] * float(s);
+          }
     });
   }
 };
@@ -583,10 +581,11 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qs, const uin
               " must be 32 times a power of two");
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  // int5's m term over the int8-rounded x, as llama.cpp's Q5_0 (signed codes) and Q5_1 (Q8_1's
-  // block sums) take it: Q5_0's m = -16 d then cancels the rounding of q d for q near 16, where
-  // over x itself decode perplexity drifted 5x further from float (SmolLM2 Q4_K_M / Q5_K_M)
-  const Activations a(x.data_ptr<float>(), M, I, group, Q5 ? 2 : 1);
+  // the m term over the int8-rounded x, as llama.cpp's Q4_1 / Q5_1 (Q8_1's block sums) and Q4_0 /
+  // Q5_0 (signed codes) take it: m (-8 d, -16 d, or a min near -q d) then cancels the rounding of
+  // q d, where over x itself the unsigned codes' rounding adds up (perplexity further from float:
+  // scripts/results/gguf_accuracy.json)
+  const Activations a(x.data_ptr<float>(), M, I, group, true);
   over_tiles(M, O, nb, [&](int64_t o, int64_t r0, int64_t R, float* db) {
     const S* so = s + o * ng * 2;
     block_d(so, group / kBlock, nb, db);
@@ -610,7 +609,7 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& qw_, const at::Te
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { int8_dequantize(q, sc, I, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  const Activations a(x.data_ptr<float>(), M, I, kBlock, 0);
+  const Activations a(x.data_ptr<float>(), M, I, kBlock, false);
   const std::vector<float> ones(nb, 1.f);  // per channel: each block's scale is dx alone
   over_tiles(M, O, 0, [&](int64_t o, int64_t r0, int64_t R, float*) {
     i8_tile<float, false>(q + o * I, ones.data(), nullptr, 0, nb, sc[o], a.xq.data() + r0 * I, a.dx.data() + r0 * nb,
@@ -630,7 +629,7 @@ at::Tensor int8g_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { i8g_dequantize(q, s, ns, I, group, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  const Activations a(x.data_ptr<float>(), M, I, group, ns == 2 ? 1 : 0);
+  const Activations a(x.data_ptr<float>(), M, I, group, ns == 2);
   const bool half = group == 16;
   over_tiles(M, O, 2 * nb, [&](int64_t o, int64_t r0, int64_t R, float* db) {
     const S* so = s + o * ng * ns;
@@ -879,7 +878,7 @@ at::Tensor q6k_linear(const at::Tensor& x_, const at::Tensor& blocks_, int64_t f
     return chunked_gemm(x, O, I, [&](int64_t r0, int64_t r1, float* out) { q6k_dequantize(q, I, r0, r1, out); });
   at::Tensor y = at::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  const Activations a(x.data_ptr<float>(), M, I, kBlock, 0);
+  const Activations a(x.data_ptr<float>(), M, I, kBlock, false);
   std::vector<float> dx2(M * I / 16);
   std::vector<int32_t> off(M * I / 4);
   q6_activations(a.xq.data(), a.dx.data(), M * I, off.data(), dx2.data());
@@ -925,7 +924,7 @@ at::Tensor expert_impl(const at::Tensor& x, const int64_t* offs, int64_t E, cons
                        int64_t float_rows) {
   const int64_t N = x.size(0), nb = I / kBlock, ng = I / group, Oy = gated ? O / 2 : O;
   const int64_t qrow = K == kQ6k ? I / kQ6Block * kQ6Bytes : K == kInt8g ? I : I / 2;  // bytes per weight row
-  const int sums = K == kInt4 ? 1 : K == kInt5 ? 2 : (K == kInt8g && ns == 2) ? 1 : 0;
+  const bool sums = K == kInt4 || K == kInt5 || (K == kInt8g && ns == 2);  // an m term
   at::Tensor y = at::empty({N, Oy}, x.options());
   float* yp = y.data_ptr<float>();
   // the segments: tiled experts (int8 activations) and, with float_rows, the float GEMM's

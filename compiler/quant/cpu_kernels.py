@@ -98,16 +98,10 @@ def _float_gemm(x: torch.Tensor, float_rows: int) -> bool:
 
 def int4_reference(x: torch.Tensor, qs: torch.Tensor, sm: torch.Tensor, group: int,
                    qh: torch.Tensor | None = None, float_rows: int = 0) -> torch.Tensor:
-    """What int4_linear computes (int5_linear with qh), in torch ops: the q d part over the
-    int8-rounded x and the m part over x itself (int5: over the rounded x too, as llama.cpp's
-    Q5_0 / Q5_1 dots); with float_rows > 0, calls of more rows with x as it is (the float GEMM)."""
-    if _float_gemm(x, float_rows):
-        return F.linear(x, int4_dequantize(qs, sm, qh))
-    only_d = sm.clone()
-    only_d[:, 1] = 0
-    m = sm[:, 1].float().repeat_interleave(group, dim=1)
-    xr = round_activations(x)
-    return F.linear(xr, int4_dequantize(qs, only_d, qh)) + F.linear(x if qh is None else xr, m)
+    """What int4_linear computes (int5_linear with qh), in torch ops: W times the int8-rounded x
+    (the m part too, over the rounded x's sums, as llama.cpp's Q4_1 / Q5_1 dots); with
+    float_rows > 0, calls of more rows with x as it is (the float GEMM)."""
+    return F.linear(x if _float_gemm(x, float_rows) else round_activations(x), int4_dequantize(qs, sm, qh))
 
 
 def int5_reference(x: torch.Tensor, qs: torch.Tensor, qh: torch.Tensor, sm: torch.Tensor, group: int,
@@ -126,12 +120,9 @@ def int8g_dequantize(qw: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
 
 def int8g_reference(x: torch.Tensor, qw: torch.Tensor, sm: torch.Tensor, group: int,
                     float_rows: int = 0) -> torch.Tensor:
-    """What int8g_linear computes (as int4_reference: the d part over the int8-rounded x, the m
-    part, if any, over x itself; float_rows as there)."""
-    if _float_gemm(x, float_rows):
-        return F.linear(x, int8g_dequantize(qw, sm))
-    y = F.linear(round_activations(x), int8g_dequantize(qw, sm[:, :1]))
-    return y + F.linear(x, sm[:, 1].float().repeat_interleave(group, dim=1)) if sm.shape[1] == 2 else y
+    """What int8g_linear computes (as int4_reference: W times the int8-rounded x, the m part, if
+    any, too; float_rows as there)."""
+    return F.linear(x if _float_gemm(x, float_rows) else round_activations(x), int8g_dequantize(qw, sm))
 
 
 def q6k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
