@@ -445,7 +445,9 @@ class Attention(Mixer):
             write(cache["k"], k)
             write(cache["v"], v)
         else:  # the producer wrote slots 0..L-1 of these fields earlier in this step
-            k, v = (cache[n].narrow(2, 0, x.shape[1]).to(q.dtype) for n in ("k", "v"))
+            # index_select, not a slice: a slice of symbolic length L specialises on L == S (write_prefill)
+            slots = torch.arange(x.shape[1], device=x.device)
+            k, v = (cache[n].index_select(2, slots).to(q.dtype) for n in ("k", "v"))
         if self.ring is None and self.prefix_kernel(ctx, q, cache["k"]):
             # each query as its decode step computes it, over the cache as decode reads it: the same
             # bits whole, in chunks, after a reused prefix or decoded (one_query.prefix_attention)
