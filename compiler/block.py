@@ -23,6 +23,11 @@ The first block of a model with learned absolute positions adds them to h on ent
 (`positions`, model.py's LearnedPositions, owned by the model and only referenced here): the
 engine hands blocks the positions, not the embedding.
 
+Gemma 4's blocks end in two more steps, after the FFN's residual: the layer's per-layer input
+gated in (`per_layer`, residual/per_layer_input.py: the model's `per_layer_dim`; the inputs come
+in the step context as ctx["per_layer"] [B, L, Nl, Dp]), then the whole state times a stored scalar
+(`layer_scalar`, the model's `layer_scalar`).
+
 Three entry points, `prefill`, `decode` and `extend`, call the same-named entry points of the
 mixer (the FFN, per position, runs its `prefill` under extend): the entry point decides the
 algorithm, never the sequence length.
@@ -35,8 +40,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .contracts import OwnInit
 from .norm.norms import make_norm
 from .registry import lookup
+from .residual.per_layer_input import PerLayerGate
 from .residual.prenorm import residual_kind
 from .spec import LayerSpec, ModelSpec
 
@@ -52,6 +59,20 @@ class BuildContext:
     @property
     def dim(self) -> int:
         return self.spec.dim
+
+
+class LayerScalar(nn.Module, OwnInit):
+    """h [..., D] -> h * weight, weight [1] a stored scalar (Gemma 4's layer_scalar; init 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1))
+
+    def init_weights(self, generator=None) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.weight
 
 
 class Block(nn.Module):
@@ -84,6 +105,15 @@ class Block(nn.Module):
         self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post and not self.mixer_absent else None
         self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post and not self.ffn_absent else None
         self.__dict__["positions"] = None  # set on the first block by the model (not a child module)
+        self.index = layer.index
+        self.per_layer = PerLayerGate(spec.per_layer_dim, spec.dim, spec.norm) if spec.per_layer_dim else None
+        self.layer_scalar = LayerScalar() if spec.layer_scalar else None
+
+    def _finish(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """After both sub-layers: the per-layer input gated in, then the layer scalar (when built)."""
+        if self.per_layer is not None:
+            h = self.per_layer(h, ctx["per_layer"][:, :, self.index])
+        return h if self.layer_scalar is None else self.layer_scalar(h)
 
     @staticmethod
     def _out(y: torch.Tensor, reduce, norm) -> torch.Tensor:
@@ -96,19 +126,22 @@ class Block(nn.Module):
         """h: residual state [B, L, ...D] -> same shape."""
         if self.positions is not None:
             h = h + self.positions(torch.arange(h.shape[1], device=h.device)).to(h.dtype)
-        return self._run(h, lambda x: self.mixer.prefill(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
+        return self._finish(self._run(h, lambda x: self.mixer.prefill(x, cache, ctx),
+                                      lambda x: self.ffn.prefill(x, ctx)), ctx)
 
     def decode(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, 1, ...D] -> same shape."""
         if self.positions is not None:
             h = h + self.positions(ctx["pos"])[:, None].to(h.dtype)
-        return self._run(h, lambda x: self.mixer.decode(x, cache, ctx), lambda x: self.ffn.decode(x, ctx))
+        return self._finish(self._run(h, lambda x: self.mixer.decode(x, cache, ctx),
+                                      lambda x: self.ffn.decode(x, ctx)), ctx)
 
     def extend(self, h: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
         """h: residual state [B, L, ...D] at positions ctx["start"][b] + 0..L-1 -> same shape."""
         if self.positions is not None:
             h = h + self.positions(ctx["start"][:, None] + torch.arange(h.shape[1], device=h.device)).to(h.dtype)
-        return self._run(h, lambda x: self.mixer.extend(x, cache, ctx), lambda x: self.ffn.prefill(x, ctx))
+        return self._finish(self._run(h, lambda x: self.mixer.extend(x, cache, ctx),
+                                      lambda x: self.ffn.prefill(x, ctx)), ctx)
 
     def _run(self, h: torch.Tensor, mixer, ffn) -> torch.Tensor:
         if self.after_add:  # post-LN: h = norm(h + f(h)), each sub-layer in turn

@@ -44,6 +44,9 @@ Config fields and shape letters mean the same thing everywhere:
     Ps  head_dim (SSM)        channels of one Mamba2 head
     Gs  n_groups              Mamba2 B/C groups (each serves Hs / Gs heads)
     Kd  draft_tokens          tokens a drafter proposes per speculative step (runtime.speculative)
+    Nl  n_layers              decoder layers (the per-layer inputs' layer axis)
+    Dp  per_layer_dim         width of one layer's per-layer input embedding (Gemma 4's PLE)
+    Vp  per_layer_vocab       rows of the per-layer embedding table
     P   (ranks)               processes of a tensor/expert-parallel run (runtime.parallel: tp is 1
                               or P, ep divides P; see compiler/parallel/)
 
@@ -58,6 +61,7 @@ parameters uniformly:
     layers.{i}.mixer_residual residual connection around the mixer (prenorm: no parameters)
     layers.{i}.ffn_residual   residual connection around the FFN
     norm                      final norm
+    per_layer_inputs          per-layer input table / projection / norm (Gemma 4; layers.{i}.per_layer its gate)
     head                      output projection [V, D] (shares embed's storage when tied)
 """
 

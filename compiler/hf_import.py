@@ -79,6 +79,7 @@ ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 ROPE_PARAM_KEYS = {
     "default": {"rope_type", "type", "rope_theta"},
     "linear": {"rope_type", "type", "rope_theta", "factor"},
+    "proportional": {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor"},
     "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"},
     "yarn": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
@@ -525,6 +526,12 @@ def rope_from_hf(config: dict, where: str, theta_default: Any = _ABSENT, file: s
         return {"kind": "default", "theta": theta}
     if rope_type == "linear":
         return {"kind": "linear", "theta": theta, "factor": need("factor", float)}
+    if rope_type == "proportional":  # Gemma 4: its partial_rotary_factor is the rope's own (rope.py)
+        out = {"kind": "proportional", "theta": theta}
+        for hf_key, zoo_key in (("partial_rotary_factor", "fraction"), ("factor", "factor")):
+            if (value := _present(params, hf_key)) is not _ABSENT:
+                out[zoo_key] = float(value)
+        return out
     if rope_type == "llama3":
         return {"kind": "llama3", "theta": theta, "factor": need("factor", float),
                 "low_freq_factor": need("low_freq_factor", float),

@@ -15,7 +15,8 @@ is ever handed to `eval`, and no attribute, subscript or call outside this list 
     defaults     `key ?? v`: v when config.json lacks key or gives null
                  `default(key, v)`: v when config.json lacks key (an explicit null stays null)
                  `has(key)`: whether config.json has key (null included)
-    functions    min, max, abs, len, int, float, round, sqrt
+    functions    min, max, abs, len, int, float, round, sqrt; common(m, 'k') (the one value of k
+                 the sub-mappings of m share), inner_keys(m) (the keys they use, sorted)
 
 A key config.json lacks is an error naming it (unless read through ??, default or has): the
 config class's default is a choice the import map states, never one the language guesses.
@@ -38,8 +39,27 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
             ast.NotIn: lambda a, b: a not in b}
+def _common(mapping: Any, name: str) -> Any:
+    """The one value of `name` every entry of a mapping of mappings gives (Gemma 4's
+    per_layer_config: {layer: {head_dim: ...}}); entries that lack it or disagree are an error."""
+    if not isinstance(mapping, Mapping) or not mapping or not all(isinstance(v, Mapping) for v in mapping.values()):
+        raise ValueError(f"common(..., {name!r}) expects a non-empty mapping of mappings, got {mapping!r}")
+    values = {repr(v.get(name, "<absent>")): v.get(name) for v in mapping.values()}
+    if len(values) != 1 or any(name not in v for v in mapping.values()):
+        raise ValueError(f"common(..., {name!r}): its entries give {sorted(values)}; expected one value in all")
+    return next(iter(values.values()))
+
+
+def _inner_keys(mapping: Any) -> list:
+    """The sorted keys the entries of a mapping of mappings use (to require which ones it holds)."""
+    if not isinstance(mapping, Mapping) or not all(isinstance(v, Mapping) for v in mapping.values()):
+        raise ValueError(f"inner_keys(...) expects a mapping of mappings, got {mapping!r}")
+    return sorted({k for v in mapping.values() for k in v})
+
+
 _FUNCTIONS = {"min": min, "max": max, "abs": abs, "len": len, "int": int, "float": float, "round": round,
-              "sqrt": math.sqrt}  # sqrt: MiniCPM3's residual scale_depth / sqrt(num_hidden_layers)
+              "sqrt": math.sqrt,  # sqrt: MiniCPM3's residual scale_depth / sqrt(num_hidden_layers)
+              "common": _common, "inner_keys": _inner_keys}  # Gemma 4's per_layer_config
 _KEY_FUNCTIONS = ("default", "has")  # their first argument is a key, read without requiring it
 ALLOWED = ("config keys, numbers, strings, lists, key[i], + - * / // %, comparisons, and/or/not, "
            "`x if c else y`, `is None`, `key ?? v`, default(key, v), has(key), "

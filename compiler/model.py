@@ -4,7 +4,8 @@
 
 Model-level options of the spec: `embed_scale` multiplies the embeddings (Gemma: sqrt(dim), as a
 scalar in the embedding dtype, as transformers does; Granite's embedding_multiplier),
-`logits_scaling` divides the logits (Granite), `logit_softcap` squashes them to
+`per_layer_dim` builds per-layer input embeddings (Gemma 3n / 4: per_layer_inputs, handed to
+the blocks in the step context; residual/per_layer_input.py), `logits_scaling` divides the logits (Granite), `logit_softcap` squashes them to
 softcap * tanh(logits / softcap) (Gemma 2), `embed_norm` normalises the embeddings (Bloom:
 embed.norm), `head_bias` gives the head a bias (GPT-J), `learned_positions` adds a learned
 absolute position embedding pos_embed [max_position + position_offset, D] (GPT-2, OPT) to the
@@ -26,6 +27,7 @@ from .mtp import MTPLayer
 from .norm.norms import make_norm
 from .position.rope import make_rope
 from .position.sinusoidal import SinusoidalPositions
+from .residual.per_layer_input import PerLayerInputs
 from .residual.prenorm import residual_kind
 from .spec import DTYPES, ModelSpec
 
@@ -94,6 +96,9 @@ class Decoder(nn.Module):
         res = residual_kind(spec.residual)
         self.streams = res.model_streams(spec.residual, ctx)
         self.layers = nn.ModuleList(Block(layer, ctx) for layer in spec.layers)
+        # per-layer input embeddings (Gemma 3n / 4): one input per layer, from the ids and embeddings
+        self.per_layer_inputs = (PerLayerInputs(spec.per_layer_vocab, spec.n_layers, spec.per_layer_dim, spec.dim,
+                                                spec.norm) if spec.per_layer_dim else None)
         if spec.learned_positions:
             if res.n_streams(spec.residual) != 1:
                 raise ConfigError(f"{spec.source}: learned_positions needs a one-stream residual, not "
@@ -144,6 +149,13 @@ class Decoder(nn.Module):
                 for p in module.parameters(recurse=False):
                     p.data.normal_(0.0, std, generator=generator)
         self.tie_weights()
+
+    def per_layer(self, ids: torch.Tensor) -> dict:
+        """ids [B, L] -> the step context's per-layer inputs {"per_layer": [B, L, Nl, Dp]}, or {}
+        without per-layer embeddings (residual/per_layer_input.py)."""
+        if self.per_layer_inputs is None:
+            return {}
+        return {"per_layer": self.per_layer_inputs(ids, self.embed(ids))}
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Last residual state [..., D] (or streams) -> the final-normed state [..., D] the head reads."""

@@ -160,6 +160,14 @@ class ConfigSchema:
     sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False  # a norm (the model's kind) right after the embedding (Bloom)
     head_bias: bool = False  # the output projection has a bias (GPT-J, Phi-1/2)
+    # KV shared across layers (Gemma 3n / 4): the last kv_shared_layers layers compute no keys or
+    # values; each reads the cache of the last earlier layer of its own mixer entry (kv_sources)
+    kv_shared_layers: int = 0
+    # per-layer input embeddings of this width (residual/per_layer_input.py; Gemma 3n / 4), from a
+    # table of per_layer_vocab rows (null: vocab_size); null: none
+    per_layer_dim: Optional[int] = None
+    per_layer_vocab: Optional[int] = None
+    layer_scalar: bool = False  # each block's output times a stored scalar layers.{i}.layer_scalar (Gemma 4)
     mixers: Dict[str, Any] = field(default_factory=dict)
     ffns: Dict[str, Any] = field(default_factory=dict)
     layout: List[RunSchema] = field(default_factory=list)
@@ -231,6 +239,11 @@ class ModelSpec:
     sinusoidal_positions: Optional[str] = None
     embed_norm: bool = False
     head_bias: bool = False
+    # consumer layer -> the producer layer whose KV cache it reads (ConfigSchema.kv_shared_layers)
+    kv_sources: Dict[int, int] = field(default_factory=dict)
+    per_layer_dim: Optional[int] = None
+    per_layer_vocab: Optional[int] = None
+    layer_scalar: bool = False
 
     @property
     def n_layers(self) -> int:
@@ -374,6 +387,12 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
     if top.learned_positions and rt.max_seq > top.max_position:
         raise _fail(source, f"runtime.max_seq={rt.max_seq}: learned_positions has rows for max_position="
                             f"{top.max_position} positions only; expected runtime.max_seq <= {top.max_position}")
+    for key in ("per_layer_dim", "per_layer_vocab"):
+        if top[key] is not None and top[key] <= 0:
+            raise _fail(source, f"{key}: must be a positive size (or null), got {top[key]}")
+    if top.per_layer_dim is not None and top.per_layer_vocab is not None and top.per_layer_vocab < top.vocab_size:
+        raise _fail(source, f"per_layer_vocab={top.per_layer_vocab}: the per-layer table needs a row for every "
+                            f"token id, expected >= vocab_size={top.vocab_size}")
     for key in ("embed_scale", "logit_softcap"):
         if top[key] is not None and top[key] <= 0:
             raise _fail(source, f"{key}: must be positive (or null), got {top[key]}")
@@ -399,6 +418,7 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         if ffn_name not in ffns:
             raise _fail(source, f"layout: layer {i} uses ffn {ffn_name!r}, not one of ffns {sorted(ffns)}")
         layers.append(LayerSpec(i, mixer_name, mixers[mixer_name], ffn_name, ffns[ffn_name]))
+    kv_sources = _kv_sources(layers, top.kv_shared_layers, source)
     mtp = OmegaConf.to_object(top.mtp)
     mtp_layers = _mtp_layers(mtp, mixers, ffns, len(layers), source)
 
@@ -412,7 +432,31 @@ def validate(cfg: DictConfig | dict, source: str) -> ModelSpec:
         logit_softcap=top.logit_softcap, learned_positions=top.learned_positions,
         sinusoidal_positions=top.sinusoidal_positions,
         position_offset=top.position_offset, embed_norm=top.embed_norm, head_bias=top.head_bias,
+        kv_sources=kv_sources, per_layer_dim=top.per_layer_dim,
+        per_layer_vocab=top.per_layer_vocab if top.per_layer_vocab is not None else top.vocab_size,
+        layer_scalar=top.layer_scalar,
     )
+
+
+def _kv_sources(layers: list[LayerSpec], shared: int, source: str) -> dict[int, int]:
+    """kv_shared_layers N -> {consumer i: producer j}: each of the last N layers reads the KV
+    cache of the last layer before them (j < n - N) that uses the same mixer entry (Gemma 3n / 4:
+    the last sliding and the last global layer before the shared ones)."""
+    n = len(layers)
+    if not 0 <= shared < max(n, 1):
+        raise _fail(source, f"kv_shared_layers: expected 0..{n - 1} (n_layers={n}; at least one layer "
+                            f"computes its own keys and values), got {shared}")
+    first = n - shared
+    last_of = {layers[j].mixer_name: j for j in range(first)}
+    out = {}
+    for i in range(first, n):
+        name = layers[i].mixer_name
+        if name not in last_of:
+            raise _fail(source, f"kv_shared_layers={shared}: layer {i} (mixer {name!r}) shares the KV cache of "
+                                f"an earlier {name!r} layer, but layers 0..{first - 1} have none (their mixers: "
+                                f"{sorted(last_of)})")
+        out[i] = last_of[name]
+    return out
 
 
 def _mtp_layers(mtp: MTPSchema, mixers: dict, ffns: dict, first: int, source: str) -> tuple[LayerSpec, ...]:

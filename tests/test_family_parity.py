@@ -21,6 +21,7 @@ from tests import test_attn_families as attn
 from tests import test_deepseek_v3 as dsv3
 from tests import test_deepseek_v4 as v4
 from tests import test_dense_families as dense
+from tests import test_gemma4 as gemma4
 from tests import test_glm5 as glm5
 from tests import test_gpt2era as gpt2era
 from tests import test_kimi_linear as kimi
@@ -142,6 +143,19 @@ FAMILIES["deepseek_v4/compiled"] = Family(
                               mlp_layer_types=["hash_moe", "moe", "moe"]),
     save=lambda ref, path: v4.save_checkpoint(ref, path), max_seq=v4.MAX_SEQ,
     eager=(), compiled=(P(20, 12), P(9, 3), DEP(30, 6)), graphs=3)  # (swa, hash MoE), (csa, MoE), (hca, MoE)
+
+# --------------------------------------------------------------------------- Gemma 4 (test_gemma4.py)
+
+# KV shared across layers (a cache plan), per-layer inputs, proportional rope, v norm, layer scalars.
+# Compiled: one graph per layer (each block picks its own per-layer input by its index, and the
+# consumers read another layer's cache: no two of the 7 layers share a structure)
+GEMMA4_GRAPHS = 7
+for _name, _kw in gemma4.VARIANTS.items():
+    FAMILIES[f"gemma4/{_name}"] = Family(
+        (lambda kw=_kw: tiny_reference(_cls("Gemma4ForCausalLM"), gemma4.tiny_config(**kw), gemma4.randomize)),
+        rtol=1e-4, hub=_name == "shared", eager=(P(11, 8, seed=0), P(1, 3), DEP(25, 9, seed=1)),
+        compiled=(P(11, 4, seed=0), P(17, 2), DEP(20, 7, seed=1)) if _name == "shared" else (),
+        graphs=GEMMA4_GRAPHS if _name == "shared" else None)
 
 # ------------------------------------------------------------------- GLM-5 / DeepSeek-V3.2 (test_glm5.py)
 

@@ -118,6 +118,17 @@ def _per_layer_lists(cfg, n_layers: int) -> dict[str, list]:
             and all(isinstance(x, (str, int, bool)) for x in v)}
 
 
+def _class_sets(full, key: str) -> bool:
+    """Whether the config class gives `key` a value (not None). A key it holds per layer (Gemma 4's
+    head_dim, which transformers refuses to read globally) counts as set."""
+    try:
+        return getattr(full, key, None) is not None
+    except Exception as e:  # transformers' AmbiguousGlobalPerLayerAttributeError: set, per layer
+        if "per-layer" in str(e) or "per_layer" in str(e):
+            return True
+        raise
+
+
 def twin_config(model_type: str, config: Optional[dict] = None):
     """A tiny transformers config of `model_type` (from `config`, else the config class's
     defaults): sizes from the verify sections, every per-layer kind kept (the shortest prefix of
@@ -136,7 +147,7 @@ def twin_config(model_type: str, config: Optional[dict] = None):
     kw = dict(base)
     # a key the class computes (a property without a setter, e.g. a derived head_dim) is not an input
     settable = {k for k in common if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
-    kw.update({k: v for k, v in common.items() if k in settable and getattr(full, k, None) is not None})
+    kw.update({k: v for k, v in common.items() if k in settable and _class_sets(full, k)})
     n = int(getattr(full, "num_hidden_layers", 0) or 0)
     lists = _per_layer_lists(full, n)
     need = min_layers

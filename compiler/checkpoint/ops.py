@@ -54,7 +54,8 @@ def _add(xs, value: float):
     return xs[0] + value
 
 
-def _cat_shape(shapes, dim: int = 0):
+def _cat_shape(shapes, dim: int = 0, order=None):
+    shapes = _ordered(shapes, order)
     ref = list(shapes[0])
     for s in shapes[1:]:
         if len(s) != len(ref) or any(a != b for i, (a, b) in enumerate(zip(s, ref)) if i != dim % len(ref)):
@@ -63,9 +64,23 @@ def _cat_shape(shapes, dim: int = 0):
     return tuple(ref)
 
 
+def _ordered(xs, order):
+    """xs in the order `order` gives (order[i]: where input i goes; None: as listed), so a rule's
+    first `from` can be a tensor only some layers have (Gemma 4's k_proj) while the result keeps
+    the parameter's layout."""
+    if order is None:
+        return list(xs)
+    if sorted(order) != list(range(len(xs))):
+        raise ValueError(f"cat order {list(order)}: expected a permutation of 0..{len(xs) - 1}")
+    out = [None] * len(xs)
+    for x, place in zip(xs, order):
+        out[place] = x
+    return out
+
+
 @op("cat", None, _cat_shape)
-def _cat(xs, dim: int = 0):
-    return torch.cat(xs, dim=dim)
+def _cat(xs, dim: int = 0, order=None):
+    return torch.cat(_ordered(xs, order), dim=dim)
 
 
 def _split_shape(shapes, sizes, index: int, dim: int = 0):

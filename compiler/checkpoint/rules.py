@@ -11,7 +11,7 @@ llama.cpp's), and the last, a `params` stage, must account for every tensor left
         stack: expert                   # fills row {expert} of the parameter
       - from: [a.{layer}.q, a.{layer}.k, a.{layer}.v]
         to: layers.{layer}.mixer.wqkv.weight
-        op: cat                         # see ops.py; args: {dim: 0}
+        op: cat                         # see ops.py; args: {dim: 0}, order: where each input goes
       - from: blk.{layer}.ssm_conv1d.weight
         to: layers.{layer}.mixer.conv_weight
         op: transpose_blocks            # then: more one-input ops, each on the previous result

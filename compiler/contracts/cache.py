@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import ContractError
+
 
 @dataclass(frozen=True)
 class CacheField:
@@ -22,15 +24,21 @@ class CacheField:
     token_axis: the axis of a growing field whose index is the position (slot p holds token p),
         so that the first n tokens of a row are the slice [:n] there (a prefix store copies only
         those); None: no such axis (the field is copied whole).
+    alias_of: the index of an earlier layer whose field of the same name this one is (KV shared
+        across layers, Gemma 3n / 4): allocated once, there, and read here; it holds no bytes of
+        its own, and row operations act on it through that layer.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     grows: bool
     token_axis: Optional[int] = None
+    alias_of: Optional[int] = None
 
     @property
     def nbytes(self) -> int:
+        if self.alias_of is not None:
+            return 0  # layer alias_of holds the bytes
         n = 1
         for s in self.shape:
             n *= s
@@ -59,6 +67,22 @@ class CachePlan:
         return sum(f.nbytes for layer in self.layers for f in layer.values())
 
     def allocate(self, device) -> list[dict[str, torch.Tensor]]:
-        """Zeroed tensors, one dict per layer."""
-        return [{name: torch.zeros(f.shape, dtype=f.dtype, device=device) for name, f in layer.items()}
-                for layer in self.layers]
+        """Zeroed tensors, one dict per layer; an aliased field is its source layer's tensor."""
+        out: list[dict[str, torch.Tensor]] = []
+        for i, layer in enumerate(self.layers):
+            out.append({})
+            for name, f in layer.items():
+                if f.alias_of is None:
+                    out[i][name] = torch.zeros(f.shape, dtype=f.dtype, device=device)
+                    continue
+                src = self.layers[f.alias_of].get(name) if 0 <= f.alias_of < i else None
+                if src is None or src.alias_of is not None or (src.shape, src.dtype) != (f.shape, f.dtype):
+                    raise ContractError(f"cache plan: layers[{i}].{name} aliases layers[{f.alias_of}].{name}, which "
+                                     f"is not an earlier layer's own field of shape {list(f.shape)} {f.dtype} "
+                                     f"(got {src})")
+                out[i][name] = out[f.alias_of][name]
+        return out
+
+    def own_fields(self, i: int) -> dict[str, CacheField]:
+        """layers[i]'s fields without its aliases (what a row operation copies for that layer)."""
+        return {name: f for name, f in self.layers[i].items() if f.alias_of is None}

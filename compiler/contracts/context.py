@@ -6,6 +6,8 @@ cache, one dict per prefill or decode step (built by compiler/engine/core.py).
     "rope"              {rope key: (cos, sin)}, cos/sin [L, R/2] in prefill, [B, R/2] in decode,
                         [B, L, R/2] in extend (each row's positions start..start+L-1)
                         (the key: position/rope.rope_key(R, slot))
+    "per_layer"         per-layer input embeddings [B, L, Nl, Dp] (absent without them; Gemma 4:
+                        residual/per_layer_input.py), each block reading its own layer's
     "pos"               decode only: [B] the slot each row writes
     "start"             extend only: [B] long, tokens each row's cache holds (its first new position)
     "one_query_kernel"  decode and extend: bool, zoo's CPU decode-attention kernel is built
@@ -23,6 +25,7 @@ class StepContext(TypedDict, total=False):
 
     ids: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    per_layer: torch.Tensor
     pos: torch.Tensor
     start: torch.Tensor
     one_query_kernel: bool

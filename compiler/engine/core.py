@@ -56,8 +56,9 @@ the ring before writing it (any chunk length is exact), and rollback goes throug
 state rather than through spare ring slots (which every decode step would have to read).
 
 Each block gets a context dict: "ids" (token ids [B, L] / [B, 1], for hash routing), "rope"
-({rope key: (cos, sin)} rows for the step's positions) and, in decode, "pos" ([B] slot written)
-and the fixed entries the layers' mixers asked for (contracts.Mixer.decode_context).
+({rope key: (cos, sin)} rows for the step's positions), "per_layer" ([B, L, Nl, Dp], a model with
+per-layer input embeddings: Decoder.per_layer) and, in decode, "pos" ([B] slot written) and the
+fixed entries the layers' mixers asked for (contracts.Mixer.decode_context).
 
 Every step runs with autograd off and outside inference mode, whatever mode the caller is in
 (`torch.no_grad()`, `torch.inference_mode()` or neither): compiled graphs guard on the mode and
@@ -233,7 +234,8 @@ class Engine:
         """The block context of a prefill over positions 0..L-1."""
         L = ids.shape[1]
         ids = ids.contiguous()  # blocks may read ids (hash routing): one stride, no recompiles
-        return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+        return {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in self.rope.items()},
+                **self.model.per_layer(ids), **self.context_flags}
 
     def decode_caches(self, b: int) -> list[dict]:
         """The caches of decode bucket b: views of rows 0..b-1 of every field (the engine's own at
@@ -248,15 +250,17 @@ class Engine:
         """The block context of a decode step of bucket b: rows 0..b-1 of the token buffer at
         their positions."""
         pos = self.pos if b == self.max_batch else self.pos[:b]
-        return {"ids": self.token_buffer[:b, None], "pos": pos,
-                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+        ids = self.token_buffer[:b, None]
+        return {"ids": ids, "pos": pos, "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
+                **self.model.per_layer(ids), **self.context_flags}
 
     def extend_ctx(self, ids: torch.Tensor, start: torch.Tensor) -> dict:
         """The block context of an extend: ids [n, L] at positions start[b]..start[b]+L-1 of each
         row (start [n] long, on the device)."""
         pos = start[:, None] + torch.arange(ids.shape[1], device=start.device)  # [n, L]
-        return {"ids": ids.contiguous(), "start": start,
-                "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()}, **self.context_flags}
+        ids = ids.contiguous()
+        return {"ids": ids, "start": start, "rope": {k: (cos[pos], sin[pos]) for k, (cos, sin) in self.rope.items()},
+                **self.model.per_layer(ids), **self.context_flags}
 
     def decode_step(self, layers: Callable[[torch.Tensor, dict], torch.Tensor], b: int) -> torch.Tensor:
         """One decode step of bucket b (rows 0..b-1 of the token buffer) around `layers(h, ctx) ->
@@ -374,12 +378,20 @@ class Engine:
             sl = slice(rows[0], rows[0] + len(rows))
             return [{name: t[sl] for name, t in layer.items()} for layer in self.caches], lambda: None
         idx = torch.tensor(rows, device=self.device)
-        caches = [{name: t.index_select(0, idx) for name, t in layer.items()} for layer in self.caches]
+        # one copy per tensor: a field another layer aliases (KV shared across layers,
+        # contracts.CacheField.alias_of) stays one tensor there, so its readers see this step's writes
+        copies: dict[int, torch.Tensor] = {}
+        caches = []
+        for layer in self.caches:
+            for t in layer.values():
+                if id(t) not in copies:
+                    copies[id(t)] = t.index_select(0, idx)
+            caches.append({name: copies[id(t)] for name, t in layer.items()})
 
         def write_back():
-            for layer, part in zip(self.caches, caches):
-                for name, t in layer.items():
-                    t.index_copy_(0, idx, part[name])
+            for i, (layer, part) in enumerate(zip(self.caches, caches)):
+                for name in self.plan.own_fields(i):
+                    layer[name].index_copy_(0, idx, part[name])
 
         return caches, write_back
 
@@ -512,9 +524,9 @@ class Engine:
         (row,) = self._rows_in_use("export_row", [row])
         n = self.row_len[row]
         fields = []
-        for layer, plan in zip(self.caches, self.plan.layers):
+        for i, layer in enumerate(self.caches):
             out = {}
-            for name, f in plan.items():
+            for name, f in self.plan.own_fields(i).items():  # an alias is its source layer's field
                 t = layer[name][row]
                 if f.token_axis is not None:
                     t = t.narrow(f.token_axis - 1, 0, n)
@@ -533,8 +545,8 @@ class Engine:
         if length < snap.length and self.constant_state_kinds():
             raise InputError(f"import_row: a snapshot of {snap.length} tokens cannot be cut to {length}: this model "
                              f"keeps constant-state cache fields ({'; '.join(self.constant_state_kinds())})")
-        for layer, plan, saved in zip(self.caches, self.plan.layers, snap.fields):
-            for name, f in plan.items():
+        for i, (layer, saved) in enumerate(zip(self.caches, snap.fields)):
+            for name, f in self.plan.own_fields(i).items():
                 t = layer[name][row]
                 src = saved[name]
                 if f.token_axis is not None:

@@ -39,6 +39,14 @@ Options:
 
   rope_reversed
                RoPE rotates by the negative angle (NanoChat's rotate_half is (x2, -x1)): sin negated
+  v_norm       v normalised per head over Dh by the model's norm kind without a weight (Gemma 4)
+
+KV shared across layers (the model's kv_shared_layers, spec.ModelSpec.kv_sources; Gemma 3n / 4):
+a consumer layer computes queries only (wqkv holds the q rows) and attends over its producer's
+cache, which its own cache fields alias (CacheField.alias_of): the producer writes, then the
+consumer reads, in the same step. A producer keeps one slot per position even with a window
+(no ring): a consumer's prefill and extend queries need the keys a ring would have dropped; the
+window is then a mask over the slots.
 
 rotary_fraction 0 is a NoPE layer (SmolLM3): no rotary at all, and no cos/sin table asked for.
 
@@ -121,6 +129,7 @@ class Attention(Mixer):
         temperature_beta: Optional[float] = None  # q * (1 + beta log(1 + floor((p + offset) / period)))
         temperature_period: Optional[float] = None
         temperature_offset: int = 0
+        v_norm: bool = False  # v normalised per head (the model's norm kind, no weight)
 
         def resolve(self, model: dict) -> "Attention.Spec":
             head_dim = self.head_dim
@@ -178,7 +187,17 @@ class Attention(Mixer):
         s = spec
         self.n_heads, self.n_kv_heads, self.head_dim, self.rot_dim = s.n_heads, s.n_kv_heads, s.head_dim, s.rot_dim
         self.rope_slot, self.window, self.chunk = s.rope_slot, s.window, s.chunk
-        self.ring = s.window or s.chunk  # a ring cache of this many slots (at most); None: one per position
+        # KV shared across layers: the layer whose cache this one reads (None: its own), and
+        # whether a later layer reads this one's
+        layer = getattr(model, "layer", None)
+        sources = getattr(model.spec, "kv_sources", None) or {}
+        self.kv_source = sources.get(layer)
+        shared = self.kv_source is not None or layer in sources.values()
+        if shared and s.chunk is not None:
+            raise ConfigError(f"layer {layer}: kv_shared_layers with chunked attention (chunk={s.chunk}) is not "
+                              f"supported: a chunk's ring cache drops the keys a sharing layer reads")
+        # a ring cache of this many slots (at most); None: one per position (and always when shared)
+        self.ring = None if shared else (s.window or s.chunk)
         self.rope = rope_key(self.rot_dim, s.rope_slot)
         # no rope softmax_scale_factor (YaRN's mscale^2): that is MLA's (DeepSeek); every GQA
         # attention in transformers keeps head_dim ** -0.5 under YaRN (Ministral 3, gpt-oss)
@@ -186,14 +205,17 @@ class Attention(Mixer):
         self.explicit = s.softcap is not None or s.sinks or s.alibi  # SDPA's causal path has none of them
         self.slopes = alibi_slopes(s.n_heads) if s.alibi else None  # a list: no buffer to load
         q_rows = (2 if s.output_gate else 1) * s.n_heads
-        qkv_out = (q_rows + 2 * s.n_kv_heads) * s.head_dim
+        kv_rows = 0 if self.kv_source is not None else 2 * s.n_kv_heads  # a consumer reads its keys
+        qkv_out = (q_rows + kv_rows) * s.head_dim
         self.wqkv = nn.Linear(model.dim, qkv_out, bias=s.qkv_bias)
         self.wo = nn.Linear(s.n_heads * s.head_dim, model.dim, bias=s.out_bias)
         if s.qk_norm:
             whole = s.qk_norm_over == "projection"
             norm = model.spec.norm if s.qk_norm_affine else weightless(model.spec.norm)
             self.q_norm = make_norm(norm, s.head_dim * (s.n_heads if whole else 1))
-            self.k_norm = make_norm(norm, s.head_dim * (s.n_kv_heads if whole else 1))
+            if self.kv_source is None:
+                self.k_norm = make_norm(norm, s.head_dim * (s.n_kv_heads if whole else 1))
+        self.v_norm = make_norm(weightless(model.spec.norm), s.head_dim) if s.v_norm else None
         if s.sinks:
             self.sink = AttentionSink(s.n_heads)
 
@@ -205,6 +227,9 @@ class Attention(Mixer):
         sliced), wo row-parallel. With fewer kv heads than ranks each rank keeps the one kv head
         its query heads read (replicated over tp / Hkv ranks); the cache holds local heads only."""
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.kv_source is not None:
+            raise ConfigError(f"runtime.parallel: a layer reading layer {self.kv_source}'s KV cache "
+                              f"(kv_shared_layers) has no sharding plan yet")
         qh = plan.units(H, "n_heads")
         kvh = plan.units(Hkv, "n_kv_heads", replicate=True)
         qw = (2 if self.spec.output_gate else 1) * Dh  # q rows per head ([query | gate] when gated)
@@ -239,8 +264,9 @@ class Attention(Mixer):
         shape = (max_batch, self.n_kv_heads, self.slots(max_seq), self.head_dim)
         grows = self.ring is None
         axis = 2 if grows else None  # slot p holds position p (a ring has no such axis)
-        return {"k": CacheField(shape, dtype, grows=grows, token_axis=axis),
-                "v": CacheField(shape, dtype, grows=grows, token_axis=axis)}
+        # a consumer's fields are its producer's (the plan allocates them once, there)
+        return {"k": CacheField(shape, dtype, grows=grows, token_axis=axis, alias_of=self.kv_source),
+                "v": CacheField(shape, dtype, grows=grows, token_axis=axis, alias_of=self.kv_source)}
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, L, D], cos/sin broadcastable to [B, 1, L, R/2] -> q [B,H,L,Dh], k, v [B,Hkv,L,Dh],
@@ -251,6 +277,8 @@ class Attention(Mixer):
         qkv = self.wqkv(x)
         if self.spec.clip_qkv is not None:
             qkv = qkv.clamp(-self.spec.clip_qkv, self.spec.clip_qkv)
+        if self.kv_source is not None:  # queries only: the keys are the producer's
+            return self._project_q(qkv, cos, sin)
         q, k, v = qkv.split([(2 if gated else 1) * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         gate = None
         if gated:
@@ -261,7 +289,8 @@ class Attention(Mixer):
             q, k = self._qk_norm(q, k)
         q = q.reshape(B, L, H, Dh).transpose(1, 2)
         k = k.reshape(B, L, Hkv, Dh).transpose(1, 2)
-        v = v.view(B, L, Hkv, Dh).transpose(1, 2)
+        v = v.view(B, L, Hkv, Dh)
+        v = (v if self.v_norm is None else self.v_norm(v)).transpose(1, 2)
         il = self.spec.rope_interleaved
         if R and self.spec.rope_reversed:
             sin = -sin
@@ -276,6 +305,35 @@ class Attention(Mixer):
             q, k = self._qk_norm(q.transpose(1, 2), k.transpose(1, 2))
             q, k = q.reshape(B, L, H, Dh).transpose(1, 2), k.reshape(B, L, Hkv, Dh).transpose(1, 2)
         return q, k, v, gate
+
+    def _project_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A consumer's projection q rows [B, L, (2)H*Dh] -> (q [B, H, L, Dh], None, None, gate):
+        the same norm and RoPE as a producer's queries."""
+        B, L, _ = q.shape
+        H, Dh, R, il = self.n_heads, self.head_dim, self.rot_dim, self.spec.rope_interleaved
+        gate = None
+        if self.spec.output_gate:
+            qg = q.view(B, L, H, 2 * Dh)
+            q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, L, H * Dh)
+        norm_at = self.spec.qk_norm_at if self.spec.qk_norm else None
+        whole = self.spec.qk_norm_over == "projection"
+
+        def q_norm(q):  # [B, L, H, Dh] -> the same, normalised per head or over the projection
+            return self.q_norm(q.reshape(B, L, H * Dh) if whole else q).view(B, L, H, Dh)
+
+        q = q.reshape(B, L, H, Dh)
+        if norm_at == "before_rope":
+            q = q_norm(q)
+        q = q.transpose(1, 2)
+        if R and self.spec.rope_reversed:
+            sin = -sin
+        if R == Dh:
+            q = apply_rotary(q, cos, sin, il)
+        elif R:
+            q = torch.cat((apply_rotary(q[..., :R], cos, sin, il), q[..., R:]), dim=-1)
+        if norm_at == "after_rope":
+            q = q_norm(q.transpose(1, 2)).transpose(1, 2)
+        return q, None, None, gate
 
     def _temper(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """q [B, H, L, Dh] at positions pos ([L], or [B, L]) -> q times its position temperature
@@ -382,9 +440,14 @@ class Attention(Mixer):
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)  # [L, R/2]
         q, k, v, gate = self._project(x, cos, sin)
         q = self._temper(q, torch.arange(x.shape[1], device=x.device))
-        write = write_prefill if self.ring is None else write_ring
-        write(cache["k"], k)
-        write(cache["v"], v)
+        if self.kv_source is None:
+            write = write_prefill if self.ring is None else write_ring
+            write(cache["k"], k)
+            write(cache["v"], v)
+        else:  # the producer wrote slots 0..L-1 of these fields earlier in this step
+            # index_select, not a slice: a slice of symbolic length L specialises on L == S (write_prefill)
+            slots = torch.arange(x.shape[1], device=x.device)
+            k, v = (cache[n].index_select(2, slots).to(q.dtype) for n in ("k", "v"))
         if self.ring is None and self.prefix_kernel(ctx, q, cache["k"]):
             # each query as its decode step computes it, over the cache as decode reads it: the same
             # bits whole, in chunks, after a reused prefix or decoded (one_query.prefix_attention)
@@ -395,7 +458,7 @@ class Attention(Mixer):
             qpos = torch.arange(L, device=x.device).expand(B, L)
             first, n = window_span(qpos, torch.zeros(B, dtype=torch.long, device=x.device), self.window)
             o = one_query.window_attention(q, k, v, qpos, first, n, self.scale)
-        elif self.ring is None and not self.explicit:
+        elif self.ring is None and not self.explicit and self.window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         else:
@@ -406,6 +469,9 @@ class Attention(Mixer):
         """prefill's attention as probabilities (contracts.AttentionProbe): its projection, norms,
         RoPE, scale, soft-cap, causal/window mask and sinks. x [B, L, D] -> maps [B, h, L, L]
         (extras "sink" [B, h, L] with learned sinks); query head j reads KV head j // (H / Hkv)."""
+        if self.kv_source is not None:
+            raise ConfigError(f"attention probe: this layer reads layer {self.kv_source}'s keys "
+                              f"(kv_shared_layers); it has no probe of its own yet")
         cos, sin = ctx["rope"][self.rope] if self.rot_dim else (None, None)
         q, k, _, _ = self._project(x, cos, sin)
         q = self._temper(q, torch.arange(x.shape[1], device=x.device))
@@ -435,19 +501,27 @@ class Attention(Mixer):
         q = self._temper(q, pos[:, None])
         S = cache["k"].shape[2]
         slot = pos if self.ring is None else pos % S
-        write_decode(cache["k"], k, slot)
-        write_decode(cache["v"], v, slot)
+        if self.kv_source is None:  # a consumer reads the slot its producer wrote this step
+            write_decode(cache["k"], k, slot)
+            write_decode(cache["v"], v, slot)
         kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
         last = pos if self.chunk is None else pos % self.chunk  # the last visible slot
         if self.one_query_kernel(ctx, q, kc):
             o = one_query.decode_attention(q[:, :, 0], kc, vc, last + 1, self.scale)[:, :, None]
-        elif self.window_kernel(ctx, q, kc):  # the ring after this write: slot p % S holds position p
-            p0 = pos - (S - 1)
-            slots = torch.remainder(p0[:, None] + torch.arange(S, device=x.device), S)
+        elif self.window_kernel(ctx, q, kc):
+            if self.ring is None:  # one slot per position (a window over a shared KV cache): slot p holds p
+                p0 = torch.zeros_like(pos)
+                slots = torch.arange(S, device=x.device).repeat(pos.shape[0], 1)
+            else:  # the ring after this write: slot p % S holds position p
+                p0 = pos - (S - 1)
+                slots = torch.remainder(p0[:, None] + torch.arange(S, device=x.device), S)
             first, n = window_span(pos[:, None], p0, self.window)
             o = one_query.window_attention(q, kc, vc, slots, first, n, self.scale)
         else:
-            o = self.attend(q, kc, vc, decode_mask(last, S))
+            visible = decode_mask(last, S)
+            if self.ring is None and self.window is not None:  # a window over one slot per position
+                visible = visible & (torch.arange(S, device=pos.device) > (pos - self.window)[:, None])[:, None, None]
+            o = self.attend(q, kc, vc, visible)
         return self._out(o, gate)
 
     def extend(self, x: torch.Tensor, cache: dict, ctx: dict) -> torch.Tensor:
@@ -465,12 +539,17 @@ class Attention(Mixer):
         qpos = extend_positions(start, x.shape[1])  # [B, L]
         q = self._temper(q, qpos)
         if self.ring is None:
-            write_extend(cache["k"], k, qpos)
-            write_extend(cache["v"], v, qpos)
+            if self.kv_source is None:  # a consumer reads the slots its producer wrote this step
+                write_extend(cache["k"], k, qpos)
+                write_extend(cache["v"], v, qpos)
             kc, vc = cache["k"].to(q.dtype), cache["v"].to(q.dtype)
             if self.prefix_kernel(ctx, q, kc):  # as prefill: each query as its decode step
                 return self._out(one_query.prefix_attention(q, kc, vc, start, self.scale), gate)
-            visible = torch.arange(kc.shape[2], device=x.device) <= qpos[..., None]  # [B, L, S]
+            if self.window_kernel(ctx, q, kc):  # a window over one slot per position: slot p holds p
+                slots = torch.arange(kc.shape[2], device=x.device).repeat(x.shape[0], 1)
+                first, n = window_span(qpos, torch.zeros_like(start), self.window)
+                return self._out(one_query.window_attention(q, kc, vc, slots, first, n, self.scale), gate)
+            visible = self.visible(qpos[..., None], torch.arange(kc.shape[2], device=x.device))  # [B, L, S]
             return self._out(self.attend(q, kc, vc, visible[:, None]), gate)
         kpos = torch.cat((ring_positions(start, cache["k"].shape[2]), qpos), dim=1)  # [B, Sw + L]
         keys = torch.cat((cache["k"].to(q.dtype), k), dim=2)

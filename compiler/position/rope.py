@@ -1,4 +1,4 @@
-"""Rotary position embeddings: frequency schedules (default, linear, llama3, yarn, longrope) and rotation.
+"""Rotary position embeddings: frequency schedules (default, proportional, linear, llama3, yarn, longrope) and rotation.
 
 A rope spec gives the inverse frequencies of the rotated channels; the engine turns them into
 cos/sin tables [max_seq, R/2] once, and each step hands the rows for the current positions to
@@ -53,6 +53,31 @@ class DefaultRope(_Rope):
     class Spec(KindSpec):
         kind: str = "default"
         theta: float = 10000.0
+
+
+@register("rope", "proportional")
+class ProportionalRope(_Rope):
+    """Gemma 4's global layers: frequencies theta ** (-2i / R) over the whole width R, the first
+    int(fraction * R / 2) of them kept and the rest 0 (those pairs do not rotate). Unlike a
+    partial rotary (rotary_fraction), the exponent's denominator is the whole width and the
+    rotated pairs are (i, i + R/2) of the whole head."""
+
+    @dataclass
+    class Spec(KindSpec):
+        kind: str = "proportional"
+        theta: float = 10000.0
+        fraction: float = 1.0
+        factor: float = 1.0  # every frequency divided by it (linear scaling)
+
+        def check(self, model: dict) -> Optional[str]:
+            if not 0.0 <= self.fraction <= 1.0:
+                return f"fraction must be in [0, 1], got {self.fraction}"
+            return None if self.factor > 0 else f"factor must be positive, got {self.factor}"
+
+    def inv_freq(self, rot_dim: int) -> torch.Tensor:
+        kept = int(self.spec.fraction * rot_dim // 2)
+        inv = 1.0 / (self.spec.theta ** (torch.arange(0, 2 * kept, 2, dtype=torch.int64).float() / rot_dim))
+        return torch.cat((inv, torch.zeros(rot_dim // 2 - kept))) / self.spec.factor
 
 
 @register("rope", "linear")

@@ -21,10 +21,10 @@ from .base import Runner, RunnerOptions, register
 
 def _length_dims(ctx: dict, rope_dim: int) -> list:
     """Per context tensor (context_tensors' order), its token-length dimension or None: the ids'
-    dim 1 and the rope rows' `rope_dim` (0 in prefill: [L, d]; 1 in an extend: [n, L, d]); the
+    and the per-layer inputs' dim 1 and the rope rows' `rope_dim` (0 in prefill: [L, d]; 1 in an extend: [n, L, d]); the
     rest ("start", the mixers' flags) have none."""
     leaves, _ = pytree.tree_flatten_with_path(ctx)
-    dims = {"ids": 1, "rope": rope_dim}
+    dims = {"ids": 1, "rope": rope_dim, "per_layer": 1}  # per_layer [n, L, Nl, Dp]
     return [dims.get(path[0].key) for path, x in leaves if isinstance(x, torch.Tensor)]
 
 

@@ -100,6 +100,8 @@ class CompiledRunner(Runner):
             # compiles one more graph instead of failing a declared range
             torch._dynamo.maybe_mark_dynamic(h, 1)
             torch._dynamo.maybe_mark_dynamic(ctx["ids"], 1)
+            if "per_layer" in ctx:
+                torch._dynamo.maybe_mark_dynamic(ctx["per_layer"], 1)
             for cos, sin in ctx["rope"].values():
                 torch._dynamo.maybe_mark_dynamic(cos, 0)
                 torch._dynamo.maybe_mark_dynamic(sin, 0)
@@ -113,6 +115,8 @@ class CompiledRunner(Runner):
         # chunks share the graph once a second length has been seen)
         torch._dynamo.maybe_mark_dynamic(h, 1)
         torch._dynamo.maybe_mark_dynamic(ctx["ids"], 1)
+        if "per_layer" in ctx:
+            torch._dynamo.maybe_mark_dynamic(ctx["per_layer"], 1)
         for cos, sin in ctx["rope"].values():
             torch._dynamo.maybe_mark_dynamic(cos, 1)
             torch._dynamo.maybe_mark_dynamic(sin, 1)
