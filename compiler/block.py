@@ -105,8 +105,10 @@ class Block(nn.Module):
         self.mixer_post_norm = make_norm(spec.norm, spec.dim) if post and not self.mixer_absent else None
         self.ffn_post_norm = make_norm(spec.norm, spec.dim) if post and not self.ffn_absent else None
         self.__dict__["positions"] = None  # set on the first block by the model (not a child module)
-        self.index = layer.index
         self.per_layer = PerLayerGate(spec.per_layer_dim, spec.dim, spec.norm) if spec.per_layer_dim else None
+        # the layer's index only where a per-layer input needs it: an int attribute is a constant to
+        # dynamo, so it would give every layer a graph of its own (blocks of a kind share one)
+        self.index = layer.index if self.per_layer is not None else None
         self.layer_scalar = LayerScalar() if spec.layer_scalar else None
 
     def _finish(self, h: torch.Tensor, ctx: dict) -> torch.Tensor:

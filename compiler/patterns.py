@@ -307,6 +307,7 @@ def _run_layers(engine, ids: torch.Tensor) -> None:
     L = ids.shape[1]
     ids = engine._pad_batch(ids.to(engine.device, torch.long)).contiguous()
     h = model.streams.expand(model.embed(ids))
-    ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in engine.rope.items()}}
+    ctx = {"ids": ids, "rope": {k: (cos[:L], sin[:L]) for k, (cos, sin) in engine.rope.items()},
+           **model.per_layer(ids)}  # as the engine's step context (per-layer input embeddings)
     for block, cache in zip(model.layers, engine.caches):
         h = block.prefill(h, cache, ctx)
