@@ -93,10 +93,15 @@ void check(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t 
               "] with a contiguous inner dim, got ", t.scalar_type(), " ", t.sizes(), " strides ", t.strides());
 }
 
+// the blocks' rows: [R, nb * bytes] or a stack [E, n, nb * bytes] (R = E n) -> nb (blocks a row)
+int64_t block_rows(const at::Tensor& blocks, int64_t bytes, const char* op) {
+  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(-1) % bytes == 0, "zoo_repack::", op,
+              ": blocks [R, nb * ", bytes, "] or [E, n, nb * ", bytes, "], got ", blocks.sizes());
+  return blocks.size(-1) / bytes;
+}
+
 void q4k_int4(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(-1) % 144 == 0,
-              "zoo_repack::q4k_int4: blocks [R, nb * 144] or [E, n, nb * 144]");
-  const int64_t nb = blocks.size(-1) / 144;
+  const int64_t nb = block_rows(blocks, 144, "q4k_int4");
   const int64_t R = blocks.dim() == 3 ? blocks.size(0) * blocks.size(1) : blocks.size(0);
   check_rows(blocks, "blocks", at::kByte, blocks, nb * 144);
   check_rows(qs, "qs", at::kByte, blocks, nb * 128);
@@ -124,9 +129,7 @@ void q4k_int4(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& 
 
 void q5k_int5(const at::Tensor& blocks, const at::Tensor& qs, const at::Tensor& qh, const at::Tensor& d,
               const at::Tensor& m) {
-  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(-1) % 176 == 0,
-              "zoo_repack::q5k_int5: blocks [R, nb * 176] or [E, n, nb * 176]");
-  const int64_t nb = blocks.size(-1) / 176;
+  const int64_t nb = block_rows(blocks, 176, "q5k_int5");
   const int64_t R = blocks.dim() == 3 ? blocks.size(0) * blocks.size(1) : blocks.size(0);
   check_rows(blocks, "blocks", at::kByte, blocks, nb * 176);
   check_rows(qs, "qs", at::kByte, blocks, nb * 128);
